@@ -1,0 +1,65 @@
+//! Constants shared by kernel and user space: the one source of truth for map
+//! names, capacities, indices and the pin layout.
+
+/// Rules per profile. Rule sets are matched as 256-bit bitmaps, so the match
+/// cost does not depend on how many rules there are.
+pub const MAX_RULES: usize = 256;
+/// 64-bit words in a rule bitmap.
+pub const BITMAP_WORDS: usize = MAX_RULES / 64;
+/// Rule tables are double-buffered: `apply` fills the inactive slot, then flips
+/// `GlobalRecord::active_slot`, so the kernel never sees half a profile.
+pub const SLOTS: usize = 2;
+/// Per-rule counter/control records. A rule keeps its record across `apply`
+/// while its name is unchanged, and old and new rules coexist during a flip.
+pub const MAX_RULE_RECORDS: usize = MAX_RULES * SLOTS;
+/// Counter record for traffic that matched no rule (non-IP, malformed, ...).
+pub const GLOBAL_COUNTER_INDEX: u32 = MAX_RULE_RECORDS as u32;
+pub const COUNTER_RECORDS: usize = MAX_RULE_RECORDS + 1;
+
+/// Port index used for packets without a destination port (ICMP, other
+/// protocols, non-first fragments): only rules without a port constraint match it.
+pub const PORT_NONE: u32 = 65536;
+pub const PORT_INDICES: usize = 65537;
+pub const PROTO_INDICES: usize = 256;
+
+/// Default and hard limits of the key tables (entries).
+pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
+
+/// Bounded compare-and-swap retries on one key before the packet is dropped
+/// with reason `contended` (see docs/design.md).
+pub const CAS_RETRIES: u32 = 4;
+
+/// IPv6 extension headers walked before giving up with a `malformed` verdict.
+pub const MAX_IPV6_EXT_HEADERS: u32 = 8;
+
+/// Version of the pinned layout (paths, map set, record layouts). A flowctl that
+/// finds pins of another version refuses to adopt them.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Root of everything flowctl pins on bpffs.
+pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
+/// Root of the agents' run-time files (lock, control socket, active profile).
+pub const RUN_ROOT: &str = "/run/flowctl";
+
+/// Map names, as declared in flowctl-ebpf and looked up by the agent.
+pub mod map_names {
+    pub const GLOBAL: &str = "FLOWCTL_GLOBAL";
+    pub const RULES: &str = "FLOWCTL_RULES";
+    pub const PROTO_BITS: &str = "FLOWCTL_PROTO_BITS";
+    pub const PORT_BITS: &str = "FLOWCTL_PORT_BITS";
+    pub const SRC_TRIE: &str = "FLOWCTL_SRC_TRIE";
+    pub const SRC_CACHE: &str = "FLOWCTL_SRC_CACHE";
+    pub const KEYS: &str = "FLOWCTL_KEYS";
+    pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
+    pub const CONTROL: &str = "FLOWCTL_CONTROL";
+    /// Every map the XDP object declares, in the order `status` reports them.
+    pub const ALL: [&str; 9] = [
+        GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CACHE, KEYS, COUNTERS, CONTROL,
+    ];
+}
+
+/// Program names in the XDP object.
+pub const XDP_PROGRAM: &str = "flowctl_xdp";
+
+/// XDP verdicts, as the kernel's `enum xdp_action` numbers them.
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;

@@ -1,0 +1,98 @@
+//! Bucket-key construction: which bucket of a rule a packet spends from.
+
+use crate::{key_kind, BucketKey, PacketMeta, RuleConfig};
+
+/// Keep the top `len` bits of a host-order address (v4 in word 0).
+#[inline(always)]
+pub fn mask_prefix(addr: &[u32; 4], family: u8, len: u8) -> [u32; 4] {
+    let mut out = [0u32; 4];
+    let words = if family == 4 { 1 } else { 4 };
+    let mut left = len as u32;
+    let mut i = 0;
+    while i < words {
+        if left >= 32 {
+            out[i] = addr[i];
+            left -= 32;
+        } else if left > 0 {
+            out[i] = addr[i] & (u32::MAX << (32 - left));
+            left = 0;
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The bucket key of `meta` under `rule`. Fields the key kind does not use stay
+/// zero, so all packets that share a bucket build the same key.
+#[inline(always)]
+pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
+    let mut k = BucketKey { state_id: rule.state_id, ..BucketKey::default() };
+    match rule.key_kind {
+        key_kind::SRC => {
+            k.family = meta.family;
+            k.src = meta.src;
+        }
+        key_kind::SRC_PREFIX => {
+            k.family = meta.family;
+            let len = if meta.family == 4 { rule.prefix_v4 } else { rule.prefix_v6 };
+            k.src = mask_prefix(&meta.src, meta.family, len);
+        }
+        key_kind::DPORT => {
+            k.dport = meta.dport;
+        }
+        key_kind::SRC_DPORT => {
+            k.family = meta.family;
+            k.src = meta.src;
+            k.dport = meta.dport;
+        }
+        key_kind::FIVE_TUPLE => {
+            k.family = meta.family;
+            k.proto = meta.proto;
+            k.src = meta.src;
+            k.dst = meta.dst;
+            k.sport = meta.sport;
+            k.dport = meta.dport;
+        }
+        _ => {}
+    }
+    k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(src: u32, dport: u16) -> PacketMeta {
+        PacketMeta { src: [src, 0, 0, 0], dst: [0x0a000001, 0, 0, 0], sport: 999, dport, family: 4, proto: 6, ..Default::default() }
+    }
+
+    #[test]
+    fn prefixes_mask_host_bits() {
+        assert_eq!(mask_prefix(&[0xc0a80117, 0, 0, 0], 4, 24), [0xc0a80100, 0, 0, 0]);
+        assert_eq!(mask_prefix(&[0xc0a80117, 0, 0, 0], 4, 0), [0; 4]);
+        let v6 = [0x20010db8, 0x12345678, 0x9abcdef0, 0x11111111];
+        assert_eq!(mask_prefix(&v6, 6, 64), [0x20010db8, 0x12345678, 0, 0]);
+        assert_eq!(mask_prefix(&v6, 6, 48), [0x20010db8, 0x12340000, 0, 0]);
+        assert_eq!(mask_prefix(&v6, 6, 128), v6);
+    }
+
+    #[test]
+    fn keys_share_exactly_what_they_should() {
+        let mut r = RuleConfig { state_id: 7, key_kind: key_kind::SRC_PREFIX, prefix_v4: 24, ..Default::default() };
+        assert_eq!(bucket_key(&meta(0x0a000105, 80), &r), bucket_key(&meta(0x0a0001fe, 443), &r));
+        assert_ne!(bucket_key(&meta(0x0a000105, 80), &r), bucket_key(&meta(0x0a000205, 80), &r));
+        r.key_kind = key_kind::SRC_DPORT;
+        assert_ne!(bucket_key(&meta(0x0a000105, 80), &r), bucket_key(&meta(0x0a000105, 443), &r));
+        r.key_kind = key_kind::RULE;
+        assert_eq!(bucket_key(&meta(1, 1), &r), bucket_key(&meta(2, 2), &r));
+        let other = RuleConfig { state_id: 8, ..r };
+        assert_ne!(bucket_key(&meta(1, 1), &r), bucket_key(&meta(1, 1), &other));
+        r.key_kind = key_kind::DPORT;
+        assert_eq!(bucket_key(&meta(1, 80), &r), bucket_key(&meta(2, 80), &r));
+        r.key_kind = key_kind::FIVE_TUPLE;
+        let mut m = meta(1, 80);
+        let a = bucket_key(&m, &r);
+        m.sport = 1000;
+        assert_ne!(a, bucket_key(&m, &r));
+    }
+}

@@ -1,0 +1,21 @@
+//! Types and pure integer algorithms shared by the XDP programs and user space.
+//!
+//! Everything here compiles for `bpfel-unknown-none` (no_std, no floats, no
+//! allocation) and for the host, so the kernel and the tests run the same code.
+//! The `user` feature adds what only user space needs: `aya::Pod` impls, rate
+//! parsing and the profile-to-table compiler.
+#![cfg_attr(target_arch = "bpf", no_std)]
+
+pub mod consts;
+pub mod gcra;
+pub mod keys;
+pub mod matcher;
+pub mod types;
+
+#[cfg(feature = "user")]
+pub mod rate;
+#[cfg(feature = "user")]
+pub mod tables;
+
+pub use consts::*;
+pub use types::*;

@@ -1,0 +1,92 @@
+//! First-match rule selection over bitmaps.
+//!
+//! The agent compiles a profile into three lookups that each return a
+//! [`RuleBitmap`]: by L4 protocol, by destination port, and by source prefix
+//! (an LPM trie whose entry for a prefix holds every rule whose CIDR contains
+//! it). A rule matches when it is in all three; the first rule in profile order
+//! is the lowest set bit of their intersection. The cost is four word ANDs
+//! whatever the number of rules. The kernel and `flowctl explain` both call
+//! [`first_match`].
+
+use crate::{RuleBitmap, BITMAP_WORDS};
+
+/// Index of the lowest set bit, by binary search (BPF has no ctz instruction).
+#[inline(always)]
+pub fn lowest_bit(mut x: u64) -> u32 {
+    let mut n = 0;
+    if x & 0xffff_ffff == 0 {
+        n += 32;
+        x >>= 32;
+    }
+    if x & 0xffff == 0 {
+        n += 16;
+        x >>= 16;
+    }
+    if x & 0xff == 0 {
+        n += 8;
+        x >>= 8;
+    }
+    if x & 0xf == 0 {
+        n += 4;
+        x >>= 4;
+    }
+    if x & 0x3 == 0 {
+        n += 2;
+        x >>= 2;
+    }
+    if x & 0x1 == 0 {
+        n += 1;
+    }
+    n
+}
+
+/// The first rule (lowest index) in all three sets.
+#[inline(always)]
+pub fn first_match(src: &RuleBitmap, proto: &RuleBitmap, port: &RuleBitmap) -> Option<u32> {
+    let mut i = 0;
+    while i < BITMAP_WORDS {
+        let w = src.words[i] & proto.words[i] & port.words[i];
+        if w != 0 {
+            return Some(i as u32 * 64 + lowest_bit(w));
+        }
+        i += 1;
+    }
+    None
+}
+
+/// True when any rule is in both sets (used for the fragment policy: a
+/// non-first fragment that some port-constrained rule might have matched).
+#[inline(always)]
+pub fn intersects(a: &RuleBitmap, b: &RuleBitmap) -> bool {
+    let mut i = 0;
+    while i < BITMAP_WORDS {
+        if a.words[i] & b.words[i] != 0 {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn lowest_bit_every_position() {
+        for i in 0..64 {
+            assert_eq!(lowest_bit(1u64 << i), i);
+            assert_eq!(lowest_bit(u64::MAX << i), i);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn first_match_is_lowest_common(a: [u64; 4], b: [u64; 4], c: [u64; 4]) {
+            let (a, b, c) = (RuleBitmap { words: a }, RuleBitmap { words: b }, RuleBitmap { words: c });
+            let expect = (0..256).find(|&i| a.contains(i) && b.contains(i) && c.contains(i));
+            prop_assert_eq!(first_match(&a, &b, &c).map(|x| x as usize), expect);
+        }
+    }
+}

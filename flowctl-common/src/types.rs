@@ -1,0 +1,310 @@
+//! `#[repr(C)]` map keys and values. Byte order: addresses and ports are kept
+//! in host order in every key and record (the kernel converts once when it
+//! parses), except the LPM trie key, whose data the kernel requires in network
+//! order. Every layout is checked at compile time at the bottom of this file.
+
+use crate::consts::{BITMAP_WORDS, MAX_RULES};
+
+/// What a rule does with traffic it matches.
+pub mod action {
+    /// Enforce the limit: refused packets are dropped.
+    pub const DROP: u8 = 0;
+    /// Exempt trusted traffic: counted, never limited.
+    pub const PASS: u8 = 1;
+    /// Evaluate the limit and count would-drops, but pass everything.
+    pub const DRY_RUN: u8 = 2;
+}
+
+/// What one token stands for.
+pub mod unit {
+    pub const PACKETS: u8 = 0;
+    pub const BYTES: u8 = 1;
+    /// New TCP connections: SYN without ACK. Other packets of the rule pass.
+    pub const CONNECTIONS: u8 = 2;
+}
+
+/// How a rule splits traffic into buckets.
+pub mod key_kind {
+    /// One bucket for the whole rule.
+    pub const RULE: u8 = 0;
+    pub const SRC: u8 = 1;
+    /// Source prefix; `RuleConfig::prefix_v4` / `prefix_v6` give the lengths.
+    pub const SRC_PREFIX: u8 = 2;
+    pub const DPORT: u8 = 3;
+    pub const SRC_DPORT: u8 = 4;
+    pub const FIVE_TUPLE: u8 = 5;
+}
+
+/// Why a packet was dropped (or would have been, in dry-run). Index into the
+/// per-reason counter arrays; stages added by later work take the reserved slots.
+pub mod reason {
+    /// The token bucket had no token.
+    pub const RATE: usize = 0;
+    /// Truncated or malformed headers, with `malformed_verdict = drop`.
+    pub const MALFORMED: usize = 1;
+    /// A non-first fragment that only port-constrained rules could match, with
+    /// `fragment_verdict = drop`.
+    pub const FRAGMENT: usize = 2;
+    /// The bucket's compare-and-swap lost `CAS_RETRIES` times in a row.
+    pub const CONTENDED: usize = 3;
+    /// Reserved for the admission-ratio stage.
+    pub const ADMISSION: usize = 4;
+    /// Reserved for the BBR stage.
+    pub const BBR: usize = 5;
+    /// Reserved for the quota stage.
+    pub const QUOTA: usize = 6;
+    pub const COUNT: usize = 8;
+    pub const NAMES: [&str; COUNT] = [
+        "rate", "malformed", "fragment", "contended", "admission", "bbr", "quota", "reserved",
+    ];
+}
+
+/// Fragment position of a packet.
+pub mod frag {
+    pub const NONE: u8 = 0;
+    pub const FIRST: u8 = 1;
+    pub const LATER: u8 = 2;
+}
+
+/// A set of rule indices (bit i = rule i of the active slot).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleBitmap {
+    pub words: [u64; BITMAP_WORDS],
+}
+
+impl RuleBitmap {
+    pub const EMPTY: Self = Self { words: [0; BITMAP_WORDS] };
+
+    pub fn set(&mut self, rule: usize) {
+        if rule < MAX_RULES {
+            self.words[rule / 64] |= 1u64 << (rule % 64);
+        }
+    }
+
+    pub fn contains(&self, rule: usize) -> bool {
+        rule < MAX_RULES && self.words[rule / 64] & (1u64 << (rule % 64)) != 0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.words.iter().all(|w| *w == 0)
+    }
+}
+
+/// One rule of one slot, as the kernel needs it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleConfig {
+    /// GCRA emission interval: nanoseconds per unit, fixed point with
+    /// `gcra::FRAC_BITS` fractional bits.
+    pub interval_fp: u64,
+    /// Bucket depth in nanoseconds: burst * interval.
+    pub burst_ns: u64,
+    /// Identity of the rule's bucket state. Kept by `apply` while the rule's
+    /// match key and limits are unchanged, so its buckets survive a reload.
+    pub state_id: u32,
+    /// Index of the rule's counter and control records.
+    pub record: u32,
+    pub action: u8,
+    pub unit: u8,
+    pub key_kind: u8,
+    pub prefix_v4: u8,
+    pub prefix_v6: u8,
+    /// 1 when the rule constrains the destination port.
+    pub has_ports: u8,
+    pub _pad: [u8; 6],
+}
+
+/// Global record (array index 0): agent heartbeat, generation, verdict policy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlobalRecord {
+    pub layout_version: u32,
+    /// Which rule slot (0 or 1) the kernel matches against.
+    pub active_slot: u32,
+    /// Bumped by every apply; per-source cache entries of an older generation
+    /// are reclassified on their next packet.
+    pub generation: u64,
+    /// Random per load; keys flow hashes so clients cannot pick admitted tuples.
+    pub hash_seed: u64,
+    /// CLOCK_MONOTONIC ns of the agent's last heartbeat (0: never).
+    pub heartbeat_ns: u64,
+    /// After this long without a heartbeat, adaptive stages fail open.
+    pub grace_ns: u64,
+    /// XDP verdict for truncated or malformed packets.
+    pub malformed_verdict: u32,
+    /// XDP verdict for non-first fragments that only port rules could match.
+    pub fragment_verdict: u32,
+}
+
+/// Per-rule control record written by the agent's control loops (admission
+/// ratio, BBR). All zero means all pass.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlRecord {
+    /// Bumped on every write by the agent.
+    pub version: u32,
+    /// `control_flags::*`.
+    pub flags: u32,
+    /// Admitted share of new flows in parts per million, when
+    /// `ADMISSION_ACTIVE` is set.
+    pub admission_ppm: u32,
+    pub bbr_max_inflight: u32,
+    pub bbr_overloaded: u32,
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC ns of the last write.
+    pub updated_ns: u64,
+}
+
+pub mod control_flags {
+    pub const ADMISSION_ACTIVE: u32 = 1;
+    pub const BBR_ACTIVE: u32 = 2;
+    /// Hash the 5-tuple (with the per-load seed) for admission, so a flow is
+    /// wholly in or out.
+    pub const ADMISSION_PER_FLOW: u32 = 4;
+}
+
+/// Per-CPU counters of one rule (or of unmatched traffic, at
+/// `GLOBAL_COUNTER_INDEX`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleCounters {
+    pub offered_pkts: u64,
+    pub offered_bytes: u64,
+    pub passed_pkts: u64,
+    pub passed_bytes: u64,
+    pub would_drop_pkts: u64,
+    pub would_drop_bytes: u64,
+    /// Key-table inserts the kernel refused (table full of non-evictable state).
+    pub insert_failures: u64,
+    /// Packets that were not IP (ARP, LLDP, ...): always passed. Global only.
+    pub non_ip_pkts: u64,
+    /// Truncated or malformed packets, whatever their verdict. Global only.
+    pub malformed_pkts: u64,
+    /// Non-first fragments that only port rules could match, whatever their
+    /// verdict. Global only.
+    pub fragment_pkts: u64,
+    pub dropped_pkts: [u64; crate::types::reason::COUNT],
+    pub dropped_bytes: [u64; crate::types::reason::COUNT],
+}
+
+impl RuleCounters {
+    pub fn add(&mut self, o: &Self) {
+        self.offered_pkts += o.offered_pkts;
+        self.offered_bytes += o.offered_bytes;
+        self.passed_pkts += o.passed_pkts;
+        self.passed_bytes += o.passed_bytes;
+        self.would_drop_pkts += o.would_drop_pkts;
+        self.would_drop_bytes += o.would_drop_bytes;
+        self.insert_failures += o.insert_failures;
+        self.non_ip_pkts += o.non_ip_pkts;
+        self.malformed_pkts += o.malformed_pkts;
+        self.fragment_pkts += o.fragment_pkts;
+        for i in 0..reason::COUNT {
+            self.dropped_pkts[i] += o.dropped_pkts[i];
+            self.dropped_bytes[i] += o.dropped_bytes[i];
+        }
+    }
+
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped_pkts.iter().sum()
+    }
+}
+
+/// Key of the per-source cache: the source address alone.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SrcKey {
+    /// IPv4 in `addr[0]`, IPv6 as four host-order words.
+    pub addr: [u32; 4],
+    pub family: u32,
+}
+
+/// Per-source cache entry: the source's rule bitmap (the LPM trie's answer) and
+/// the bucket of the one source-keyed rule that owns the entry. The common case,
+/// a source hitting one source-keyed rule, costs a single hash lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SrcEntry {
+    /// GCRA theoretical arrival time of the owner's bucket (ns). First field:
+    /// the compare-and-swap needs it 8-byte aligned.
+    pub tat: u64,
+    /// Low 32 bits of the generation `bits` was computed for.
+    pub generation: u32,
+    /// `state_id` of the source-keyed rule whose bucket `tat` is (0: none).
+    pub owner_state: u32,
+    pub bits: RuleBitmap,
+}
+
+/// Key of the shared key table (buckets of every rule that the per-source
+/// cache does not hold). `state_id` keeps rules apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BucketKey {
+    pub state_id: u32,
+    pub family: u8,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub _pad: u16,
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+}
+
+/// LPM trie key data: `[slot << 1 | is_v6, address bytes in network order...]`.
+/// The prefix length counts the 8 tag bits.
+pub type TrieData = [u8; 17];
+pub const TRIE_TAG_BITS: u32 = 8;
+
+/// What the parser extracted from a packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PacketMeta {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    /// Bytes on the wire as XDP sees them (from the Ethernet header).
+    pub len: u32,
+    pub sport: u16,
+    pub dport: u16,
+    /// 4 or 6.
+    pub family: u8,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    /// `frag::*`.
+    pub frag: u8,
+}
+
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const ACK: u8 = 0x10;
+}
+
+macro_rules! assert_layout {
+    ($t:ty, $size:expr, $align:expr) => {
+        const _: () = assert!(core::mem::size_of::<$t>() == $size);
+        const _: () = assert!(core::mem::align_of::<$t>() == $align);
+    };
+}
+assert_layout!(RuleBitmap, 32, 8);
+assert_layout!(RuleConfig, 40, 8);
+assert_layout!(GlobalRecord, 48, 8);
+assert_layout!(ControlRecord, 32, 8);
+assert_layout!(RuleCounters, 208, 8);
+assert_layout!(SrcKey, 20, 4);
+assert_layout!(SrcEntry, 48, 8);
+assert_layout!(BucketKey, 44, 4);
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for RuleBitmap {}
+    unsafe impl aya::Pod for RuleConfig {}
+    unsafe impl aya::Pod for GlobalRecord {}
+    unsafe impl aya::Pod for ControlRecord {}
+    unsafe impl aya::Pod for RuleCounters {}
+    unsafe impl aya::Pod for SrcKey {}
+    unsafe impl aya::Pod for SrcEntry {}
+    unsafe impl aya::Pod for BucketKey {}
+}

@@ -1,0 +1,408 @@
+//! flowctl's XDP data plane.
+//!
+//! Per packet: parse (Ethernet, up to two VLAN tags, IPv4/IPv6 with options and
+//! extension headers, TCP/UDP/ICMP), classify (per-source cache, else LPM trie,
+//! ANDed with protocol and port bitmaps: first match in profile order), then run
+//! the stages in the fixed order admission -> BBR -> quota -> token bucket, and
+//! commit only when every stage admits. Every verdict is counted per rule and
+//! every drop by reason. See docs/design.md for the maps and the contracts.
+#![no_std]
+#![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+mod parse;
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::bpf_ktime_get_ns,
+    macros::{map, xdp},
+    maps::{lpm_trie::Key, Array, LruHashMap, LpmTrie, PerCpuArray},
+    programs::XdpContext,
+};
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+use flowctl_common::{
+    action, control_flags, frag, gcra, key_kind, keys::bucket_key, matcher, reason, tcp_flags,
+    unit, BucketKey, ControlRecord, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
+    RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
+    DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, PORT_INDICES,
+    PORT_NONE, PROTO_INDICES, SLOTS,
+};
+
+#[map]
+static FLOWCTL_GLOBAL: Array<GlobalRecord> = Array::pinned(1, 0);
+#[map]
+static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned((MAX_RULES * SLOTS) as u32, 0);
+#[map]
+static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SLOTS) as u32, 0);
+#[map]
+static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOTS) as u32, 0);
+#[map]
+static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, RuleBitmap> =
+    LpmTrie::pinned(((MAX_RULES + 2) * SLOTS) as u32, 0);
+#[map]
+static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
+    LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
+#[map]
+static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
+#[map]
+static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> =
+    PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
+#[map]
+static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
+
+#[xdp]
+pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
+    run(&ctx)
+}
+
+#[inline(always)]
+fn counters(record: u32) -> Option<&'static mut RuleCounters> {
+    FLOWCTL_COUNTERS.get_ptr_mut(record).map(|p| unsafe { &mut *p })
+}
+
+/// Count `len` bytes against a record with a verdict: passed, dropped for
+/// `why`, or (dry-run) passed and would-drop.
+#[inline(always)]
+fn count(record: u32, len: u64, offered: bool, outcome: Outcome) {
+    if let Some(c) = counters(record) {
+        if offered {
+            c.offered_pkts += 1;
+            c.offered_bytes += len;
+        }
+        match outcome {
+            Outcome::Pass => {
+                c.passed_pkts += 1;
+                c.passed_bytes += len;
+            }
+            Outcome::Drop(why) => {
+                if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why)) {
+                    *p += 1;
+                    *b += len;
+                }
+            }
+            Outcome::WouldDrop => {
+                c.passed_pkts += 1;
+                c.passed_bytes += len;
+                c.would_drop_pkts += 1;
+                c.would_drop_bytes += len;
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Outcome {
+    Pass,
+    Drop(usize),
+    WouldDrop,
+}
+
+#[inline(always)]
+fn run(ctx: &XdpContext) -> u32 {
+    let Some(global) = FLOWCTL_GLOBAL.get(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    let wire_len = (ctx.data_end() - ctx.data()) as u64;
+    let meta = match parse::parse(ctx) {
+        Ok(Some(m)) => m,
+        Ok(None) => {
+            // Not IP (ARP, LLDP, ...): always passes.
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.non_ip_pkts += 1;
+            }
+            count(GLOBAL_COUNTER_INDEX, wire_len, true, Outcome::Pass);
+            return xdp_action::XDP_PASS;
+        }
+        Err(()) => {
+            let verdict = global.malformed_verdict;
+            let outcome = if verdict == xdp_action::XDP_DROP {
+                Outcome::Drop(reason::MALFORMED)
+            } else {
+                Outcome::Pass
+            };
+            count(GLOBAL_COUNTER_INDEX, wire_len, true, outcome);
+            // Counted whatever the verdict, so a pass policy still shows them.
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.malformed_pkts += 1;
+            }
+            return if verdict == xdp_action::XDP_DROP { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS };
+        }
+    };
+    enforce(ctx, global, &meta)
+}
+
+#[inline(always)]
+fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
+    let slot = global.active_slot & 1;
+    let generation = global.generation as u32;
+    let now = unsafe { bpf_ktime_get_ns() };
+    let len = meta.len as u64;
+
+    // 1. The source's rule bitmap: from the per-source cache when it was
+    // computed for this generation, else from the LPM trie.
+    let src_key = SrcKey { addr: meta.src, family: meta.family as u32 };
+    let mut entry_ptr: *mut SrcEntry = match FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key) {
+        Some(p) => p,
+        None => core::ptr::null_mut(),
+    };
+    let mut fresh_bits = RuleBitmap::EMPTY;
+    let src_bits: &RuleBitmap = if !entry_ptr.is_null() && unsafe { (*entry_ptr).generation } == generation {
+        unsafe { &(*entry_ptr).bits }
+    } else {
+        fresh_bits = trie_bits(slot, meta);
+        &fresh_bits
+    };
+
+    let proto_idx = slot * PROTO_INDICES as u32 + meta.proto as u32;
+    let Some(proto_bits) = FLOWCTL_PROTO_BITS.get(proto_idx) else {
+        return xdp_action::XDP_PASS;
+    };
+    let port = if meta.frag == frag::LATER || (meta.proto != 6 && meta.proto != 17) {
+        PORT_NONE
+    } else {
+        meta.dport as u32
+    };
+    let Some(port_bits) = FLOWCTL_PORT_BITS.get(slot * PORT_INDICES as u32 + port) else {
+        return xdp_action::XDP_PASS;
+    };
+    let Some(rule_idx) = matcher::first_match(src_bits, proto_bits, port_bits) else {
+        // A non-first fragment that a port rule might have matched gets the
+        // fragment verdict; anything else without a rule passes.
+        if meta.frag == frag::LATER && matcher::intersects(src_bits, proto_bits) {
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.fragment_pkts += 1;
+            }
+            if global.fragment_verdict == xdp_action::XDP_DROP {
+                count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Drop(reason::FRAGMENT));
+                return xdp_action::XDP_DROP;
+            }
+        }
+        count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Pass);
+        return xdp_action::XDP_PASS;
+    };
+    let Some(rule) = FLOWCTL_RULES.get(slot * MAX_RULES as u32 + rule_idx) else {
+        return xdp_action::XDP_PASS;
+    };
+    let record = rule.record;
+
+    // Refresh the cache entry when it was stale or missing.
+    if entry_ptr.is_null() {
+        let e = SrcEntry { tat: 0, generation, owner_state: 0, bits: fresh_bits };
+        if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
+            entry_ptr = FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
+        }
+    } else if unsafe { (*entry_ptr).generation } != generation {
+        unsafe {
+            (*entry_ptr).bits = fresh_bits;
+            (*entry_ptr).generation = generation;
+        }
+    }
+
+    if rule.action == action::PASS {
+        count(record, len, true, Outcome::Pass);
+        return xdp_action::XDP_PASS;
+    }
+    // Only what the rule's unit counts spends tokens: for `connections`, a
+    // TCP SYN without ACK; other packets of the rule pass.
+    let cost = match rule.unit {
+        unit::BYTES => len,
+        unit::CONNECTIONS => {
+            if meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) != tcp_flags::SYN {
+                count(record, len, true, Outcome::Pass);
+                return xdp_action::XDP_PASS;
+            }
+            1
+        }
+        _ => 1,
+    };
+
+    // Stage 1: admission ratio (written by the agent's control loops).
+    if let Some(ctl) = FLOWCTL_CONTROL.get(record) {
+        if ctl.flags & control_flags::ADMISSION_ACTIVE != 0
+            && agent_alive(global, now)
+            && !admitted_by_ratio(global, meta, ctl)
+        {
+            return verdict(rule, record, len, reason::ADMISSION);
+        }
+    }
+    // Stages 2 (BBR) and 3 (quota) are added by later work; they must check
+    // here and commit below, after the bucket.
+
+    // Stage 4: token bucket, committed with compare-and-swap.
+    let inc = gcra::increment_ns(rule.interval_fp, cost);
+    let tat_ptr = bucket_tat(rule, meta, entry_ptr, now, inc, record);
+    let tat_ptr = match tat_ptr {
+        BucketRef::Ptr(p) => p,
+        BucketRef::FreshAdmitted => {
+            count(record, len, true, Outcome::Pass);
+            return xdp_action::XDP_PASS;
+        }
+        BucketRef::FreshRefused => return verdict(rule, record, len, reason::RATE),
+        BucketRef::Unavailable => {
+            count(record, len, true, Outcome::Pass);
+            return xdp_action::XDP_PASS;
+        }
+    };
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
+            return verdict(rule, record, len, reason::RATE);
+        };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, new)
+        };
+        if ok {
+            count(record, len, true, Outcome::Pass);
+            return xdp_action::XDP_PASS;
+        }
+        tries += 1;
+    }
+    verdict(rule, record, len, reason::CONTENDED)
+}
+
+/// Drop (or, in dry-run, count a would-drop and pass) for `why`.
+#[inline(always)]
+fn verdict(rule: &RuleConfig, record: u32, len: u64, why: usize) -> u32 {
+    if rule.action == action::DRY_RUN {
+        count(record, len, true, Outcome::WouldDrop);
+        xdp_action::XDP_PASS
+    } else {
+        count(record, len, true, Outcome::Drop(why));
+        xdp_action::XDP_DROP
+    }
+}
+
+/// Adaptive stages fail open when the agent's heartbeat is older than the
+/// grace period (0 disables the check).
+#[inline(always)]
+fn agent_alive(global: &GlobalRecord, now: u64) -> bool {
+    global.grace_ns == 0 || now.saturating_sub(global.heartbeat_ns) <= global.grace_ns
+}
+
+#[inline(always)]
+fn admitted_by_ratio(global: &GlobalRecord, meta: &PacketMeta, ctl: &ControlRecord) -> bool {
+    if ctl.admission_ppm >= 1_000_000 {
+        return true;
+    }
+    let h = if ctl.flags & control_flags::ADMISSION_PER_FLOW != 0 {
+        flow_hash(global.hash_seed, meta)
+    } else {
+        unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() as u64 }
+    };
+    // Scale 32 hash bits to [0, 1e6) by multiply-shift (no 128-bit modulo in BPF).
+    ((h & 0xffff_ffff) * 1_000_000) >> 32 < ctl.admission_ppm as u64
+}
+
+/// A seeded mix of the 5-tuple (splitmix64 finaliser per word).
+#[inline(always)]
+fn flow_hash(seed: u64, m: &PacketMeta) -> u64 {
+    let mut h = seed;
+    let words = [
+        m.src[0] as u64 | (m.src[1] as u64) << 32,
+        m.src[2] as u64 | (m.src[3] as u64) << 32,
+        m.dst[0] as u64 | (m.dst[1] as u64) << 32,
+        m.dst[2] as u64 | (m.dst[3] as u64) << 32,
+        m.sport as u64 | (m.dport as u64) << 16 | (m.proto as u64) << 32,
+    ];
+    let mut i = 0;
+    while i < words.len() {
+        h ^= words[i];
+        h = h.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        h ^= h >> 31;
+        i += 1;
+    }
+    h
+}
+
+enum BucketRef {
+    Ptr(*mut u64),
+    FreshAdmitted,
+    FreshRefused,
+    Unavailable,
+}
+
+/// Where the rule's bucket for this packet lives. A source-keyed rule keeps its
+/// bucket in the source's cache entry when it owns it (one map touch per
+/// packet); every other bucket lives in the shared key table. New buckets are
+/// created already charged with this packet, so creation needs no second CAS.
+#[inline(always)]
+fn bucket_tat(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    entry: *mut SrcEntry,
+    now: u64,
+    inc: u64,
+    record: u32,
+) -> BucketRef {
+    if rule.key_kind == key_kind::SRC && !entry.is_null() {
+        let owner = unsafe { (*entry).owner_state };
+        if owner == rule.state_id {
+            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+        }
+        if owner == 0 {
+            // Claim the entry. Two CPUs may race here; the claim is a plain
+            // store of the same value, and the TAT starts at 0 (a full bucket).
+            unsafe {
+                (*entry).owner_state = rule.state_id;
+            }
+            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+        }
+    }
+    let key = bucket_key(meta, rule);
+    if let Some(p) = FLOWCTL_KEYS.get_ptr_mut(&key) {
+        return BucketRef::Ptr(p);
+    }
+    let Some(first) = gcra::admit(0, now, inc, rule.burst_ns) else {
+        // Costlier than the whole bucket: refused without creating state.
+        return BucketRef::FreshRefused;
+    };
+    // BPF_NOEXIST: if another CPU created the key first, use its bucket.
+    match FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */) {
+        Ok(()) => BucketRef::FreshAdmitted,
+        Err(_) => match FLOWCTL_KEYS.get_ptr_mut(&key) {
+            Some(p) => BucketRef::Ptr(p),
+            None => {
+                if let Some(c) = counters(record) {
+                    c.insert_failures += 1;
+                }
+                BucketRef::Unavailable
+            }
+        },
+    }
+}
+
+/// The source's rule bitmap from the LPM trie of `slot`.
+#[inline(always)]
+fn trie_bits(slot: u32, meta: &PacketMeta) -> RuleBitmap {
+    let mut data: TrieData = [0; 17];
+    data[0] = ((slot as u8) << 1) | (meta.family == 6) as u8;
+    let words = if meta.family == 6 { 4 } else { 1 };
+    let mut i = 0;
+    while i < words {
+        let b = meta.src[i].to_be_bytes();
+        data[1 + i * 4] = b[0];
+        data[2 + i * 4] = b[1];
+        data[3 + i * 4] = b[2];
+        data[4 + i * 4] = b[3];
+        i += 1;
+    }
+    let key = Key::new(8 + 128, data);
+    match FLOWCTL_SRC_TRIE.get(&key) {
+        Some(b) => *b,
+        None => RuleBitmap::EMPTY,
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[link_section = "license"]
+#[no_mangle]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,193 @@
+//! Header parsing. Every read goes through one bounds check ([`ptr_at`]);
+//! offsets are kept below `MAX_HDR_OFF` so the verifier can bound them.
+//!
+//! Verdicts: `Ok(None)` for frames that are not IP (they always pass),
+//! `Err(())` for truncated or malformed headers (the malformed verdict),
+//! `Ok(Some(meta))` otherwise. Non-first fragments have no L4 header: their
+//! ports stay 0 and `frag` says so.
+
+use aya_ebpf::programs::XdpContext;
+use flowctl_common::{frag, PacketMeta, MAX_IPV6_EXT_HEADERS};
+use network_types::{eth::EthHdr, ip::Ipv4Hdr, ip::Ipv6Hdr, tcp::TcpHdr, udp::UdpHdr};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const VLAN_LEN: usize = 4;
+/// Headers end before this offset, or the packet counts as malformed.
+const MAX_HDR_OFF: usize = 1024;
+
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+
+#[inline(always)]
+fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if off > MAX_HDR_OFF || start + off + core::mem::size_of::<T>() > end {
+        return Err(());
+    }
+    Ok((start + off) as *const T)
+}
+
+#[inline(always)]
+fn u8_at(ctx: &XdpContext, off: usize) -> Result<u8, ()> {
+    Ok(unsafe { *ptr_at::<u8>(ctx, off)? })
+}
+
+#[inline(always)]
+fn be16_at(ctx: &XdpContext, off: usize) -> Result<u16, ()> {
+    let p = ptr_at::<[u8; 2]>(ctx, off)?;
+    Ok(u16::from_be_bytes(unsafe { *p }))
+}
+
+#[inline(always)]
+fn be32_at(ctx: &XdpContext, off: usize) -> Result<u32, ()> {
+    let p = ptr_at::<[u8; 4]>(ctx, off)?;
+    Ok(u32::from_be_bytes(unsafe { *p }))
+}
+
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Result<Option<PacketMeta>, ()> {
+    let mut meta = PacketMeta { len: (ctx.data_end() - ctx.data()) as u32, ..PacketMeta::default() };
+    let mut off = EthHdr::LEN;
+    let mut ether_type = be16_at(ctx, 12)?;
+    // Up to two VLAN tags (802.1ad outer, 802.1Q inner, or two 802.1Q).
+    for _ in 0..2 {
+        if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+            ether_type = be16_at(ctx, off + 2)?;
+            off += VLAN_LEN;
+        }
+    }
+    match ether_type {
+        ETH_P_IP => parse_ipv4(ctx, off, &mut meta)?,
+        ETH_P_IPV6 => parse_ipv6(ctx, off, &mut meta)?,
+        _ => return Ok(None),
+    }
+    Ok(Some(meta))
+}
+
+#[inline(always)]
+fn parse_ipv4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
+    let vihl = u8_at(ctx, off)?;
+    let ihl = ((vihl & 0x0f) as usize) * 4;
+    if vihl >> 4 != 4 || ihl < Ipv4Hdr::LEN {
+        return Err(());
+    }
+    // The whole header, options included, must be present.
+    ptr_at::<u8>(ctx, off + ihl - 1)?;
+    let frags = be16_at(ctx, off + 6)?;
+    let offset = frags & 0x1fff;
+    let more = frags & 0x2000 != 0;
+    meta.family = 4;
+    meta.proto = u8_at(ctx, off + 9)?;
+    meta.src[0] = be32_at(ctx, off + 12)?;
+    meta.dst[0] = be32_at(ctx, off + 16)?;
+    meta.frag = if offset != 0 {
+        frag::LATER
+    } else if more {
+        frag::FIRST
+    } else {
+        frag::NONE
+    };
+    if meta.frag == frag::LATER {
+        return Ok(());
+    }
+    parse_l4(ctx, off + ihl, meta)
+}
+
+#[inline(always)]
+fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
+    if u8_at(ctx, off)? >> 4 != 6 {
+        return Err(());
+    }
+    ptr_at::<[u8; Ipv6Hdr::LEN]>(ctx, off)?;
+    meta.family = 6;
+    let mut i = 0;
+    while i < 4 {
+        meta.src[i] = be32_at(ctx, off + 8 + i * 4)?;
+        meta.dst[i] = be32_at(ctx, off + 24 + i * 4)?;
+        i += 1;
+    }
+    let mut next = u8_at(ctx, off + 6)?;
+    let mut off = off + Ipv6Hdr::LEN;
+    // Walk extension headers, bounded.
+    let mut n = 0;
+    while n < MAX_IPV6_EXT_HEADERS {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let nh = u8_at(ctx, off)?;
+                let len = (u8_at(ctx, off + 1)? as usize + 1) * 8;
+                next = nh;
+                off += len;
+            }
+            IPPROTO_AH => {
+                // AH length is in 4-byte units, minus 2.
+                let nh = u8_at(ctx, off)?;
+                let len = (u8_at(ctx, off + 1)? as usize + 2) * 4;
+                next = nh;
+                off += len;
+            }
+            IPPROTO_FRAGMENT => {
+                let nh = u8_at(ctx, off)?;
+                let fo = be16_at(ctx, off + 2)?;
+                let offset = fo >> 3;
+                let more = fo & 1 != 0;
+                next = nh;
+                off += 8;
+                if offset != 0 {
+                    meta.frag = frag::LATER;
+                } else if more {
+                    meta.frag = frag::FIRST;
+                }
+            }
+            _ => break,
+        }
+        if off > MAX_HDR_OFF {
+            return Err(());
+        }
+        n += 1;
+    }
+    if n == MAX_IPV6_EXT_HEADERS {
+        // More extension headers than we walk: malformed by policy.
+        return Err(());
+    }
+    meta.proto = next;
+    if meta.frag == frag::LATER {
+        return Ok(());
+    }
+    parse_l4(ctx, off, meta)
+}
+
+#[inline(always)]
+fn parse_l4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
+    match meta.proto {
+        IPPROTO_TCP => {
+            ptr_at::<[u8; TcpHdr::LEN]>(ctx, off)?;
+            meta.sport = be16_at(ctx, off)?;
+            meta.dport = be16_at(ctx, off + 2)?;
+            let doff = (u8_at(ctx, off + 12)? >> 4) as usize * 4;
+            if doff < TcpHdr::LEN {
+                return Err(());
+            }
+            meta.tcp_flags = u8_at(ctx, off + 13)?;
+        }
+        IPPROTO_UDP => {
+            ptr_at::<[u8; UdpHdr::LEN]>(ctx, off)?;
+            meta.sport = be16_at(ctx, off)?;
+            meta.dport = be16_at(ctx, off + 2)?;
+        }
+        1 | 58 => {
+            // ICMP / ICMPv6: type and code must be present.
+            ptr_at::<[u8; 4]>(ctx, off)?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
