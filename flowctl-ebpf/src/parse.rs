@@ -36,32 +36,39 @@ fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
     Ok((start + off) as *const T)
 }
 
+/// Bytes of a header, read through the pointer that was bounds-checked: the
+/// verifier tracks the range on that pointer, and reading through a separately
+/// computed one (which LLVM may do when each field has its own check) fails.
 #[inline(always)]
-fn u8_at(ctx: &XdpContext, off: usize) -> Result<u8, ()> {
-    Ok(unsafe { *ptr_at::<u8>(ctx, off)? })
+fn bytes<const N: usize>(ctx: &XdpContext, off: usize) -> Result<[u8; N], ()> {
+    let p = ptr_at::<[u8; N]>(ctx, off)?;
+    Ok(unsafe { core::ptr::read_unaligned(p) })
 }
 
 #[inline(always)]
-fn be16_at(ctx: &XdpContext, off: usize) -> Result<u16, ()> {
-    let p = ptr_at::<[u8; 2]>(ctx, off)?;
-    Ok(u16::from_be_bytes(unsafe { *p }))
+fn be16(b: &[u8], i: usize) -> u16 {
+    u16::from_be_bytes([b[i], b[i + 1]])
 }
 
 #[inline(always)]
-fn be32_at(ctx: &XdpContext, off: usize) -> Result<u32, ()> {
-    let p = ptr_at::<[u8; 4]>(ctx, off)?;
-    Ok(u32::from_be_bytes(unsafe { *p }))
+fn be32(b: &[u8], i: usize) -> u32 {
+    u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
 #[inline(always)]
 pub fn parse(ctx: &XdpContext) -> Result<Option<PacketMeta>, ()> {
     let mut meta = PacketMeta { len: (ctx.data_end() - ctx.data()) as u32, ..PacketMeta::default() };
     let mut off = EthHdr::LEN;
-    let mut ether_type = be16_at(ctx, 12)?;
+    let eth = bytes::<{ EthHdr::LEN }>(ctx, 0)?;
+    let mut ether_type = be16(&eth, 12);
     // Up to two VLAN tags (802.1ad outer, 802.1Q inner, or two 802.1Q).
-    for _ in 0..2 {
+    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        let tag = bytes::<VLAN_LEN>(ctx, off)?;
+        ether_type = be16(&tag, 2);
+        off += VLAN_LEN;
         if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
-            ether_type = be16_at(ctx, off + 2)?;
+            let tag = bytes::<VLAN_LEN>(ctx, off)?;
+            ether_type = be16(&tag, 2);
             off += VLAN_LEN;
         }
     }
@@ -75,20 +82,21 @@ pub fn parse(ctx: &XdpContext) -> Result<Option<PacketMeta>, ()> {
 
 #[inline(always)]
 fn parse_ipv4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
-    let vihl = u8_at(ctx, off)?;
+    let h = bytes::<{ Ipv4Hdr::LEN }>(ctx, off)?;
+    let vihl = h[0];
     let ihl = ((vihl & 0x0f) as usize) * 4;
     if vihl >> 4 != 4 || ihl < Ipv4Hdr::LEN {
         return Err(());
     }
     // The whole header, options included, must be present.
     ptr_at::<u8>(ctx, off + ihl - 1)?;
-    let frags = be16_at(ctx, off + 6)?;
+    let frags = be16(&h, 6);
     let offset = frags & 0x1fff;
     let more = frags & 0x2000 != 0;
     meta.family = 4;
-    meta.proto = u8_at(ctx, off + 9)?;
-    meta.src[0] = be32_at(ctx, off + 12)?;
-    meta.dst[0] = be32_at(ctx, off + 16)?;
+    meta.proto = h[9];
+    meta.src[0] = be32(&h, 12);
+    meta.dst[0] = be32(&h, 16);
     meta.frag = if offset != 0 {
         frag::LATER
     } else if more {
@@ -104,39 +112,38 @@ fn parse_ipv4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(),
 
 #[inline(always)]
 fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
-    if u8_at(ctx, off)? >> 4 != 6 {
+    let h = bytes::<{ Ipv6Hdr::LEN }>(ctx, off)?;
+    if h[0] >> 4 != 6 {
         return Err(());
     }
-    ptr_at::<[u8; Ipv6Hdr::LEN]>(ctx, off)?;
     meta.family = 6;
     let mut i = 0;
     while i < 4 {
-        meta.src[i] = be32_at(ctx, off + 8 + i * 4)?;
-        meta.dst[i] = be32_at(ctx, off + 24 + i * 4)?;
+        meta.src[i] = be32(&h, 8 + i * 4);
+        meta.dst[i] = be32(&h, 24 + i * 4);
         i += 1;
     }
-    let mut next = u8_at(ctx, off + 6)?;
+    let mut next = h[6];
     let mut off = off + Ipv6Hdr::LEN;
     // Walk extension headers, bounded.
     let mut n = 0;
     while n < MAX_IPV6_EXT_HEADERS {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
-                let nh = u8_at(ctx, off)?;
-                let len = (u8_at(ctx, off + 1)? as usize + 1) * 8;
-                next = nh;
-                off += len;
+                let e = bytes::<2>(ctx, off)?;
+                next = e[0];
+                off += (e[1] as usize + 1) * 8;
             }
             IPPROTO_AH => {
                 // AH length is in 4-byte units, minus 2.
-                let nh = u8_at(ctx, off)?;
-                let len = (u8_at(ctx, off + 1)? as usize + 2) * 4;
-                next = nh;
-                off += len;
+                let e = bytes::<2>(ctx, off)?;
+                next = e[0];
+                off += (e[1] as usize + 2) * 4;
             }
             IPPROTO_FRAGMENT => {
-                let nh = u8_at(ctx, off)?;
-                let fo = be16_at(ctx, off + 2)?;
+                let e = bytes::<8>(ctx, off)?;
+                let nh = e[0];
+                let fo = be16(&e, 2);
                 let offset = fo >> 3;
                 let more = fo & 1 != 0;
                 next = nh;
@@ -169,19 +176,18 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(),
 fn parse_l4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
     match meta.proto {
         IPPROTO_TCP => {
-            ptr_at::<[u8; TcpHdr::LEN]>(ctx, off)?;
-            meta.sport = be16_at(ctx, off)?;
-            meta.dport = be16_at(ctx, off + 2)?;
-            let doff = (u8_at(ctx, off + 12)? >> 4) as usize * 4;
-            if doff < TcpHdr::LEN {
+            let t = bytes::<{ TcpHdr::LEN }>(ctx, off)?;
+            meta.sport = be16(&t, 0);
+            meta.dport = be16(&t, 2);
+            if ((t[12] >> 4) as usize) * 4 < TcpHdr::LEN {
                 return Err(());
             }
-            meta.tcp_flags = u8_at(ctx, off + 13)?;
+            meta.tcp_flags = t[13];
         }
         IPPROTO_UDP => {
-            ptr_at::<[u8; UdpHdr::LEN]>(ctx, off)?;
-            meta.sport = be16_at(ctx, off)?;
-            meta.dport = be16_at(ctx, off + 2)?;
+            let u = bytes::<{ UdpHdr::LEN }>(ctx, off)?;
+            meta.sport = be16(&u, 0);
+            meta.dport = be16(&u, 2);
         }
         1 | 58 => {
             // ICMP / ICMPv6: type and code must be present.

@@ -1,1 +1,15 @@
+//! flowctl: the agent and CLI of a kernel-assisted rate limiter.
+//!
+//! Dependencies and why: aya (loads and pins the XDP object; pure Rust, no
+//! libbpf), clap (the CLI), serde/serde_json/toml (profiles and the agent's
+//! state and socket protocol), thiserror/anyhow (errors in library/binary),
+//! tokio (the agent's event loop: signals, timers, control socket), tracing
+//! (logs), libc (setns, flock, if_nametoindex, capabilities).
+
+pub mod agent;
+pub mod commands;
+pub mod control;
+pub mod dataplane;
 pub mod object;
+pub mod pins;
+pub mod profile;

@@ -1,1 +1,94 @@
-fn main() {}
+use clap::{Parser, Subcommand};
+use flowctl::{agent, commands, dataplane::Mode};
+use std::path::PathBuf;
+
+/// Kernel-assisted rate limiting at the NIC (XDP).
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Load, attach and run the agent until Ctrl-C.
+    ///
+    /// Example: sudo flowctl attach eth0 --profile rules.toml
+    Attach {
+        iface: String,
+        #[arg(long)]
+        profile: PathBuf,
+        #[arg(long, value_enum, default_value_t = Mode::Auto)]
+        mode: Mode,
+        /// Network namespace (from `ip netns add`) that holds the interface.
+        #[arg(long)]
+        netns: Option<String>,
+        /// Leave the pinned data plane enforcing when the agent exits.
+        #[arg(long)]
+        keep: bool,
+        /// Discard existing pins (and all bucket state) instead of adopting them.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Detach and remove all pins of an interface (idempotent).
+    Detach {
+        iface: String,
+        #[arg(long)]
+        netns: Option<String>,
+    },
+    /// Hot-reload a profile, all or nothing; unchanged rules keep their buckets.
+    ///
+    /// Example: sudo flowctl apply eth0 rules.toml
+    Apply {
+        iface: String,
+        profile: PathBuf,
+        #[arg(long)]
+        netns: Option<String>,
+    },
+    /// Show attachments, agents, memory and per-rule counters.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate a profile without touching the kernel (for CI pipelines).
+    Check { profile: PathBuf },
+    /// Which rule, key and limit apply to a packet, from the kernel's tables.
+    ///
+    /// Example: flowctl explain eth0 tcp 192.0.2.7 443
+    Explain {
+        iface: String,
+        proto: String,
+        src: String,
+        dport: Option<u16>,
+        #[arg(long)]
+        netns: Option<String>,
+    },
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLOWCTL_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Attach { iface, profile, mode, netns, keep, replace } => {
+            agent::run(agent::AttachArgs { iface, profile, mode, netns, keep, replace })
+        }
+        Cmd::Detach { iface, netns } => commands::detach(&iface, &netns),
+        Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),
+        Cmd::Status { json } => commands::status(json),
+        Cmd::Check { profile } => commands::check(&profile),
+        Cmd::Explain { iface, proto, src, dport, netns } => commands::explain(&iface, &proto, &src, dport, &netns),
+    };
+    if let Err(e) = r {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+        }
+        eprintln!("flowctl: error: {e:#}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,206 @@
+//! `flowctl attach`: the agent. Loads or adopts the pinned data plane, applies
+//! the profile, then runs until SIGINT/SIGTERM: writes the heartbeat and serves
+//! `apply` on a unix socket. On exit it detaches unless `--keep`.
+
+use crate::{
+    control::{self, Request, Response},
+    dataplane::{self, Maps, Mode},
+    pins::{self, AgentLock, AttachId, AttachState},
+    profile,
+};
+use anyhow::{bail, Context, Result};
+use flowctl_common::{map_names, LAYOUT_VERSION};
+use std::{path::PathBuf, time::Duration};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+pub struct AttachArgs {
+    pub iface: String,
+    pub profile: PathBuf,
+    pub mode: Mode,
+    pub netns: Option<String>,
+    pub keep: bool,
+    pub replace: bool,
+}
+
+pub fn require_root() -> Result<()> {
+    // Capabilities are checked by the kernel; this catches the common case
+    // early with a clear fix.
+    let mut caps = String::new();
+    if let Ok(s) = std::fs::read_to_string("/proc/self/status") {
+        caps = s.lines().find(|l| l.starts_with("CapEff:")).unwrap_or("").to_string();
+    }
+    let eff = u64::from_str_radix(caps.trim_start_matches("CapEff:").trim(), 16).unwrap_or(0);
+    const CAP_NET_ADMIN: u64 = 1 << 12;
+    const CAP_SYS_ADMIN: u64 = 1 << 21;
+    const CAP_BPF: u64 = 1 << 39;
+    if eff & CAP_NET_ADMIN == 0 || eff & (CAP_BPF | CAP_SYS_ADMIN) == 0 {
+        bail!("flowctl needs root, or the capabilities CAP_BPF (or CAP_SYS_ADMIN) and CAP_NET_ADMIN: run it with sudo");
+    }
+    Ok(())
+}
+
+pub fn run(args: AttachArgs) -> Result<()> {
+    let set = profile::load(&args.profile)?;
+    require_root()?;
+    if let Some(ns) = &args.netns {
+        pins::enter_netns(ns)?;
+    }
+    pins::ensure_bpffs()?;
+    let id = AttachId::of(&args.iface)?;
+    let Some(lock) = AgentLock::try_acquire(&id)? else {
+        bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", args.iface, id.run_dir().join("agent.lock").display());
+    };
+    let link_pinned = id.pin_dir().join("link").exists();
+    if link_pinned && args.replace {
+        dataplane::detach(&id)?;
+    } else if id.pin_dir().exists() {
+        match dataplane::pinned_layout(&id) {
+            Some(v) if v == LAYOUT_VERSION || v == 0 => {}
+            other => bail!(
+                "pins at {} have layout version {:?}, not {LAYOUT_VERSION}; refusing to adopt them. Re-run with --replace to start over (this resets all bucket state)",
+                id.pin_dir().display(),
+                other
+            ),
+        }
+        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries)] {
+            if let Some(have) = dataplane::pinned_max_entries(&id, name) {
+                if have != want {
+                    bail!("the pinned {name} has {have} entries but the profile asks for {want}; table sizes can only change with --replace (which resets bucket state)");
+                }
+            }
+        }
+    }
+    let adopting = id.pin_dir().join("link").exists();
+    let mut ebpf = match dataplane::load(&id, &set.settings) {
+        Ok(e) => e,
+        Err(e) => {
+            if !adopting {
+                let _ = dataplane::detach(&id);
+            }
+            return Err(e);
+        }
+    };
+    let mode_used = match dataplane::attach(&mut ebpf, &id, &args.iface, args.mode) {
+        Ok(m) => m,
+        Err(e) => {
+            if !adopting {
+                let _ = dataplane::detach(&id);
+            }
+            return Err(e);
+        }
+    };
+    let mut state = match AttachState::load(&id)? {
+        Some(s) if adopting => s,
+        _ => AttachState {
+            layout_version: LAYOUT_VERSION,
+            iface: args.iface.clone(),
+            netns: args.netns.clone(),
+            id,
+            mode: mode_used.clone(),
+            profile_path: String::new(),
+            rules: Vec::new(),
+            next_state_id: 0,
+            attached_at_unix: now_unix(),
+            key_table_entries: set.settings.key_table_entries,
+            source_cache_entries: set.settings.source_cache_entries,
+        },
+    };
+    let mut maps = Maps::open(&id)?;
+    if let Err(e) = apply_and_record(&mut maps, &mut state, &set, &args.profile) {
+        if !adopting {
+            let _ = dataplane::detach(&id);
+        }
+        return Err(e);
+    }
+    dataplane::heartbeat(&mut maps)?;
+    let verb = if adopting { "adopted the pinned data plane on" } else { "attached to" };
+    eprintln!(
+        "flowctl: {verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",
+        args.iface,
+        state.mode,
+        set.rules.len(),
+        args.profile.display(),
+        if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let result = rt.block_on(serve(&id, &mut maps, &mut state));
+    if args.keep {
+        eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
+    } else {
+        dataplane::detach(&id)?;
+        eprintln!("flowctl: detached from {}", args.iface);
+    }
+    drop(ebpf);
+    drop(lock);
+    result
+}
+
+pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
+    dataplane::apply(maps, state, set)?;
+    let abs = std::fs::canonicalize(path).unwrap_or(path.to_path_buf());
+    state.profile_path = abs.display().to_string();
+    std::fs::create_dir_all(state.id.run_dir())?;
+    std::fs::copy(path, state.id.run_dir().join("profile.toml")).context("saving the active profile")?;
+    state.save()
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState) -> Result<()> {
+    let sock = control::socket_path(id);
+    let _ = std::fs::remove_file(&sock);
+    let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut beat = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            _ = beat.tick() => {
+                if let Err(e) = dataplane::heartbeat(maps) {
+                    tracing::warn!("heartbeat failed: {e:#}");
+                }
+            }
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else { continue };
+                let (r, mut w) = stream.into_split();
+                let mut line = String::new();
+                let mut reader = BufReader::new(r);
+                let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
+                    Ok(Ok(_)) => handle(maps, state, &line),
+                    _ => Response::err("no request received"),
+                };
+                let mut out = serde_json::to_string(&resp)?;
+                out.push('\n');
+                let _ = w.write_all(out.as_bytes()).await;
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&sock);
+    Ok(())
+}
+
+fn handle(maps: &mut Maps, state: &mut AttachState, line: &str) -> Response {
+    let req: Request = match serde_json::from_str(line) {
+        Ok(r) => r,
+        Err(e) => return Response::err(format!("bad request: {e}")),
+    };
+    match req {
+        Request::Apply { profile } => {
+            let path = PathBuf::from(&profile);
+            let set = match profile::load(&path) {
+                Ok(s) => s,
+                Err(e) => return Response::err(e.to_string()),
+            };
+            if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries {
+                return Response::err("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
+            }
+            match apply_and_record(maps, state, &set, &path) {
+                Ok(()) => Response::ok(format!("applied {} rules (generation {})", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0))),
+                Err(e) => Response::err(format!("{e:#}")),
+            }
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The short verbs: detach, apply, status, check, explain.
+
+use crate::{
+    agent::{apply_and_record, require_root},
+    control::{self, Request},
+    dataplane::{self, Maps},
+    pins::{self, AgentLock, AttachId, AttachState},
+    profile::{self, human_bytes},
+};
+use anyhow::{bail, Context, Result};
+use flowctl_common::{reason, RuleCounters, GLOBAL_COUNTER_INDEX};
+use std::{net::IpAddr, path::Path};
+
+fn enter(netns: &Option<String>) -> Result<()> {
+    if let Some(ns) = netns {
+        pins::enter_netns(ns)?;
+    }
+    Ok(())
+}
+
+pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
+    require_root()?;
+    enter(netns)?;
+    let id = AttachId::of(iface)?;
+    if pins::agent_running(&id) {
+        eprintln!("note: an agent is running for {iface}; it will exit when it notices (or stop it with Ctrl-C)");
+    }
+    if dataplane::detach(&id)? {
+        println!("detached from {iface}");
+    } else {
+        println!("nothing attached to {iface}");
+    }
+    Ok(())
+}
+
+pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
+    // Validate first: a bad profile is rejected whole, before anything is touched.
+    let set = profile::load(path)?;
+    require_root()?;
+    enter(netns)?;
+    let id = AttachId::of(iface)?;
+    let abs = std::fs::canonicalize(path)?;
+    if let Some(resp) = control::call(&id, &Request::Apply { profile: abs.display().to_string() })? {
+        if resp.ok {
+            println!("{}", resp.message);
+            return Ok(());
+        }
+        bail!("{}", resp.message);
+    }
+    // No agent: apply to the kept data plane directly, holding the lock so an
+    // agent cannot start halfway.
+    let Some(_lock) = AgentLock::try_acquire(&id)? else {
+        bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
+    };
+    let Some(mut state) = AttachState::load(&id)? else {
+        bail!("nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`", path.display());
+    };
+    if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries {
+        bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
+    }
+    let mut maps = Maps::open(&id)?;
+    apply_and_record(&mut maps, &mut state, &set, path)?;
+    println!("applied {} rules to the kept data plane on {iface} (no agent running)", set.rules.len());
+    Ok(())
+}
+
+pub fn check(path: &Path) -> Result<()> {
+    let set = profile::load(path)?;
+    println!("{}: ok, {} rules", path.display(), set.rules.len());
+    println!(
+        "kernel memory: {} preallocated (budget {}; key table {} entries, source cache {} entries)",
+        human_bytes(set.settings.kernel_memory_bytes()),
+        human_bytes(set.settings.memory_budget),
+        set.settings.key_table_entries,
+        set.settings.source_cache_entries
+    );
+    for r in &set.rules {
+        println!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
+    }
+    Ok(())
+}
+
+fn limit_text(r: &profile::Rule) -> String {
+    if r.action == flowctl_common::action::PASS {
+        return "pass (exempt)".into();
+    }
+    format!("{} {} burst {} per {}{}", r.rate_text, r.unit_name(), r.burst, r.key_name(), if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" })
+}
+
+pub fn status(json: bool) -> Result<()> {
+    let atts = pins::list_attachments();
+    let mut out = Vec::new();
+    for id in atts {
+        let state = AttachState::load(&id)?;
+        let maps = Maps::open(&id);
+        let mut rules = Vec::new();
+        let (generation, global) = match &maps {
+            Ok(m) => {
+                if let Some(st) = &state {
+                    for r in &st.rules {
+                        rules.push((r.name.clone(), m.counters(r.record).unwrap_or_default()));
+                    }
+                }
+                (m.global().map(|g| g.generation).unwrap_or(0), m.counters(GLOBAL_COUNTER_INDEX).unwrap_or_default())
+            }
+            Err(_) => (0, RuleCounters::default()),
+        };
+        out.push(serde_json::json!({
+            "iface": state.as_ref().map(|s| s.iface.clone()),
+            "netns": state.as_ref().and_then(|s| s.netns.clone()),
+            "netns_inode": id.netns_ino,
+            "ifindex": id.ifindex,
+            "mode": state.as_ref().map(|s| s.mode.clone()),
+            "agent_running": pins::agent_running(&id),
+            "profile": state.as_ref().map(|s| s.profile_path.clone()),
+            "generation": generation,
+            "kernel_memory_bytes": dataplane::pinned_memlock(&id),
+            "rules": rules.iter().map(|(n, c)| counters_json(n, c)).collect::<Vec<_>>(),
+            "unmatched": counters_json("unmatched", &global),
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    if out.is_empty() {
+        println!("no flowctl attachments");
+        return Ok(());
+    }
+    for a in &out {
+        println!(
+            "{} (netns {}{}, ifindex {}) mode {} agent {} generation {} kernel memory {}",
+            a["iface"].as_str().unwrap_or("?"),
+            a["netns_inode"],
+            a["netns"].as_str().map(|n| format!(" `{n}`")).unwrap_or_default(),
+            a["ifindex"],
+            a["mode"].as_str().unwrap_or("?"),
+            if a["agent_running"].as_bool() == Some(true) { "running" } else { "not running (kept data plane)" },
+            a["generation"],
+            human_bytes(a["kernel_memory_bytes"].as_u64().unwrap_or(0)),
+        );
+        println!("  {:<20} {:>12} {:>12} {:>12} {:>12}", "rule", "offered", "passed", "dropped", "would-drop");
+        for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
+            println!(
+                "  {:<20} {:>12} {:>12} {:>12} {:>12}",
+                r["rule"].as_str().unwrap_or(""),
+                r["offered_pkts"].to_string(),
+                r["passed_pkts"].to_string(),
+                r["dropped_pkts"].to_string(),
+                r["would_drop_pkts"].to_string()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
+    let mut by_reason = serde_json::Map::new();
+    for (i, n) in reason::NAMES.iter().enumerate() {
+        if c.dropped_pkts[i] > 0 {
+            by_reason.insert(n.to_string(), c.dropped_pkts[i].into());
+        }
+    }
+    serde_json::json!({
+        "rule": name,
+        "offered_pkts": c.offered_pkts, "offered_bytes": c.offered_bytes,
+        "passed_pkts": c.passed_pkts, "passed_bytes": c.passed_bytes,
+        "dropped_pkts": c.dropped_total(), "dropped_by_reason": by_reason,
+        "would_drop_pkts": c.would_drop_pkts,
+        "insert_failures": c.insert_failures,
+        "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
+    })
+}
+
+pub fn explain(iface: &str, proto: &str, src: &str, dport: Option<u16>, netns: &Option<String>) -> Result<()> {
+    enter(netns)?;
+    let id = AttachId::of(iface)?;
+    let state = AttachState::load(&id)?.with_context(|| format!("nothing is attached to {iface}"))?;
+    let set = profile::load(&id.run_dir().join("profile.toml"))?;
+    let proto_n: u8 = match proto {
+        "tcp" => 6,
+        "udp" => 17,
+        "icmp" => 1,
+        "icmpv6" => 58,
+        p => p.parse().with_context(|| format!("unknown protocol `{p}`"))?,
+    };
+    let src: IpAddr = src.parse().with_context(|| format!("`{src}` is not an IP address"))?;
+    let port = if proto_n == 6 || proto_n == 17 { dport } else { None };
+    let maps = Maps::open(&id)?;
+    match maps.classify(&src, proto_n, port)? {
+        None => println!("no rule matches: the packet passes unlimited"),
+        Some(i) => {
+            let r = set.rules.get(i as usize).context("kernel rule index outside the active profile")?;
+            let st = state.rules.get(i as usize);
+            println!("rule   {} (#{}, line {} of the active profile)", r.name, i + 1, r.line);
+            println!("match  {}", r.match_text());
+            println!("action {}", r.action_name());
+            if r.action != flowctl_common::action::PASS {
+                println!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
+                println!("key    {}", r.key_name());
+            }
+            if let Some(st) = st {
+                println!("state  id {} record {}", st.state_id, st.record);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! The agent's control socket protocol: one JSON request line, one JSON
+//! response line, over `/run/flowctl/<id>/agent.sock`.
+
+use crate::pins::AttachId;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::unix::net::UnixStream,
+    path::PathBuf,
+    time::Duration,
+};
+
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(rename_all = "snake_case")]
+pub enum Request {
+    Apply { profile: String },
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+pub struct Response {
+    pub ok: bool,
+    pub message: String,
+}
+
+impl Response {
+    pub fn ok(m: impl Into<String>) -> Self {
+        Self { ok: true, message: m.into() }
+    }
+    pub fn err(m: impl Into<String>) -> Self {
+        Self { ok: false, message: m.into() }
+    }
+}
+
+pub fn socket_path(id: &AttachId) -> PathBuf {
+    id.run_dir().join("agent.sock")
+}
+
+/// Sends a request to the running agent; `Ok(None)` when no agent listens.
+pub fn call(id: &AttachId, req: &Request) -> Result<Option<Response>> {
+    let Ok(mut s) = UnixStream::connect(socket_path(id)) else { return Ok(None) };
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut line = serde_json::to_string(req)?;
+    line.push('\n');
+    s.write_all(line.as_bytes())?;
+    let mut resp = String::new();
+    BufReader::new(s).read_line(&mut resp).context("reading the agent's answer")?;
+    Ok(Some(serde_json::from_str(&resp).context("parsing the agent's answer")?))
+}

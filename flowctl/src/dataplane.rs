@@ -1,0 +1,354 @@
+//! The pinned XDP data plane: load (or adopt), attach, detach, write a rule
+//! set into the inactive slot and flip, read counters.
+
+use crate::{
+    object::xdp_object,
+    pins::{monotonic_ns, AttachId, AttachState, RuleState},
+    profile::{RuleSet, Settings},
+};
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{lpm_trie::Key, Array, LpmTrie, Map, MapData, PerCpuArray, PerCpuValues},
+    programs::{links::FdLink, links::PinnedLink, ProgramError, Xdp, XdpMode},
+    Ebpf, EbpfLoader,
+};
+use flowctl_common::{
+    map_names as names, tables, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
+    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, PORT_INDICES,
+    PROTO_INDICES, XDP_PROGRAM,
+};
+use std::{fs, path::Path};
+
+/// The pinned maps of one attachment, opened by path.
+pub struct Maps {
+    pub global: Array<MapData, GlobalRecord>,
+    pub rules: Array<MapData, RuleConfig>,
+    pub proto: Array<MapData, RuleBitmap>,
+    pub port: Array<MapData, RuleBitmap>,
+    pub trie: LpmTrie<MapData, TrieData, RuleBitmap>,
+    pub counters: PerCpuArray<MapData, RuleCounters>,
+    pub control: Array<MapData, ControlRecord>,
+}
+
+fn open(dir: &Path, name: &str) -> Result<MapData> {
+    MapData::from_pin(dir.join(name)).with_context(|| format!("opening pinned map {}", dir.join(name).display()))
+}
+
+impl Maps {
+    pub fn open(id: &AttachId) -> Result<Self> {
+        let d = id.pin_dir();
+        Ok(Self {
+            global: Array::try_from(Map::Array(open(&d, names::GLOBAL)?))?,
+            rules: Array::try_from(Map::Array(open(&d, names::RULES)?))?,
+            proto: Array::try_from(Map::Array(open(&d, names::PROTO_BITS)?))?,
+            port: Array::try_from(Map::Array(open(&d, names::PORT_BITS)?))?,
+            trie: LpmTrie::try_from(Map::LpmTrie(open(&d, names::SRC_TRIE)?))?,
+            counters: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::COUNTERS)?))?,
+            control: Array::try_from(Map::Array(open(&d, names::CONTROL)?))?,
+        })
+    }
+
+    pub fn global(&self) -> Result<GlobalRecord> {
+        Ok(self.global.get(&0, 0)?)
+    }
+
+    /// Sum of a record's per-CPU counters.
+    pub fn counters(&self, record: u32) -> Result<RuleCounters> {
+        let mut total = RuleCounters::default();
+        for c in self.counters.get(&record, 0)?.iter() {
+            total.add(c);
+        }
+        Ok(total)
+    }
+
+    /// The rule index the kernel would pick, read from the kernel's own active
+    /// tables with the kernel's matcher.
+    pub fn classify(&self, src: &std::net::IpAddr, proto: u8, dport: Option<u16>) -> Result<Option<u32>> {
+        let slot = (self.global()?.active_slot & 1) as u8;
+        let key = Key::new(8 + 128, pad_trie(tables::trie_data(slot, src)));
+        let src_bits = self.trie.get(&key, 0).unwrap_or(RuleBitmap::EMPTY);
+        let pb = self.proto.get(&(slot as u32 * PROTO_INDICES as u32 + proto as u32), 0)?;
+        let port = dport.map(u32::from).unwrap_or(flowctl_common::PORT_NONE);
+        let portb = self.port.get(&(slot as u32 * PORT_INDICES as u32 + port), 0)?;
+        Ok(flowctl_common::matcher::first_match(&src_bits, &pb, &portb))
+    }
+}
+
+/// v4 trie data is 4 address bytes; the rest stays zero (the prefix never covers it).
+fn pad_trie(d: TrieData) -> TrieData {
+    d
+}
+
+/// Assigns counter records and bucket-state ids for `set`, keeping a rule's
+/// record while its name is unchanged and its state id while its match and
+/// limits are unchanged (so its buckets survive the reload).
+pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) -> Vec<RuleState> {
+    let mut used_records: Vec<u32> = Vec::new();
+    let mut used_states: Vec<u32> = Vec::new();
+    let mut out: Vec<RuleState> = Vec::new();
+    for r in &set.rules {
+        let fp = r.state_fingerprint();
+        let record = old.iter().find(|o| o.name == r.name).map(|o| o.record);
+        let state = old
+            .iter()
+            .find(|o| o.fingerprint == fp && o.name == r.name && !used_states.contains(&o.state_id))
+            .or_else(|| old.iter().find(|o| o.fingerprint == fp && !used_states.contains(&o.state_id)))
+            .map(|o| o.state_id);
+        let state_id = state.unwrap_or_else(|| {
+            *next_state_id += 1;
+            *next_state_id
+        });
+        used_states.push(state_id);
+        out.push(RuleState { name: r.name.clone(), fingerprint: fp, state_id, record: record.unwrap_or(u32::MAX) });
+        if let Some(rec) = record {
+            used_records.push(rec);
+        }
+    }
+    // New names take records that neither the old nor the new set uses, so
+    // old and new rules never share counters during the flip.
+    let old_records: Vec<u32> = old.iter().map(|o| o.record).collect();
+    let mut free = (0..MAX_RULE_RECORDS as u32).filter(|r| !used_records.contains(r) && !old_records.contains(r));
+    for s in out.iter_mut() {
+        if s.record == u32::MAX {
+            s.record = free.next().expect("2*MAX_RULES records cover old and new sets");
+        }
+    }
+    out
+}
+
+/// Writes `set` into the inactive slot, then flips the active slot and bumps
+/// the generation. The kernel sees either the old or the new rule set, never a
+/// mix. Returns the new rule states.
+pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<()> {
+    let mut next = state.next_state_id;
+    let planned = plan_states(&state.rules, &mut next, set);
+    let mut g = maps.global()?;
+    let slot = (g.active_slot & 1) ^ 1;
+    if g.layout_version != 0 && g.layout_version != LAYOUT_VERSION {
+        bail!("pinned layout version {} is not {LAYOUT_VERSION}", g.layout_version);
+    }
+
+    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
+        let cfg = RuleConfig {
+            interval_fp: r.interval_fp,
+            burst_ns: r.burst_ns,
+            state_id: s.state_id,
+            record: s.record,
+            action: r.action,
+            unit: r.unit,
+            key_kind: r.key_kind,
+            prefix_v4: r.prefix_v4,
+            prefix_v6: r.prefix_v6,
+            has_ports: r.spec.ports.is_some() as u8,
+            _pad: [0; 6],
+        };
+        maps.rules.set(slot * MAX_RULES as u32 + i as u32, cfg, 0)?;
+    }
+    let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
+    let t = tables::compile(&specs, slot as u8);
+    for (i, b) in t.proto.iter().enumerate() {
+        maps.proto.set(slot * PROTO_INDICES as u32 + i as u32, b, 0)?;
+    }
+    for (i, b) in t.port.iter().enumerate() {
+        maps.port.set(slot * PORT_INDICES as u32 + i as u32, b, 0)?;
+    }
+    // Replace this slot's trie entries.
+    let stale: Vec<Key<TrieData>> = maps
+        .trie
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| k.data()[0] >> 1 == slot as u8)
+        .collect();
+    for k in &stale {
+        let _ = maps.trie.remove(k);
+    }
+    for e in &t.trie {
+        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.bits, 0)?;
+    }
+    // Records new to this set start from zero.
+    let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
+    for s in &planned {
+        if !state.rules.iter().any(|o| o.record == s.record) {
+            let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
+            maps.counters.set(s.record, zeros, 0)?;
+            maps.control.set(s.record, ControlRecord::default(), 0)?;
+        }
+    }
+    // The flip.
+    g.layout_version = LAYOUT_VERSION;
+    g.active_slot = slot;
+    g.generation += 1;
+    g.malformed_verdict = set.settings.malformed_verdict;
+    g.fragment_verdict = set.settings.fragment_verdict;
+    g.grace_ns = set.settings.grace_ns;
+    if g.hash_seed == 0 {
+        g.hash_seed = random_u64();
+    }
+    maps.global.set(0, g, 0)?;
+    state.rules = planned;
+    state.next_state_id = next;
+    Ok(())
+}
+
+pub fn heartbeat(maps: &mut Maps) -> Result<()> {
+    let mut g = maps.global()?;
+    g.heartbeat_ns = monotonic_ns();
+    maps.global.set(0, g, 0)?;
+    Ok(())
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if let Ok(mut f) = fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    u64::from_ne_bytes(b) | 1
+}
+
+/// How `attach` should treat the interface's XDP mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Native (driver) mode, falling back to generic with a warning.
+    Auto,
+    Native,
+    /// Generic (skb) mode.
+    Skb,
+}
+
+/// Loads the XDP object with its maps pinned under `id`'s pin dir (adopting
+/// maps already pinned there) and the table sizes of `settings`.
+pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
+    let dir = id.pin_dir();
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(&dir)
+        .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
+        .map_max_entries(names::KEYS, settings.key_table_entries)
+        .load(xdp_object())
+        .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
+    let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing from object")?.try_into()?;
+    if let Err(e) = prog.load() {
+        return Err(load_error(e));
+    }
+    Ok(ebpf)
+}
+
+/// Turns a program load failure into a message with the verifier log's tail.
+pub fn load_error(e: ProgramError) -> anyhow::Error {
+    match e {
+        ProgramError::LoadError { io_error, verifier_log } => {
+            let log = verifier_log.to_string();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+            anyhow!(
+                "the kernel verifier rejected the XDP program ({io_error}); last lines of its log:\n{}",
+                tail.join("\n")
+            )
+        }
+        other => anyhow!("loading the XDP program: {other}"),
+    }
+}
+
+/// Attaches (or, when `link` is pinned already, re-points the pinned link at
+/// the freshly loaded program) and returns the mode in use.
+pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result<String> {
+    let link_path = id.pin_dir().join("link");
+    let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing")?.try_into()?;
+    if link_path.exists() {
+        let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
+        let fd_link: FdLink = pinned.into();
+        let xdp_link = aya::programs::xdp::XdpLink::try_from(fd_link)?;
+        let link_id = prog.attach_to_link(xdp_link).context("re-pointing the pinned XDP link")?;
+        let link = prog.take_link(link_id)?;
+        std::mem::forget(link); // stays pinned
+        return Ok("adopted".into());
+    }
+    let try_mode = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(id.ifindex, m);
+    let (link_id, used) = match mode {
+        Mode::Skb => (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface))?, "generic"),
+        Mode::Native => (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface))?, "native"),
+        Mode::Auto => match try_mode(prog, XdpMode::Driver) {
+            Ok(l) => (l, "native"),
+            Err(e) if is_busy(&e) => return Err(attach_error(e, iface)),
+            Err(e) => {
+                tracing::warn!("native XDP is not available on {iface} ({e}); FALLING BACK TO GENERIC (skb) MODE, which is slower");
+                eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
+                (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface))?, "generic")
+            }
+        },
+    };
+    let link = prog.take_link(link_id)?;
+    let fd_link = FdLink::try_from(link).map_err(|e| anyhow!("this kernel attached XDP without bpf_link ({e}); flowctl needs bpf_link (Linux 5.9+)"))?;
+    fd_link.pin(&link_path).with_context(|| format!("pinning the XDP link at {}", link_path.display()))?;
+    Ok(used.into())
+}
+
+fn is_busy(e: &ProgramError) -> bool {
+    let s = format!("{e:?}");
+    s.contains("EBUSY") || s.contains("EEXIST") || s.contains("Device or resource busy") || s.contains("File exists")
+}
+
+fn attach_error(e: ProgramError, iface: &str) -> anyhow::Error {
+    if is_busy(&e) {
+        anyhow!(
+            "{iface} already has another XDP program attached; flowctl will not replace it. Inspect it with `ip link show {iface}` and remove it with `ip link set dev {iface} xdp off` (or `bpftool net detach xdp dev {iface}`) if it is not needed"
+        )
+    } else {
+        anyhow!("attaching XDP to {iface}: {e}")
+    }
+}
+
+/// Removes the link and every pin of an attachment. Idempotent: returns false
+/// when there was nothing to remove.
+pub fn detach(id: &AttachId) -> Result<bool> {
+    let dir = id.pin_dir();
+    if !dir.exists() {
+        let _ = fs::remove_dir_all(id.run_dir());
+        return Ok(false);
+    }
+    let link_path = dir.join("link");
+    if link_path.exists() {
+        let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
+        let fd = pinned.unpin().context("unpinning the XDP link")?;
+        drop(fd);
+    }
+    fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    // Keep the lock file (an agent may hold it); drop the rest.
+    for f in ["state.json", "profile.toml", "agent.sock"] {
+        let _ = fs::remove_file(id.run_dir().join(f));
+    }
+    Ok(true)
+}
+
+/// Reads the layout version of pins under `id`, if any.
+pub fn pinned_layout(id: &AttachId) -> Option<u32> {
+    let m = MapData::from_pin(id.pin_dir().join(names::GLOBAL)).ok()?;
+    let a: Array<MapData, GlobalRecord> = Array::try_from(Map::Array(m)).ok()?;
+    a.get(&0, 0).ok().map(|g| g.layout_version)
+}
+
+/// Max entries of a pinned map, for checking a profile's table sizes against
+/// an adopted data plane.
+pub fn pinned_max_entries(id: &AttachId, name: &str) -> Option<u32> {
+    let m = MapData::from_pin(id.pin_dir().join(name)).ok()?;
+    m.info().ok().map(|i| i.max_entries())
+}
+
+/// Kernel memory the pinned maps lock, as fdinfo reports it.
+pub fn pinned_memlock(id: &AttachId) -> u64 {
+    let mut total = 0;
+    for name in names::ALL {
+        if let Ok(m) = MapData::from_pin(id.pin_dir().join(name)) {
+            use std::os::fd::{AsFd, AsRawFd};
+            let fd = m.fd().as_fd().as_raw_fd();
+            if let Ok(s) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) {
+                for l in s.lines() {
+                    if let Some(v) = l.strip_prefix("memlock:") {
+                        total += v.trim().parse::<u64>().unwrap_or(0);
+                    }
+                }
+            }
+        }
+    }
+    total
+}

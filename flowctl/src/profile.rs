@@ -1,0 +1,643 @@
+//! Rule profiles: the TOML as written ([`RawProfile`]), then a validated
+//! [`RuleSet`]. Every error names file, line, column and the problem, and a
+//! profile with any error is rejected whole. docs/profile.md is the reference.
+
+use flowctl_common::{
+    action, gcra, key_kind,
+    rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
+    tables::{Cidr, MatchSpec},
+    unit, BucketKey, SrcEntry, SrcKey, DEFAULT_TABLE_ENTRIES, MAX_RULES, XDP_DROP, XDP_PASS,
+};
+use serde::Deserialize;
+use std::{net::IpAddr, path::Path};
+use toml::Spanned;
+
+/// The largest standard Ethernet frame with one VLAN tag: a byte bucket must
+/// hold at least one, or full-size packets could never pass.
+pub const MIN_BYTE_BURST: u64 = 1518;
+/// Default ceiling on the kernel memory a profile may preallocate.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
+
+#[derive(Debug, thiserror::Error)]
+#[error("{file}:{line}:{col}: {msg}")]
+pub struct ProfileError {
+    pub file: String,
+    pub line: usize,
+    pub col: usize,
+    pub msg: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    settings: Option<Spanned<RawSettings>>,
+    #[serde(default)]
+    rule: Vec<Spanned<RawRule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    malformed: Option<Spanned<String>>,
+    fragments: Option<Spanned<String>>,
+    key_table_entries: Option<Spanned<i64>>,
+    source_cache_entries: Option<Spanned<i64>>,
+    memory_budget: Option<Spanned<String>>,
+    grace_period: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawPorts {
+    One(i64),
+    Range(String),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawAmount {
+    Int(i64),
+    Text(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Spanned<String>,
+    proto: Option<Spanned<String>>,
+    src: Option<Spanned<String>>,
+    dport: Option<Spanned<RawPorts>>,
+    action: Option<Spanned<String>>,
+    unit: Option<Spanned<String>>,
+    rate: Option<Spanned<String>>,
+    burst: Option<Spanned<RawAmount>>,
+    key: Option<Spanned<String>>,
+    prefix_v4: Option<Spanned<i64>>,
+    prefix_v6: Option<Spanned<i64>>,
+}
+
+/// Profile-wide settings, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub malformed_verdict: u32,
+    pub fragment_verdict: u32,
+    pub key_table_entries: u32,
+    pub source_cache_entries: u32,
+    pub memory_budget: u64,
+    pub grace_ns: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            malformed_verdict: XDP_PASS,
+            fragment_verdict: XDP_PASS,
+            key_table_entries: DEFAULT_TABLE_ENTRIES,
+            source_cache_entries: DEFAULT_TABLE_ENTRIES,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            grace_ns: 3_000_000_000,
+        }
+    }
+}
+
+/// One validated rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub name: String,
+    pub line: usize,
+    pub spec: MatchSpec,
+    pub action: u8,
+    pub unit: u8,
+    pub key_kind: u8,
+    pub prefix_v4: u8,
+    pub prefix_v6: u8,
+    /// As written, for display.
+    pub rate_text: String,
+    pub burst: u64,
+    pub interval_fp: u64,
+    pub burst_ns: u64,
+}
+
+impl Rule {
+    /// What must be equal for `apply` to keep this rule's bucket state.
+    pub fn state_fingerprint(&self) -> String {
+        format!(
+            "{:?}|{}|{}|{}|{}|{}|{}|{}",
+            self.spec, self.action, self.unit, self.key_kind, self.prefix_v4, self.prefix_v6,
+            self.interval_fp, self.burst_ns
+        )
+    }
+
+    pub fn key_name(&self) -> String {
+        match self.key_kind {
+            key_kind::RULE => "rule".into(),
+            key_kind::SRC => "src".into(),
+            key_kind::SRC_PREFIX => format!("src_prefix(/{},/{})", self.prefix_v4, self.prefix_v6),
+            key_kind::DPORT => "dport".into(),
+            key_kind::SRC_DPORT => "src_dport".into(),
+            _ => "5tuple".into(),
+        }
+    }
+
+    pub fn unit_name(&self) -> &'static str {
+        match self.unit {
+            unit::BYTES => "bytes",
+            unit::CONNECTIONS => "connections",
+            _ => "packets",
+        }
+    }
+
+    pub fn action_name(&self) -> &'static str {
+        match self.action {
+            action::PASS => "pass",
+            action::DRY_RUN => "dry-run",
+            _ => "drop",
+        }
+    }
+
+    pub fn match_text(&self) -> String {
+        let proto = match self.spec.proto {
+            None => "any".to_string(),
+            Some(p) => proto_name(p),
+        };
+        let src = self.spec.src.map(|c| c.to_string()).unwrap_or_else(|| "any".into());
+        let ports = match self.spec.ports {
+            None => "any".into(),
+            Some((a, b)) if a == b => a.to_string(),
+            Some((a, b)) => format!("{a}-{b}"),
+        };
+        format!("{proto} from {src} to port {ports}")
+    }
+}
+
+pub fn proto_name(p: u8) -> String {
+    match p {
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        1 => "icmp".into(),
+        58 => "icmpv6".into(),
+        n => n.to_string(),
+    }
+}
+
+/// A validated profile.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleSet {
+    pub settings: Settings,
+    pub rules: Vec<Rule>,
+}
+
+/// Kernel bytes per preallocated LRU hash element: the element header
+/// (hash node, LRU node, hash; ~60 bytes on 6.x) plus key and value rounded to
+/// 8, plus one 8-byte bucket head. Calibrated against the memlock the kernel
+/// reports in fdinfo (docs/design.md, `cargo xtask bench` prints both).
+pub fn lru_bytes_per_entry(key: usize, value: usize) -> u64 {
+    (60 + key.next_multiple_of(8) + value.next_multiple_of(8) + 8) as u64
+}
+
+/// Fixed kernel memory of the classification tables and counters (bytes).
+pub fn fixed_table_bytes() -> u64 {
+    use flowctl_common::*;
+    let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES) * core::mem::size_of::<RuleBitmap>()
+        + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
+        + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>();
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let counters = COUNTER_RECORDS * core::mem::size_of::<RuleCounters>() * ncpu;
+    (arrays + counters) as u64
+}
+
+impl Settings {
+    /// Preallocated kernel memory of a data plane with these table sizes.
+    pub fn kernel_memory_bytes(&self) -> u64 {
+        let cache = self.source_cache_entries as u64
+            * lru_bytes_per_entry(core::mem::size_of::<SrcKey>(), core::mem::size_of::<SrcEntry>());
+        let keys = self.key_table_entries as u64
+            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
+        cache + keys + fixed_table_bytes()
+    }
+}
+
+struct Ctx<'a> {
+    file: &'a str,
+    text: &'a str,
+}
+
+impl Ctx<'_> {
+    fn err(&self, span: std::ops::Range<usize>, msg: impl Into<String>) -> ProfileError {
+        let (line, col) = line_col(self.text, span.start);
+        ProfileError { file: self.file.to_string(), line, col, msg: msg.into() }
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
+    (line, col)
+}
+
+/// Reads and validates a profile file.
+pub fn load(path: &Path) -> Result<RuleSet, ProfileError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ProfileError {
+        file: file.clone(),
+        line: 0,
+        col: 0,
+        msg: format!("cannot read the profile: {e}"),
+    })?;
+    parse(&file, &text)
+}
+
+/// Validates profile text; `file` is used in error messages.
+pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
+    let cx = Ctx { file, text };
+    let raw: RawProfile = toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        cx.err(span, e.message().to_string())
+    })?;
+    let settings = match raw.settings {
+        Some(s) => settings(&cx, s.into_inner())?,
+        None => Settings::default(),
+    };
+    if raw.rule.is_empty() {
+        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: "the profile has no [[rule]]".into() });
+    }
+    if raw.rule.len() > MAX_RULES {
+        let span = raw.rule[MAX_RULES].span();
+        return Err(cx.err(span, format!("too many rules: at most {MAX_RULES}")));
+    }
+    let mut rules: Vec<Rule> = Vec::new();
+    for r in raw.rule {
+        let span = r.span();
+        let rule = rule(&cx, span.clone(), r.into_inner())?;
+        if rules.iter().any(|o| o.name == rule.name) {
+            return Err(cx.err(span, format!("duplicate rule name `{}`", rule.name)));
+        }
+        rules.push(rule);
+    }
+    let set = RuleSet { settings, rules };
+    let need = set.settings.kernel_memory_bytes();
+    if need > set.settings.memory_budget {
+        let (line, col) = (1, 1);
+        return Err(ProfileError {
+            file: file.into(),
+            line,
+            col,
+            msg: format!(
+                "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries or raise settings.memory_budget)",
+                human_bytes(need),
+                human_bytes(set.settings.memory_budget)
+            ),
+        });
+    }
+    Ok(set)
+}
+
+pub fn human_bytes(n: u64) -> String {
+    if n >= 1 << 30 {
+        format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64)
+    } else if n >= 1 << 20 {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", n as f64 / 1024.0)
+    }
+}
+
+fn verdict(cx: &Ctx, v: &Spanned<String>) -> Result<u32, ProfileError> {
+    match v.get_ref().as_str() {
+        "pass" => Ok(XDP_PASS),
+        "drop" => Ok(XDP_DROP),
+        other => Err(cx.err(v.span(), format!("unknown verdict `{other}`: use \"pass\" or \"drop\""))),
+    }
+}
+
+fn table_size(cx: &Ctx, v: &Spanned<i64>) -> Result<u32, ProfileError> {
+    let n = *v.get_ref();
+    if !(1024..=(1 << 26)).contains(&n) {
+        return Err(cx.err(v.span(), format!("table size {n} out of range: 1024 to {}", 1 << 26)));
+    }
+    Ok(n as u32)
+}
+
+fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
+    let mut out = Settings::default();
+    if let Some(v) = &s.malformed {
+        out.malformed_verdict = verdict(cx, v)?;
+    }
+    if let Some(v) = &s.fragments {
+        out.fragment_verdict = verdict(cx, v)?;
+    }
+    if let Some(v) = &s.key_table_entries {
+        out.key_table_entries = table_size(cx, v)?;
+    }
+    if let Some(v) = &s.source_cache_entries {
+        out.source_cache_entries = table_size(cx, v)?;
+    }
+    if let Some(v) = &s.memory_budget {
+        out.memory_budget = match parse_amount(v.get_ref()) {
+            Ok((n, Dimension::Bytes)) => n,
+            Ok(_) => return Err(cx.err(v.span(), "memory_budget needs a byte unit, e.g. \"512MiB\"")),
+            Err(e) => return Err(cx.err(v.span(), format!("bad memory_budget: {e}"))),
+        };
+    }
+    if let Some(v) = &s.grace_period {
+        out.grace_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad grace_period: {e}")))?;
+    }
+    Ok(out)
+}
+
+fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    let (a, l) = match s.split_once('/') {
+        Some((a, l)) => (a, Some(l)),
+        None => (s, None),
+    };
+    let addr: IpAddr = a.trim().parse().map_err(|_| format!("`{a}` is not an IP address"))?;
+    let max = Cidr::max_len(&addr);
+    let len = match l {
+        Some(l) => l.trim().parse::<u8>().map_err(|_| format!("bad prefix length `{l}`"))?,
+        None => max,
+    };
+    if len > max {
+        return Err(format!("prefix length /{len} is longer than /{max}"));
+    }
+    let c = Cidr { addr, len };
+    let masked = Cidr { addr: mask(&addr, len), len };
+    if masked.addr != addr {
+        return Err(format!("host bits set in `{s}`: did you mean {masked}?"));
+    }
+    Ok(c)
+}
+
+fn mask(addr: &IpAddr, len: u8) -> IpAddr {
+    match addr {
+        IpAddr::V4(a) => {
+            let m = if len == 0 { 0 } else { u32::MAX << (32 - len as u32) };
+            IpAddr::V4((u32::from(*a) & m).into())
+        }
+        IpAddr::V6(a) => {
+            let m = if len == 0 { 0 } else { u128::MAX << (128 - len as u32) };
+            IpAddr::V6((u128::from(*a) & m).into())
+        }
+    }
+}
+
+fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, ProfileError> {
+    let name = r.name.get_ref().trim().to_string();
+    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        return Err(cx.err(r.name.span(), "rule names are 1-64 characters of letters, digits, '-', '_' or '.'"));
+    }
+    let proto = match &r.proto {
+        None => None,
+        Some(p) => Some(match p.get_ref().to_ascii_lowercase().as_str() {
+            "any" => None,
+            "tcp" => Some(6),
+            "udp" => Some(17),
+            "icmp" => Some(1),
+            "icmpv6" => Some(58),
+            other => match other.parse::<u8>() {
+                Ok(n) => Some(n),
+                Err(_) => return Err(cx.err(p.span(), format!("unknown protocol `{other}`: use tcp, udp, icmp, icmpv6, any or a number"))),
+            },
+        }),
+    }
+    .flatten();
+    let src = match &r.src {
+        None => None,
+        Some(s) => Some(parse_cidr(s.get_ref()).map_err(|m| cx.err(s.span(), m))?),
+    };
+    let ports = match &r.dport {
+        None => None,
+        Some(p) => {
+            let (lo, hi) = match p.get_ref() {
+                RawPorts::One(n) => (*n, *n),
+                RawPorts::Range(s) => {
+                    let (a, b) = s.split_once('-').unwrap_or((s, s));
+                    let a = a.trim().parse::<i64>().map_err(|_| cx.err(p.span(), format!("bad port range `{s}`: use \"8000-8100\"")))?;
+                    let b = b.trim().parse::<i64>().map_err(|_| cx.err(p.span(), format!("bad port range `{s}`: use \"8000-8100\"")))?;
+                    (a, b)
+                }
+            };
+            if !(0..=65535).contains(&lo) || !(0..=65535).contains(&hi) {
+                return Err(cx.err(p.span(), "ports are 0 to 65535"));
+            }
+            if lo > hi {
+                return Err(cx.err(p.span(), format!("reversed port range {lo}-{hi}: write {hi}-{lo}")));
+            }
+            if let Some(pr) = proto {
+                if pr != 6 && pr != 17 {
+                    return Err(cx.err(p.span(), format!("`dport` needs proto tcp or udp, not {}", proto_name(pr))));
+                }
+            }
+            Some((lo as u16, hi as u16))
+        }
+    };
+    let action_v = match &r.action {
+        None => action::DROP,
+        Some(a) => match a.get_ref().as_str() {
+            "drop" => action::DROP,
+            "pass" => action::PASS,
+            "dry-run" | "dry_run" => action::DRY_RUN,
+            other => return Err(cx.err(a.span(), format!("unknown action `{other}`: use drop, pass or dry-run"))),
+        },
+    };
+    let spec = MatchSpec { proto, src, ports };
+    let mut rule = Rule {
+        name,
+        line: line_col(cx.text, span.start).0,
+        spec,
+        action: action_v,
+        unit: unit::PACKETS,
+        key_kind: key_kind::RULE,
+        prefix_v4: 32,
+        prefix_v6: 128,
+        rate_text: String::new(),
+        burst: 0,
+        interval_fp: 0,
+        burst_ns: 0,
+    };
+    if action_v == action::PASS {
+        for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span()))] {
+            if let Some(s) = s {
+                return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
+            }
+        }
+        return Ok(rule);
+    }
+    let Some(rate_s) = &r.rate else {
+        return Err(cx.err(span, format!("rule `{}` needs a `rate` (e.g. \"100/s\", \"10Mbit/s\") or action = \"pass\"", rule.name)));
+    };
+    let rate: Rate = parse_rate(rate_s.get_ref()).map_err(|e| cx.err(rate_s.span(), format!("bad rate `{}`: {e}", rate_s.get_ref())))?;
+    rule.rate_text = rate_s.get_ref().clone();
+    rule.unit = match &r.unit {
+        None => if rate.dim == Dimension::Bytes { unit::BYTES } else { unit::PACKETS },
+        Some(u) => match u.get_ref().as_str() {
+            "packets" => unit::PACKETS,
+            "bytes" => unit::BYTES,
+            "connections" => unit::CONNECTIONS,
+            other => return Err(cx.err(u.span(), format!("unknown unit `{other}`: use packets, bytes or connections"))),
+        },
+    };
+    if (rule.unit == unit::BYTES) != (rate.dim == Dimension::Bytes) {
+        return Err(cx.err(rate_s.span(), if rule.unit == unit::BYTES {
+            "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
+        } else {
+            format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
+        }));
+    }
+    if rule.unit == unit::CONNECTIONS && proto.is_some_and(|p| p != 6) {
+        return Err(cx.err(r.unit.as_ref().map(|u| u.span()).unwrap_or(span.clone()), "unit = \"connections\" counts TCP SYNs: use proto = \"tcp\""));
+    }
+    let (num, den) = (rate.num, rate.den);
+    if num > u64::MAX as u128 || den > u64::MAX as u128 {
+        return Err(cx.err(rate_s.span(), "rate out of range"));
+    }
+    rule.interval_fp = gcra::interval_fp(num as u64, den as u64);
+    rule.burst = match &r.burst {
+        None => {
+            // Default: one second's worth, at least one unit (one large frame
+            // for byte rules).
+            let per_s = rate.per_second() as u64;
+            if rule.unit == unit::BYTES { per_s.max(MIN_BYTE_BURST) } else { per_s.max(1) }
+        }
+        Some(b) => {
+            let (n, dim) = match b.get_ref() {
+                RawAmount::Int(n) if *n <= 0 => return Err(cx.err(b.span(), "burst must be greater than zero")),
+                RawAmount::Int(n) => (*n as u64, Dimension::Count),
+                RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(b.span(), format!("bad burst `{t}`: {e}")))?,
+            };
+            if rule.unit == unit::BYTES {
+                if n < MIN_BYTE_BURST {
+                    return Err(cx.err(b.span(), format!("byte burst {n} is below one full frame ({MIN_BYTE_BURST} bytes): such packets could never pass")));
+                }
+            } else if dim == Dimension::Bytes {
+                return Err(cx.err(b.span(), format!("a byte-sized burst needs unit = \"bytes\", not {}", rule.unit_name())));
+            }
+            n
+        }
+    };
+    rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+    if let Some(k) = &r.key {
+        rule.key_kind = match k.get_ref().as_str() {
+            "rule" => key_kind::RULE,
+            "src" => key_kind::SRC,
+            "src_prefix" => key_kind::SRC_PREFIX,
+            "dport" => key_kind::DPORT,
+            "src_dport" => key_kind::SRC_DPORT,
+            "5tuple" | "five_tuple" => key_kind::FIVE_TUPLE,
+            other => return Err(cx.err(k.span(), format!("unknown key `{other}`: use rule, src, src_prefix, dport, src_dport or 5tuple"))),
+        };
+    }
+    for (raw, max, dflt, dst) in [(&r.prefix_v4, 32, 24, 0), (&r.prefix_v6, 128, 64, 1)] {
+        let v = match raw {
+            Some(p) => {
+                if rule.key_kind != key_kind::SRC_PREFIX {
+                    return Err(cx.err(p.span(), "prefix_v4/prefix_v6 need key = \"src_prefix\""));
+                }
+                let n = *p.get_ref();
+                if !(1..=max).contains(&n) {
+                    return Err(cx.err(p.span(), format!("prefix length {n} out of range 1..={max}")));
+                }
+                n as u8
+            }
+            None => dflt,
+        };
+        if rule.key_kind == key_kind::SRC_PREFIX {
+            if dst == 0 { rule.prefix_v4 = v } else { rule.prefix_v6 = v }
+        }
+    }
+    Ok(rule)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> ProfileError {
+        parse("p.toml", text).unwrap_err()
+    }
+
+    const GOOD: &str = r#"
+[settings]
+key_table_entries = 65536
+source_cache_entries = 65536
+
+[[rule]]
+name = "trusted"
+src = "10.0.0.0/8"
+action = "pass"
+
+[[rule]]
+name = "web"
+proto = "tcp"
+dport = "80-443"
+unit = "connections"
+rate = "60/min"
+burst = 20
+key = "src_prefix"
+prefix_v4 = 24
+
+[[rule]]
+name = "bulk"
+rate = "10Mbit/s"
+burst = "64KiB"
+key = "src"
+"#;
+
+    #[test]
+    fn good_profile() {
+        let s = parse("p.toml", GOOD).unwrap();
+        assert_eq!(s.rules.len(), 3);
+        assert_eq!(s.rules[1].unit, unit::CONNECTIONS);
+        assert_eq!(s.rules[1].prefix_v4, 24);
+        assert_eq!(s.rules[1].prefix_v6, 64);
+        assert_eq!(s.rules[2].unit, unit::BYTES);
+        assert_eq!(s.rules[2].burst, 65536);
+        assert_eq!(s.rules[1].line, 10);
+    }
+
+    fn with_rule(body: &str) -> String {
+        format!("[[rule]]\nname = \"r\"\n{body}\n")
+    }
+
+    #[test]
+    fn each_error_class_names_line_and_column() {
+        let cases: &[(&str, usize, &str)] = &[
+            ("[[rule]\nname = 1", 1, "expected"),
+            (&with_rule("src = \"10.0.0.1/8\"\nrate = \"1/s\""), 3, "host bits set"),
+            (&with_rule("src = \"10.0.0.300\"\nrate = \"1/s\""), 3, "not an IP"),
+            (&with_rule("rate = \"0/s\""), 3, "greater than zero"),
+            (&with_rule("rate = \"1/s\"\nburst = 0"), 4, "greater than zero"),
+            (&with_rule("rate = \"10Mbit/s\"\nburst = \"1000B\""), 4, "below one full frame"),
+            (&with_rule("proto = \"tcp\"\ndport = \"90-80\"\nrate = \"1/s\""), 4, "reversed port range"),
+            (&with_rule("rate = \"1/s\"\ncolour = \"red\""), 4, "unknown field"),
+            (&with_rule("rate = \"1/s\"\nkey = \"moon\""), 4, "unknown key"),
+            ("[[rule]]\nname = \"a\"\nrate = \"1/s\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"", 4, "duplicate rule name"),
+        ];
+        for (text, line, needle) in cases {
+            let e = err(text);
+            assert_eq!(e.line, *line, "{text}: {e}");
+            assert!(e.col >= 1);
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+            assert!(e.to_string().starts_with("p.toml:"), "{e}");
+        }
+    }
+
+    #[test]
+    fn memory_budget_rejects_big_tables() {
+        let e = err("[settings]\nkey_table_entries = 67108864\nmemory_budget = \"256MiB\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"");
+        assert!(e.to_string().contains("over the budget"), "{e}");
+        let ok = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
+        // Default tables: two 1M-entry LRU hashes, about 250 MB.
+        let mem = ok.settings.kernel_memory_bytes();
+        assert!(mem > 200 << 20 && mem < 300 << 20, "{mem}");
+    }
+
+    #[test]
+    fn fingerprint_tracks_limits_not_names() {
+        let a = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
+        let b = parse("p", "[[rule]]\nname = \"b\"\nrate = \"1/s\"").unwrap();
+        let c = parse("p", "[[rule]]\nname = \"a\"\nrate = \"2/s\"").unwrap();
+        assert_eq!(a.rules[0].state_fingerprint(), b.rules[0].state_fingerprint());
+        assert_ne!(a.rules[0].state_fingerprint(), c.rules[0].state_fingerprint());
+    }
+}
