@@ -1,0 +1,99 @@
+//! The real XDP program, loaded (not attached) under a unique pin directory,
+//! with a profile applied, for `BPF_PROG_TEST_RUN`.
+
+use aya::{
+    programs::{TestRun, TestRunOptions, Xdp},
+    Ebpf,
+};
+use flowctl::{
+    dataplane::{self, Maps},
+    pins::{AttachId, AttachState},
+    profile,
+};
+use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX, LAYOUT_VERSION, XDP_PROGRAM};
+use std::time::Duration;
+
+pub struct TestPlane {
+    pub ebpf: Ebpf,
+    pub id: AttachId,
+    pub maps: Maps,
+    pub state: AttachState,
+}
+
+impl TestPlane {
+    /// Loads the program and applies `profile_text` (panics with context).
+    pub fn new(profile_text: &str) -> Self {
+        flowctl::pins::ensure_bpffs().expect("bpffs");
+        let set = profile::parse("test.toml", profile_text).expect("test profile");
+        // netns inode 1 never exists, so these pins cannot collide with a real attachment.
+        let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
+        let id = AttachId { netns_ino: 1, ifindex };
+        let _ = dataplane::detach(&id);
+        let ebpf = dataplane::load(&id, &set.settings).expect("load the XDP program");
+        let mut maps = Maps::open(&id).expect("open pinned maps");
+        let mut state = AttachState {
+            layout_version: LAYOUT_VERSION,
+            iface: "test".into(),
+            netns: None,
+            id,
+            mode: "test".into(),
+            profile_path: String::new(),
+            rules: Vec::new(),
+            next_state_id: 0,
+            attached_at_unix: 0,
+            key_table_entries: set.settings.key_table_entries,
+            source_cache_entries: set.settings.source_cache_entries,
+        };
+        dataplane::apply(&mut maps, &mut state, &set).expect("apply");
+        Self { ebpf, id, maps, state }
+    }
+
+    pub fn apply(&mut self, profile_text: &str) {
+        let set = profile::parse("test.toml", profile_text).expect("test profile");
+        dataplane::apply(&mut self.maps, &mut self.state, &set).expect("apply");
+    }
+
+    fn prog(&self) -> &Xdp {
+        self.ebpf.program(XDP_PROGRAM).unwrap().try_into().unwrap()
+    }
+
+    /// The program's verdict for one frame.
+    pub fn run(&self, frame: &[u8]) -> u32 {
+        self.run_repeat(frame, 1).0
+    }
+
+    /// Verdict and kernel-reported mean duration per run.
+    pub fn run_repeat(&self, frame: &[u8], repeat: u32) -> (u32, Duration) {
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.repeat = repeat;
+        let r = self.prog().test_run(opts).expect("BPF_PROG_TEST_RUN");
+        (r.return_value, r.duration)
+    }
+
+    pub fn counters(&self, rule: &str) -> RuleCounters {
+        let rec = self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record;
+        self.maps.counters(rec).unwrap()
+    }
+
+    pub fn unmatched(&self) -> RuleCounters {
+        self.maps.counters(GLOBAL_COUNTER_INDEX).unwrap()
+    }
+
+    pub fn verified_insns(&self) -> u32 {
+        self.prog().info().unwrap().verified_instruction_count().unwrap_or(0)
+    }
+}
+
+fn next() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::Relaxed) % 10
+}
+
+impl Drop for TestPlane {
+    fn drop(&mut self) {
+        let _ = dataplane::detach(&self.id);
+        let _ = std::fs::remove_dir_all(self.id.run_dir());
+    }
+}

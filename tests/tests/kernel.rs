@@ -1,0 +1,350 @@
+//! BPF_PROG_TEST_RUN on the real XDP program with crafted packets.
+//! Root only; run serially by `cargo xtask test`.
+
+use flowctl_common::{reason, XDP_DROP, XDP_PASS};
+use flowctl_tests::{not_root, packet::*, testrun::TestPlane};
+
+const SMALL: &str = "[settings]\nkey_table_entries = 4096\nsource_cache_entries = 4096\n";
+
+fn profile(rules: &str) -> String {
+    format!("{SMALL}{rules}")
+}
+
+/// A rule that refuses everything after one packet, so a DROP proves the
+/// packet was parsed and matched, and a PASS with `unmatched` shows it was not.
+const STRICT_UDP_53: &str = r#"
+[[rule]]
+name = "dns"
+proto = "udp"
+dport = 53
+rate = "1/min"
+burst = 1
+key = "rule"
+"#;
+
+/// The processed-instruction budget: the verifier limit is 1M; staying far
+/// below leaves room for the stages later work adds.
+const VERIFIER_BUDGET: u32 = 150_000;
+
+#[test]
+fn verifier_instruction_budget() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(STRICT_UDP_53));
+    let n = p.verified_insns();
+    println!("flowctl_xdp: verifier processed {n} instructions (budget {VERIFIER_BUDGET})");
+    assert!(n > 0 && n <= VERIFIER_BUDGET, "{n} processed instructions, budget {VERIFIER_BUDGET}");
+}
+
+#[test]
+fn bucket_drains_then_refuses_and_counts() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(
+        r#"
+[[rule]]
+name = "per-src"
+proto = "udp"
+rate = "1/min"
+burst = 5
+key = "src"
+"#,
+    ));
+    let a = V4::new([10, 1, 1, 1]).build(L4::Udp { sport: 1000, dport: 53 }, 10);
+    let b = V4::new([10, 1, 1, 2]).build(L4::Udp { sport: 1000, dport: 53 }, 10);
+    let verdicts: Vec<u32> = (0..8).map(|_| p.run(&a)).collect();
+    assert_eq!(verdicts, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP]);
+    // Another source has its own bucket.
+    assert_eq!(p.run(&b), XDP_PASS);
+    let c = p.counters("per-src");
+    assert_eq!(c.offered_pkts, 9);
+    assert_eq!(c.passed_pkts, 6);
+    assert_eq!(c.dropped_pkts[reason::RATE], 3);
+    assert_eq!(c.offered_bytes, 9 * a.len() as u64);
+}
+
+#[test]
+fn byte_buckets_charge_frame_length() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"bytes\"\nrate = \"1KB/min\"\nburst = \"3000B\"\nkey = \"src\"\n",
+    ));
+    let f = V4::new([10, 2, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 958); // 1000-byte frame
+    assert_eq!(f.len(), 1000);
+    let v: Vec<u32> = (0..4).map(|_| p.run(&f)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP]);
+}
+
+#[test]
+fn connections_unit_counts_only_syns() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"conns\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"1/min\"\nburst = 2\nkey = \"src\"\n",
+    ));
+    let v = V4::new([10, 3, 0, 1]);
+    let syn = v.build(L4::Tcp { sport: 5, dport: 80, flags: 0x02 }, 0);
+    let synack = v.build(L4::Tcp { sport: 5, dport: 80, flags: 0x12 }, 0);
+    let ack = v.build(L4::Tcp { sport: 5, dport: 80, flags: 0x10 }, 100);
+    assert_eq!(p.run(&syn), XDP_PASS);
+    assert_eq!(p.run(&syn), XDP_PASS);
+    assert_eq!(p.run(&syn), XDP_DROP);
+    for _ in 0..5 {
+        assert_eq!(p.run(&ack), XDP_PASS);
+        assert_eq!(p.run(&synack), XDP_PASS);
+    }
+}
+
+#[test]
+fn dry_run_counts_would_drop_and_passes() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile("[[rule]]\nname = \"dry\"\nrate = \"1/min\"\nburst = 1\naction = \"dry-run\"\n"));
+    let f = V4::new([10, 4, 0, 1]).build(L4::Icmp, 10);
+    for _ in 0..4 {
+        assert_eq!(p.run(&f), XDP_PASS);
+    }
+    let c = p.counters("dry");
+    assert_eq!((c.passed_pkts, c.would_drop_pkts, c.dropped_total()), (4, 3, 0));
+}
+
+#[test]
+fn pass_rule_exempts_before_later_rules() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"trusted\"\nsrc = \"10.5.0.0/16\"\naction = \"pass\"\n[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n",
+    ));
+    let trusted = V4::new([10, 5, 9, 9]).build(L4::Icmp, 0);
+    let other = V4::new([10, 6, 9, 9]).build(L4::Icmp, 0);
+    for _ in 0..5 {
+        assert_eq!(p.run(&trusted), XDP_PASS);
+    }
+    assert_eq!(p.run(&other), XDP_PASS);
+    assert_eq!(p.run(&other), XDP_DROP);
+    assert_eq!(p.counters("trusted").passed_pkts, 5);
+}
+
+/// Every header layout reaches the matcher: the strict rule admits the first
+/// packet of a bucket and drops the second.
+#[test]
+fn header_layouts_are_parsed() {
+    if not_root() {
+        return;
+    }
+    let udp = L4::Udp { sport: 999, dport: 53 };
+    let mut v4opts = V4::new([10, 7, 0, 1]);
+    v4opts.options = vec![1, 1, 1, 0]; // NOP NOP NOP EOL
+    let mut vlan = V4::new([10, 7, 0, 2]);
+    vlan.vlans = vec![100];
+    let mut qinq = V4::new([10, 7, 0, 3]);
+    qinq.vlans = vec![200, 100];
+    let mut v6 = V6::new([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    let mut v6ext = V6::new([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+    v6ext.ext = vec![ext_hopopts(), ext_dstopts(), ext_ah()];
+    let mut v6vlan = V6::new([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3]);
+    v6vlan.vlans = vec![300, 301];
+    v6.vlans = vec![];
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("ipv4", V4::new([10, 7, 0, 9]).build(udp, 4)),
+        ("ipv4 options", v4opts.build(udp, 4)),
+        ("802.1Q", vlan.build(udp, 4)),
+        ("802.1ad+802.1Q", qinq.build(udp, 4)),
+        ("ipv6", v6.build(udp, 4)),
+        ("ipv6 hop/dst/AH", v6ext.build(udp, 4)),
+        ("ipv6 QinQ", v6vlan.build(udp, 4)),
+    ];
+    for (name, frame) in cases {
+        // A fresh plane per case: the strict rule's one token is spent by the first.
+        let p = TestPlane::new(&profile(STRICT_UDP_53));
+        assert_eq!(p.run(&frame), XDP_PASS, "{name}: first packet");
+        assert_eq!(p.run(&frame), XDP_DROP, "{name}: second packet must hit the rule");
+        assert_eq!(p.unmatched().malformed_pkts, 0, "{name}");
+    }
+}
+
+#[test]
+fn non_ip_always_passes() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n"));
+    for _ in 0..3 {
+        assert_eq!(p.run(&arp()), XDP_PASS);
+    }
+    assert_eq!(p.unmatched().non_ip_pkts, 3);
+}
+
+/// Truncation at every byte boundary gets the malformed verdict (default
+/// pass, counted), never a crash or a match on garbage.
+#[test]
+fn truncation_at_every_boundary() {
+    if not_root() {
+        return;
+    }
+    let mut v6ext = V6::new([0xfd; 16]);
+    v6ext.ext = vec![ext_hopopts(), ext_fragment(0, true)];
+    let mut qinq = V4::new([10, 8, 0, 1]);
+    qinq.vlans = vec![1, 2];
+    qinq.options = vec![1, 1, 1, 1, 1, 1, 1, 0];
+    let frames = [
+        qinq.build(L4::Tcp { sport: 1, dport: 53, flags: 2 }, 0),
+        v6ext.build(L4::Udp { sport: 1, dport: 53 }, 0),
+    ];
+    for drop_policy in [false, true] {
+        let settings = if drop_policy { "malformed = \"drop\"\n" } else { "" };
+        let text = format!("[settings]\nkey_table_entries = 4096\nsource_cache_entries = 4096\n{settings}[[rule]]\nname = \"any\"\nrate = \"1000/s\"\nkey = \"src\"\n");
+        let p = TestPlane::new(&text);
+        // The frames carry no payload, so every cut ends inside a header.
+        // BPF_PROG_TEST_RUN refuses XDP input shorter than an Ethernet header.
+        let mut cuts = 0;
+        for f in &frames {
+            for cut in 14..f.len() {
+                let v = p.run(&f[..cut]);
+                assert_eq!(v, if drop_policy { XDP_DROP } else { XDP_PASS }, "cut at {cut} of {}", f.len());
+                cuts += 1;
+            }
+            assert_eq!(p.run(f), XDP_PASS, "the whole frame parses");
+        }
+        let m = p.unmatched().malformed_pkts;
+        assert_eq!(m, cuts, "every cut counted as malformed");
+        assert_eq!(cuts, (70 - 14) + (78 - 14));
+        if drop_policy {
+            assert_eq!(p.unmatched().dropped_pkts[reason::MALFORMED], m);
+        }
+    }
+}
+
+/// Fragments: first fragments are keyed with their L4 header; later fragments
+/// match only port-less rules, else get the fragment verdict.
+#[test]
+fn fragment_policy_v4_and_v6() {
+    if not_root() {
+        return;
+    }
+    for drop_fragments in [false, true] {
+        let verdict = if drop_fragments { "fragments = \"drop\"\n" } else { "" };
+        let text = format!(
+            "[settings]\nkey_table_entries = 4096\nsource_cache_entries = 4096\n{verdict}\
+             [[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = 53\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n\
+             [[rule]]\nname = \"icmp-any\"\nproto = \"icmp\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n"
+        );
+        let p = TestPlane::new(&text);
+        let udp = L4::Udp { sport: 7, dport: 53 };
+        let mut first = V4::new([10, 9, 0, 1]);
+        first.frag = (0, true);
+        let mut later = V4::new([10, 9, 0, 1]);
+        later.frag = (10, false);
+        assert_eq!(p.run(&first.build(udp, 64)), XDP_PASS);
+        assert_eq!(p.run(&first.build(udp, 64)), XDP_DROP, "first fragments are keyed with L4 and hit the port rule");
+        let want = if drop_fragments { XDP_DROP } else { XDP_PASS };
+        assert_eq!(p.run(&later.build(udp, 64)), want, "v4 later fragment");
+        let mut v6later = V6::new([0xfd, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        v6later.ext = vec![ext_fragment(10, false)];
+        assert_eq!(p.run(&v6later.build(udp, 64)), want, "v6 later fragment");
+        let mut v6first = V6::new([0xfd, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        v6first.ext = vec![ext_fragment(0, true)];
+        // The port rule's one token was spent above: the v6 first fragment hits it too.
+        assert_eq!(p.run(&v6first.build(udp, 64)), XDP_DROP, "v6 first fragment matches the port rule");
+        let g = p.unmatched();
+        assert_eq!(g.fragment_pkts, 2);
+        assert_eq!(g.dropped_pkts[reason::FRAGMENT], if drop_fragments { 2 } else { 0 });
+        // A later fragment that a port-less rule matches is judged by it.
+        let mut icmp_later = V4::new([10, 9, 0, 2]);
+        icmp_later.frag = (10, false);
+        assert_eq!(p.run(&icmp_later.build(L4::Icmp, 64)), XDP_PASS);
+        assert_eq!(p.run(&icmp_later.build(L4::Icmp, 64)), XDP_DROP);
+    }
+}
+
+/// `apply` keeps buckets of unchanged rules, and a source moved to another
+/// rule is judged by the new rule from the very next packet, although its
+/// per-source cache entry still holds the old classification.
+#[test]
+fn apply_keeps_state_and_reclassifies_cached_sources() {
+    if not_root() {
+        return;
+    }
+    let base = "[[rule]]\nname = \"a\"\nsrc = \"10.10.0.0/16\"\nrate = \"1/min\"\nburst = 2\nkey = \"src\"\n";
+    let mut p = TestPlane::new(&profile(base));
+    let f = V4::new([10, 10, 0, 1]).build(L4::Icmp, 0);
+    assert_eq!(p.run(&f), XDP_PASS);
+    assert_eq!(p.run(&f), XDP_PASS);
+    assert_eq!(p.run(&f), XDP_DROP);
+    // Same rule, plus an unrelated one: the drained bucket survives.
+    p.apply(&profile(&format!("{base}[[rule]]\nname = \"other\"\nsrc = \"10.11.0.0/16\"\nrate = \"1/s\"\n")));
+    assert_eq!(p.run(&f), XDP_DROP, "unchanged rule keeps its bucket across apply");
+    // Move the source to a new, more specific rule placed first.
+    p.apply(&profile(&format!("[[rule]]\nname = \"vip\"\nsrc = \"10.10.0.1/32\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n{base}")));
+    let before = p.counters("vip").offered_pkts;
+    assert_eq!(p.run(&f), XDP_PASS, "next packet is judged by the new rule");
+    assert_eq!(p.counters("vip").offered_pkts, before + 1);
+    // Changing a rule's limit resets its bucket.
+    p.apply(&profile("[[rule]]\nname = \"a\"\nsrc = \"10.10.0.0/16\"\nrate = \"2/min\"\nburst = 2\nkey = \"src\"\n"));
+    assert_eq!(p.run(&f), XDP_PASS, "changed limits start a fresh bucket");
+}
+
+/// Every key kind builds buckets as documented.
+#[test]
+fn key_kinds_split_buckets() {
+    if not_root() {
+        return;
+    }
+    let cases = [("rule", false, false), ("src", true, false), ("src_prefix", false, true), ("dport", false, true), ("src_dport", true, true), ("5tuple", true, true)];
+    for (key, split_by_host, split_by_port) in cases {
+        let p = TestPlane::new(&profile(&format!("[[rule]]\nname = \"k\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"{key}\"\n")));
+        let a = V4::new([10, 12, 0, 1]).build(L4::Udp { sport: 1, dport: 80 }, 0);
+        let other_host = V4::new([10, 12, 0, 2]).build(L4::Udp { sport: 1, dport: 80 }, 0);
+        let other_net = V4::new([10, 13, 0, 1]).build(L4::Udp { sport: 1, dport: 81 }, 0);
+        assert_eq!(p.run(&a), XDP_PASS, "{key}");
+        let want = |split: bool| if split { XDP_PASS } else { XDP_DROP };
+        assert_eq!(p.run(&other_host), want(split_by_host), "{key}: same /24, other host");
+        assert_eq!(p.run(&other_net), want(split_by_port || split_by_host), "{key}: other /24 and port");
+    }
+}
+
+/// Two threads on different CPUs hammer one key: admissions never exceed
+/// burst + rate * elapsed + 1.
+#[test]
+fn exact_under_concurrency() {
+    if not_root() {
+        return;
+    }
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    assert!(ncpu >= 2, "needs two CPUs");
+    let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hot\"\nrate = \"1000/s\"\nburst = 50\nkey = \"rule\"\n")));
+    let frame = V4::new([10, 14, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = (0..2)
+        .map(|cpu| {
+            let (p, frame) = (p.clone(), frame.clone());
+            std::thread::spawn(move || {
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(cpu, &mut set);
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                }
+                for _ in 0..200 {
+                    p.run_repeat(&frame, 1000);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let c = p.counters("hot");
+    let bound = 50.0 + 1000.0 * elapsed + 1.0;
+    println!("offered {} admitted {} bound {bound:.0} over {elapsed:.3}s, contended {}", c.offered_pkts, c.passed_pkts, c.dropped_pkts[reason::CONTENDED]);
+    assert_eq!(c.offered_pkts, 400_000);
+    assert!((c.passed_pkts as f64) <= bound, "admitted {} > bound {bound}", c.passed_pkts);
+    assert!(c.passed_pkts >= 50, "the burst at least");
+}
