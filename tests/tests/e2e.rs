@@ -1,0 +1,265 @@
+//! The real `flowctl` binary on veth pairs in network namespaces, with real
+//! UDP traffic. Bounds come from timestamps the harness records, never from
+//! exact counts or sleeps. Root only; serial.
+
+use flowctl_tests::{lab::Lab, not_root};
+use serde_json::Value;
+use std::{
+    io::Write,
+    net::UdpSocket,
+    path::PathBuf,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+fn bin() -> PathBuf {
+    std::env::var_os("FLOWCTL_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/flowctl");
+        assert!(p.exists(), "build flowctl first (cargo xtask test does) or set FLOWCTL_BIN");
+        p
+    })
+}
+
+fn flowctl(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("run flowctl")
+}
+
+fn profile_file(text: &str) -> tempfile_lite::File {
+    tempfile_lite::File::new(text)
+}
+
+/// A tiny temp-file helper (removes the file on drop).
+mod tempfile_lite {
+    pub struct File(pub std::path::PathBuf);
+    impl File {
+        pub fn new(text: &str) -> Self {
+            let p = std::env::temp_dir().join(format!("{}.toml", flowctl_tests::unique("flowctl-profile-")));
+            std::fs::write(&p, text).unwrap();
+            Self(p)
+        }
+        pub fn path(&self) -> &str {
+            self.0.to_str().unwrap()
+        }
+    }
+    impl Drop for File {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+struct Agent(Child);
+
+impl Agent {
+    fn start(lab: &Lab, profile: &str, extra: &[&str]) -> Self {
+        let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile];
+        args.extend_from_slice(extra);
+        let child = Command::new(bin()).args(&args).stdin(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let a = Agent(child);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_running"] == true && v["generation"].as_u64() > Some(0)) {
+                return a;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("agent did not come up");
+    }
+
+    fn stop(mut self) {
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let st = self.0.wait().unwrap();
+        assert!(st.success(), "agent exit: {st}");
+    }
+
+    fn kill9(mut self) {
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn attachment(iface: &str) -> Option<Value> {
+    let out = flowctl(&["status", "--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.as_array()?.iter().find(|a| a["iface"] == iface).cloned()
+}
+
+fn rule(iface: &str, name: &str) -> Value {
+    let a = attachment(iface).expect("attached");
+    a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned().expect("rule in status")
+}
+
+/// Sends UDP from the client namespace at about `pps` for `secs`; returns
+/// (sent, first send, last send) as instants.
+fn blast(lab: &Lab, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant, Instant) {
+    let (src, dst) = (lab.ip_cli.clone(), format!("{}:{dport}", lab.ip_srv));
+    Lab::in_ns(&lab.ns_cli, move || {
+        let s = UdpSocket::bind(format!("{src}:0")).unwrap();
+        let gap = Duration::from_secs_f64(1.0 / pps as f64);
+        let first = Instant::now();
+        let mut last = first;
+        let mut n = 0;
+        while n < max && first.elapsed().as_secs_f64() < secs {
+            let _ = s.send_to(b"flowctl-e2e", &dst);
+            last = Instant::now();
+            n += 1;
+            let next = first + gap * n as u32;
+            if let Some(d) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(d);
+            }
+        }
+        (n, first, last)
+    })
+}
+
+const UDP_RULE: &str = "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n";
+
+#[test]
+fn udp_limit_holds_within_bounds_then_detaches() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fe2e", 211);
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let (sent, first, last) = blast(&lab, 7000, 1000, 2.0, 5000);
+    let t = last.duration_since(first).as_secs_f64();
+    let r = rule(&lab.veth_srv, "udp");
+    let admitted = r["passed_pkts"].as_u64().unwrap();
+    let (b, rate) = (20.0, 100.0);
+    let upper = b + rate * t + 1.0;
+    let lower = 0.9 * (sent as f64).min(b + rate * t);
+    println!("sent {sent} over {t:.3}s: admitted {admitted}, bounds [{lower:.0}, {upper:.0}]");
+    assert_eq!(r["offered_pkts"].as_u64().unwrap(), sent);
+    assert!((admitted as f64) <= upper && (admitted as f64) >= lower, "admitted {admitted} outside [{lower}, {upper}]");
+    assert_eq!(r["dropped_by_reason"]["rate"].as_u64().unwrap(), sent - admitted);
+
+    // explain agrees with the profile, from the kernel's tables.
+    let out = flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7000", "--netns", &lab.ns_srv]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("rule   udp") && text.contains("key    src"), "{text}");
+    let out = flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7001", "--netns", &lab.ns_srv]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no rule matches"));
+
+    agent.stop();
+    assert!(attachment(&lab.veth_srv).is_none(), "SIGINT detaches");
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("nothing attached"), "detach is idempotent");
+}
+
+fn map_ids(iface: &str) -> Vec<u32> {
+    let a = attachment(iface).unwrap();
+    let dir = format!("/sys/fs/bpf/flowctl/v1/ifaces/{}-{}", a["netns_inode"], a["ifindex"]);
+    flowctl_common::map_names::ALL
+        .iter()
+        .map(|n| aya::maps::MapData::from_pin(format!("{dir}/{n}")).unwrap().info().unwrap().id())
+        .collect()
+}
+
+#[test]
+fn keep_survives_sigkill_and_restart_adopts_state() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fkeep", 212);
+    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n");
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let ids = map_ids(&lab.veth_srv);
+    let (sent, _, _) = blast(&lab, 7100, 200, 0.5, 20);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3, "burst of 3 then refused (sent {sent})");
+    agent.kill9();
+    // The kept data plane enforces alone.
+    blast(&lab, 7100, 100, 0.2, 5);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3);
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert_eq!(a["agent_running"], false);
+    // Agent-less apply works on the kept data plane.
+    let out = flowctl(&["apply", &lab.veth_srv, prof.path(), "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Restart: adopts pins, the drained key is still refused, maps unchanged.
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    assert_eq!(map_ids(&lab.veth_srv), ids, "map ids unchanged across restart");
+    blast(&lab, 7100, 100, 0.2, 5);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3, "drained key still refused after re-adoption");
+    agent.stop();
+}
+
+#[test]
+fn apply_through_the_agent_is_all_or_nothing() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fapply", 213);
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let gen0 = attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap();
+    let bad = profile_file("[[rule]]\nname = \"x\"\nrate = \"0/s\"\n");
+    let out = flowctl(&["apply", &lab.veth_srv, bad.path(), "--netns", &lab.ns_srv]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("{}:3:", bad.path())) && err.contains("greater than zero"), "{err}");
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0, "nothing applied");
+    let good = profile_file(&format!("{UDP_RULE}[[rule]]\nname = \"icmp\"\nproto = \"icmp\"\nrate = \"10/s\"\n"));
+    let out = flowctl(&["apply", &lab.veth_srv, good.path(), "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0 + 1);
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["rules"].as_array().unwrap().len(), 2);
+    agent.stop();
+}
+
+#[test]
+fn error_paths_say_how_to_fix() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("ferr", 214);
+    let prof = profile_file(UDP_RULE);
+    // Missing interface.
+    let out = flowctl(&["attach", "nosuchdev0", "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no interface named `nosuchdev0`"));
+    // Missing capabilities: drop them all with setpriv.
+    let out = Command::new("setpriv")
+        .args(["--inh-caps=-all", "--bounding-set=-all", "--"])
+        .arg(bin())
+        .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs root"), "{}", String::from_utf8_lossy(&out.stderr));
+    // A bad profile is rejected with file and line before anything happens.
+    let bad = profile_file("[[rule]]\nname = \"x\"\nsrc = \"10.0.0.1/8\"\nrate = \"1/s\"\n");
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", bad.path()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{}:3:", bad.path())));
+    assert!(attachment(&lab.veth_srv).is_none());
+    // `check` for CI pipelines.
+    let out = flowctl(&["check", prof.path()]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kernel memory"));
+    // Native XDP is refused on a fresh namespace's lo: auto falls back loudly.
+    let mut child = Command::new(bin())
+        .args(["attach", "lo", "--netns", &lab.ns_srv, "--profile", prof.path()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while attachment("lo").is_none_or(|a| a["agent_running"] != true) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(attachment("lo").expect("attached to lo")["mode"], "generic");
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("generic (skb) mode"));
+    let _ = std::io::stdout().flush();
+}
