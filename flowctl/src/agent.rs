@@ -40,6 +40,19 @@ pub fn require_root() -> Result<()> {
 }
 
 pub fn run(args: AttachArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // Signal handlers first: a SIGINT that arrives while the program loads is
+    // held until the loop starts, and then detaches cleanly.
+    let signals = rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+    })?;
+    run_with(args, &rt, signals)
+}
+
+type Signals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
+
+fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
     let set = profile::load(&args.profile)?;
     require_root()?;
     if let Some(ns) = &args.netns {
@@ -70,24 +83,17 @@ pub fn run(args: AttachArgs) -> Result<()> {
             }
         }
     }
-    let adopting = id.pin_dir().join("link").exists();
-    let mut ebpf = match dataplane::load(&id, &set.settings) {
-        Ok(e) => e,
-        Err(e) => {
-            if !adopting {
-                let _ = dataplane::detach(&id);
-            }
-            return Err(e);
+    let mut adopting = id.pin_dir().join("link").exists();
+    let (ebpf, mode_used) = match load_and_attach(&id, &set, &args, adopting) {
+        Err(e) if e.is::<dataplane::SeveredLink>() => {
+            // Pins of an interface that no longer exists (its namespace was
+            // deleted and the inode and ifindex reused): nothing to adopt.
+            eprintln!("flowctl: warning: removing stale pins at {} (their interface is gone)", id.pin_dir().display());
+            dataplane::detach(&id)?;
+            adopting = false;
+            load_and_attach(&id, &set, &args, false)?
         }
-    };
-    let mode_used = match dataplane::attach(&mut ebpf, &id, &args.iface, args.mode) {
-        Ok(m) => m,
-        Err(e) => {
-            if !adopting {
-                let _ = dataplane::detach(&id);
-            }
-            return Err(e);
-        }
+        other => other?,
     };
     let mut state = match AttachState::load(&id)? {
         Some(s) if adopting => s,
@@ -122,8 +128,7 @@ pub fn run(args: AttachArgs) -> Result<()> {
         args.profile.display(),
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let result = rt.block_on(serve(&id, &mut maps, &mut state));
+    let result = rt.block_on(serve(&id, &mut maps, &mut state, signals));
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
     } else {
@@ -133,6 +138,18 @@ pub fn run(args: AttachArgs) -> Result<()> {
     drop(ebpf);
     drop(lock);
     result
+}
+
+fn load_and_attach(id: &AttachId, set: &profile::RuleSet, args: &AttachArgs, adopting: bool) -> Result<(aya::Ebpf, String)> {
+    let cleanup = |e: anyhow::Error| {
+        if !adopting {
+            let _ = dataplane::detach(id);
+        }
+        e
+    };
+    let mut ebpf = dataplane::load(id, &set.settings).map_err(cleanup)?;
+    let mode = dataplane::attach(&mut ebpf, id, &args.iface, args.mode).map_err(cleanup)?;
+    Ok((ebpf, mode))
 }
 
 pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
@@ -148,15 +165,15 @@ fn now_unix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState) -> Result<()> {
+async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals: Signals) -> Result<()> {
+    let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => break,
+            _ = int.recv() => break,
             _ = term.recv() => break,
             _ = beat.tick() => {
                 if let Err(e) = dataplane::heartbeat(maps) {

@@ -206,6 +206,12 @@ fn random_u64() -> u64 {
     u64::from_ne_bytes(b) | 1
 }
 
+/// The pinned link outlived its interface (the namespace or device was
+/// deleted, and the numbers were reused): its pins are stale.
+#[derive(Debug, thiserror::Error)]
+#[error("the pinned XDP link is severed: its interface is gone")]
+pub struct SeveredLink;
+
 /// How `attach` should treat the interface's XDP mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -258,7 +264,13 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
         let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
         let fd_link: FdLink = pinned.into();
         let xdp_link = aya::programs::xdp::XdpLink::try_from(fd_link)?;
-        let link_id = prog.attach_to_link(xdp_link).context("re-pointing the pinned XDP link")?;
+        let link_id = match prog.attach_to_link(xdp_link) {
+            Ok(l) => l,
+            Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOLINK) => {
+                return Err(SeveredLink.into());
+            }
+            Err(e) => return Err(anyhow!("re-pointing the pinned XDP link: {e}")),
+        };
         let link = prog.take_link(link_id)?;
         std::mem::forget(link); // stays pinned
         return Ok("adopted".into());

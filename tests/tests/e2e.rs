@@ -54,11 +54,14 @@ impl Agent {
     fn start(lab: &Lab, profile: &str, extra: &[&str]) -> Self {
         let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile];
         args.extend_from_slice(extra);
-        let child = Command::new(bin()).args(&args).stdin(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        // Every attach applies its profile, so the generation moves past what
+        // was pinned before: that, not the lock alone, says the agent is up.
+        let before = attachment(&lab.veth_srv).and_then(|v| v["generation"].as_u64()).unwrap_or(0);
+        let child = Command::new(bin()).args(&args).stdin(Stdio::null()).spawn().unwrap();
         let a = Agent(child);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_running"] == true && v["generation"].as_u64() > Some(0)) {
+            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_running"] == true && v["generation"].as_u64() > Some(before)) {
                 return a;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -79,9 +82,17 @@ impl Agent {
 }
 
 impl Drop for Agent {
+    /// On a failed test: SIGINT (the agent detaches), then SIGKILL after 3 s.
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        if let Ok(None) = self.0.try_wait() {
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }
 
