@@ -592,7 +592,7 @@ key = "src"
         assert_eq!(s.rules[1].prefix_v6, 64);
         assert_eq!(s.rules[2].unit, unit::BYTES);
         assert_eq!(s.rules[2].burst, 65536);
-        assert_eq!(s.rules[1].line, 10);
+        assert_eq!(s.rules[1].line, 11); // GOOD starts with a newline
     }
 
     fn with_rule(body: &str) -> String {

@@ -5,9 +5,6 @@
 //! nightly's LLVM 22; 0.11+ targets LLVM 23) and Debian packages. `test` and
 //! `demo` call it first.
 
-mod bench;
-mod demo;
-
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use std::process::Command;
@@ -27,8 +24,12 @@ enum Cmd {
     Test,
     /// Build, make a throwaway veth lab, attach, drive traffic, show counters, clean up.
     Demo,
-    /// Benchmarks: prints ratios measured in one run.
-    Bench,
+    /// Benchmarks: prints ratios measured in one run (docs/benchmarks.md).
+    Bench {
+        /// Passed to the bench runner (e.g. `quick`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 const BPF_LINKER_VERSION: &str = "0.10.3";
@@ -81,7 +82,7 @@ pub fn is_root() -> bool {
 fn test() -> Result<()> {
     setup()?;
     // Tier 1: pure logic and property tests (no root).
-    run(Command::new("cargo").args(["test", "--workspace", "--exclude", "flowctl-tests", "--exclude", "flowctl-ebpf"]))?;
+    run(Command::new("cargo").args(["test", "--workspace", "--exclude", "flowctl-tests", "--exclude", "flowctl-ebpf", "--exclude", "flowctl-bench-ebpf"]))?;
     if !is_root() {
         bail!("the kernel and end-to-end tiers need root: run `sudo -E cargo xtask test`");
     }
@@ -101,11 +102,23 @@ fn main() -> Result<()> {
         Cmd::Test => test(),
         Cmd::Demo => {
             setup()?;
-            demo::run()
+            if !is_root() {
+                bail!("the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`");
+            }
+            run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
+            let bin = std::env::current_dir()?.join("target/release/flowctl");
+            run(Command::new("cargo")
+                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-demo"])
+                .env("FLOWCTL_BIN", bin))
         }
-        Cmd::Bench => {
+        Cmd::Bench { args } => {
             setup()?;
-            bench::run()
+            if !is_root() {
+                bail!("the benchmarks load XDP programs and make veth labs: run `sudo -E cargo xtask bench`");
+            }
+            run(Command::new("cargo")
+                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-bench", "--"])
+                .args(args))
         }
     }
 }

@@ -1,9 +1,8 @@
-//! `cargo xtask demo`: the main job on an embedded default. Builds flowctl,
-//! makes a throwaway lab (two namespaces joined by veth), attaches with
+//! `cargo xtask demo` runs this: the main job on an embedded default. With a
+//! built flowctl (FLOWCTL_BIN), it makes a throwaway lab (two namespaces joined by veth), attaches with
 //! demo/profile.toml, drives UDP traffic, prints counters, and cleans up.
 
-use crate::run as sh_run;
-use anyhow::{bail, Context, Result};
+use std::error::Error;
 use flowctl_tests::lab::Lab;
 use std::{
     net::UdpSocket,
@@ -11,12 +10,21 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub fn run() -> Result<()> {
-    if !crate::is_root() {
-        bail!("the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`");
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+fn sh_run(cmd: &mut Command) -> Result<()> {
+    let st = cmd.status()?;
+    if !st.success() {
+        return Err(format!("{cmd:?} failed: {st}").into());
     }
-    sh_run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
-    let bin = std::env::current_dir()?.join("target/release/flowctl");
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`".into());
+    }
+    let bin = std::path::PathBuf::from(std::env::var_os("FLOWCTL_BIN").ok_or("set FLOWCTL_BIN (cargo xtask demo does)")?);
     let lab = Lab::new("fdemo", 203);
     // A second client address that the profile trusts.
     flowctl_tests::lab::sh(&["ip", "-n", &lab.ns_cli, "addr", "add", "10.201.203.9/24", "dev", &lab.veth_cli]);
@@ -25,8 +33,7 @@ pub fn run() -> Result<()> {
     let mut agent = Command::new(&bin)
         .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", "demo/profile.toml"])
         .stdin(Stdio::null())
-        .spawn()
-        .context("starting flowctl attach")?;
+        .spawn()?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let out = Command::new(&bin).args(["status", "--json"]).output()?;
@@ -36,7 +43,7 @@ pub fn run() -> Result<()> {
         }
         if Instant::now() > deadline {
             let _ = agent.kill();
-            bail!("the agent did not come up within 10 s");
+            return Err("the agent did not come up within 10 s".into());
         }
         std::thread::sleep(Duration::from_millis(100));
     }

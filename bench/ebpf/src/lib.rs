@@ -1,0 +1,2 @@
+#![no_std]
+//! Empty: the programs are the `flowctl-bench-xdp` binary (see main.rs).

@@ -1,0 +1,143 @@
+//! Reference programs for the benchmarks, measured beside flowctl in one run:
+//!
+//! - `bench_pass` / `bench_drop`: the XDP_PASS floor and XDP_DROP ceiling.
+//! - `bench_bare`: the bare reference, one GCRA bucket per source IPv4 in an
+//!   LRU hash and nothing else, with the same compare-and-swap update as
+//!   flowctl (`flowctl_common::gcra`).
+//! - `bench_spread`: rewrites the IPv4 source to walk N keys, then tail-calls
+//!   the program under test, so BPF_PROG_TEST_RUN covers many keys.
+//! - `bench_gen`: the live-frames generator: walks N sources and redirects
+//!   each frame into a veth.
+//! - `reject_me`: reads the packet without a bounds check, so the verifier
+//!   refuses it (for the verifier-error test).
+#![no_std]
+#![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_ktime_get_ns, bpf_redirect},
+    macros::{map, xdp},
+    maps::{Array, LruHashMap, PerCpuArray, ProgramArray},
+    programs::XdpContext,
+};
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+use flowctl_common::gcra;
+
+/// [0] = keys to walk, [1] = base IPv4 (host order), [2] = redirect ifindex.
+#[map]
+static BENCH_CONFIG: Array<u32> = Array::with_max_entries(4, 0);
+/// [0] = interval_fp, [1] = burst_ns for the bare reference.
+#[map]
+static BENCH_LIMIT: Array<u64> = Array::with_max_entries(2, 0);
+#[map]
+static BENCH_SEQ: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+#[map]
+static BENCH_NEXT: ProgramArray = ProgramArray::with_max_entries(1, 0);
+#[map]
+static BENCH_BARE_KEYS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1 << 20, 0);
+
+#[xdp]
+pub fn bench_pass(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+#[xdp]
+pub fn bench_drop(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_DROP
+}
+
+/// Offset of the IPv4 source address in an untagged Ethernet frame.
+const SRC_OFF: usize = 14 + 12;
+
+#[inline(always)]
+fn next_src() -> u32 {
+    let n = BENCH_CONFIG.get(0).copied().unwrap_or(1).max(1);
+    let base = BENCH_CONFIG.get(1).copied().unwrap_or(0x0a00_0000);
+    let Some(seq) = BENCH_SEQ.get_ptr_mut(0) else { return base };
+    unsafe {
+        *seq = (*seq + 1) % n;
+        base.wrapping_add(*seq)
+    }
+}
+
+#[inline(always)]
+fn rewrite_src(ctx: &XdpContext, src: u32) -> bool {
+    let p = ctx.data() + SRC_OFF;
+    if p + 4 > ctx.data_end() {
+        return false;
+    }
+    unsafe { core::ptr::write_unaligned(p as *mut [u8; 4], src.to_be_bytes()) };
+    true
+}
+
+#[xdp]
+pub fn bench_spread(ctx: XdpContext) -> u32 {
+    if !rewrite_src(&ctx, next_src()) {
+        return xdp_action::XDP_ABORTED;
+    }
+    unsafe {
+        let _ = BENCH_NEXT.tail_call(&ctx, 0);
+    }
+    xdp_action::XDP_ABORTED
+}
+
+#[xdp]
+pub fn bench_gen(ctx: XdpContext) -> u32 {
+    if !rewrite_src(&ctx, next_src()) {
+        return xdp_action::XDP_ABORTED;
+    }
+    let ifindex = BENCH_CONFIG.get(2).copied().unwrap_or(0);
+    unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+#[xdp]
+pub fn bench_bare(ctx: XdpContext) -> u32 {
+    let p = ctx.data() + SRC_OFF;
+    if p + 4 > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    let src = u32::from_be_bytes(unsafe { *(p as *const [u8; 4]) });
+    let (Some(t), Some(b)) = (BENCH_LIMIT.get(0), BENCH_LIMIT.get(1)) else {
+        return xdp_action::XDP_PASS;
+    };
+    let (interval, burst) = (*t, *b);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let inc = gcra::increment_ns(interval, 1);
+    let Some(tat) = BENCH_BARE_KEYS.get_ptr_mut(&src) else {
+        let first = now + inc;
+        let _ = BENCH_BARE_KEYS.insert(&src, &first, 1);
+        return xdp_action::XDP_PASS;
+    };
+    let mut tries = 0;
+    while tries < 4 {
+        let old = unsafe { core::ptr::read_volatile(tat) };
+        let Some(new) = gcra::admit(old, now, inc, burst) else {
+            return xdp_action::XDP_DROP;
+        };
+        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat, old, new) };
+        if ok {
+            return xdp_action::XDP_PASS;
+        }
+        tries += 1;
+    }
+    xdp_action::XDP_DROP
+}
+
+#[xdp]
+pub fn reject_me(ctx: XdpContext) -> u32 {
+    // Deliberately unchecked: the verifier must refuse this program.
+    let p = ctx.data() as *const u8;
+    unsafe { core::ptr::read_volatile(p.add(64)) as u32 }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[link_section = "license"]
+#[no_mangle]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

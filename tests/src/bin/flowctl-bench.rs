@@ -1,0 +1,1 @@
+fn main() { eprintln!("bench: not yet"); }
