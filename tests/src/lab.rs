@@ -24,6 +24,7 @@ impl Lab {
     /// `subnet` picks 10.201.<subnet>.0/24 so concurrent labs never overlap.
     pub fn new(tag: &str, subnet: u8) -> Self {
         let id = crate::unique(tag);
+        assert!(id.len() + 2 <= 15, "lab tag `{tag}` too long: interface names are at most 15 bytes");
         let lab = Self {
             ns_srv: format!("{id}s"),
             ns_cli: format!("{id}c"),

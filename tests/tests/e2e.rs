@@ -274,3 +274,87 @@ fn error_paths_say_how_to_fix() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("generic (skb) mode"));
     let _ = std::io::stdout().flush();
 }
+
+/// New TCP connections: a `connections` rule admits at most b + r*t SYNs;
+/// refused SYNs are dropped, so those connects time out at the client.
+#[test]
+fn tcp_connection_rate_within_bounds() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("ftcp", 215);
+    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7200\nunit = \"connections\"\nrate = \"20/s\"\nburst = 5\nkey = \"src\"\n");
+    let srv_ip = lab.ip_srv.clone();
+    // A real server in the protected namespace, accepting until told to stop.
+    let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(format!("{srv_ip}:7200")).unwrap());
+    listener.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let server = {
+        let (stop, accepted) = (stop.clone(), accepted.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok(_) => {
+                        accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        })
+    };
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let target: std::net::SocketAddr = format!("{}:7200", lab.ip_srv).parse().unwrap();
+    let (ok, attempts, t) = Lab::in_ns(&lab.ns_cli, move || {
+        let start = Instant::now();
+        let (mut ok, mut n) = (0u64, 0u64);
+        let mut last_ok = start;
+        // 200 ms connect timeout: shorter than the first SYN retransmission
+        // (1 s), so every attempt is exactly one SYN.
+        while start.elapsed() < Duration::from_secs(2) && n < 400 {
+            n += 1;
+            if std::net::TcpStream::connect_timeout(&target, Duration::from_millis(200)).is_ok() {
+                ok += 1;
+                last_ok = Instant::now();
+            }
+        }
+        (ok, n, last_ok.duration_since(start).as_secs_f64())
+    });
+    let r = rule(&lab.veth_srv, "conns");
+    let admitted = r["passed_pkts"].as_u64().unwrap();
+    let syn_drops = r["dropped_by_reason"]["rate"].as_u64().unwrap_or(0);
+    let upper = 5.0 + 20.0 * t + 1.0;
+    println!("{attempts} connects, {ok} established over {t:.2}s; rule passed {admitted} packets, dropped {syn_drops} SYNs; bound {upper:.1}");
+    assert!((ok as f64) <= upper, "{ok} connections > {upper}");
+    assert!(ok as f64 >= 0.9 * (5.0 + 20.0 * t).min(attempts as f64) - 1.0, "too few: {ok}");
+    assert_eq!(syn_drops, attempts - ok, "every refused connect lost exactly its SYN");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join().unwrap();
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::Relaxed), ok);
+    agent.stop();
+}
+
+/// An interface that already runs someone else's XDP program is left alone,
+/// with a message that says how to look at and remove it.
+#[test]
+fn foreign_xdp_program_is_not_replaced() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fxdp", 216);
+    let prof = profile_file(UDP_RULE);
+    let (ns, dev, path, bin) = (lab.ns_srv.clone(), lab.veth_srv.clone(), prof.path().to_string(), bin());
+    let out = Lab::in_ns(&lab.ns_srv, move || {
+        let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        prog.load().unwrap();
+        prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
+        let out = Command::new(bin).args(["attach", &dev, "--netns", &ns, "--profile", &path]).output().unwrap();
+        drop(ebpf);
+        out
+    });
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already has another XDP program") && err.contains("xdp off"), "{err}");
+    assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
+}

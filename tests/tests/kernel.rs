@@ -348,3 +348,19 @@ fn exact_under_concurrency() {
     assert!((c.passed_pkts as f64) <= bound, "admitted {} > bound {bound}", c.passed_pkts);
     assert!(c.passed_pkts >= 50, "the burst at least");
 }
+
+/// A verifier rejection reaches the operator with the verifier's own words:
+/// the bench object's `reject_me` reads the packet unchecked.
+#[test]
+fn verifier_rejection_carries_the_log_tail() {
+    if not_root() {
+        return;
+    }
+    let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+    let prog: &mut aya::programs::Xdp = ebpf.program_mut("reject_me").unwrap().try_into().unwrap();
+    let err = prog.load().expect_err("the verifier must refuse reject_me");
+    let msg = flowctl::dataplane::load_error(err).to_string();
+    println!("{msg}");
+    assert!(msg.contains("verifier rejected"), "{msg}");
+    assert!(msg.contains("invalid access to packet") || msg.contains("R1") || msg.contains("processed"), "log tail present: {msg}");
+}

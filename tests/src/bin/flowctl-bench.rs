@@ -1,1 +1,182 @@
-fn main() { eprintln!("bench: not yet"); }
+//! `cargo xtask bench`: measures flowctl against references in one run and
+//! prints ratios (absolute numbers drift 15-25% on these machines; ratios
+//! within one run hold to a few percent). docs/benchmarks.md records results.
+//!
+//! 1. BPF_PROG_TEST_RUN, kernel-reported ns/packet, spreading packets over
+//!    10k and 1M source keys with `bench_spread` (bench/ebpf), for the
+//!    XDP_PASS floor, the bare reference (`bench_bare`), and flowctl's
+//!    admitted and drop paths with the committed bench/profile.toml (40
+//!    rules; the measured rule is in the middle, keyed by source IP). flowctl
+//!    runs with its shipped counters on.
+//! 2. Rule-count independence: flowctl's admitted path with 8 and 256 rules.
+//! 3. Kernel bytes per key of flowctl's tables, from fdinfo memlock.
+
+use aya::{
+    maps::{Array, ProgramArray},
+    programs::{ProgramFd, TestRun, TestRunOptions, Xdp},
+    Ebpf, EbpfLoader,
+};
+use flowctl_tests::{packet::*, testrun::TestPlane};
+use std::time::Duration;
+
+const ROUNDS: usize = 5;
+
+struct Refs {
+    ebpf: Ebpf,
+}
+
+impl Refs {
+    fn load() -> Self {
+        let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
+        for p in ["bench_pass", "bench_spread", "bench_bare"] {
+            let prog: &mut Xdp = ebpf.program_mut(p).unwrap().try_into().unwrap();
+            prog.load().unwrap_or_else(|e| panic!("{p}: {e}"));
+        }
+        Self { ebpf }
+    }
+
+    fn fd(&self, name: &str) -> ProgramFd {
+        let p: &Xdp = self.ebpf.program(name).unwrap().try_into().unwrap();
+        p.fd().unwrap().try_clone().unwrap()
+    }
+
+    fn set_target(&mut self, fd: &ProgramFd) {
+        let mut next: ProgramArray<_> = ProgramArray::try_from(self.ebpf.map_mut("BENCH_NEXT").unwrap()).unwrap();
+        next.set(0, fd, 0).unwrap();
+    }
+
+    fn set_keys(&mut self, n: u32) {
+        let mut cfg: Array<_, u32> = Array::try_from(self.ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
+        cfg.set(0, n, 0).unwrap();
+        cfg.set(1, 0x0a00_0000, 0).unwrap(); // 10.0.0.0 + i: inside `measured`'s 10.0.0.0/8
+    }
+
+    fn set_bare_limit(&mut self, interval_fp: u64, burst_ns: u64) {
+        let mut l: Array<_, u64> = Array::try_from(self.ebpf.map_mut("BENCH_LIMIT").unwrap()).unwrap();
+        l.set(0, interval_fp, 0).unwrap();
+        l.set(1, burst_ns, 0).unwrap();
+    }
+
+    /// Mean kernel-reported ns per packet through `bench_spread` -> target.
+    fn run(&self, frame: &[u8], repeat: u32) -> (u32, f64) {
+        let p: &Xdp = self.ebpf.program("bench_spread").unwrap().try_into().unwrap();
+        let mut o = TestRunOptions::new();
+        o.data_in = Some(frame);
+        o.repeat = repeat;
+        let r = p.test_run(o).expect("test run");
+        (r.return_value, r.duration.as_nanos() as f64)
+    }
+}
+
+fn xdp_fd(plane: &TestPlane) -> ProgramFd {
+    let p: &Xdp = plane.ebpf.program(flowctl_common::XDP_PROGRAM).unwrap().try_into().unwrap();
+    p.fd().unwrap().try_clone().unwrap()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn rules_profile(n: usize) -> String {
+    // n-1 port-range rules that the measured traffic does not match, then the
+    // measured rule last: the worst case for a linear matcher.
+    let mut s = String::from("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\n");
+    for i in 0..n - 1 {
+        s += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"udp\"\nsrc = \"10.0.0.0/8\"\ndport = {}\nrate = \"1000/s\"\nkey = \"src\"\n", 20000 + i);
+    }
+    s += "[[rule]]\nname = \"measured\"\nproto = \"udp\"\ndport = 9000\nrate = \"100G/s\"\nkey = \"src\"\n";
+    s
+}
+
+fn main() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("bench: needs root (sudo -E cargo xtask bench)");
+        std::process::exit(2);
+    }
+    let quick = std::env::args().any(|a| a == "quick");
+    let profile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml")).expect("bench/profile.toml");
+    let drop_profile = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
+    assert_ne!(profile, drop_profile);
+    let frame = V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18); // a 60-byte frame
+    println!("machine: {} CPUs, kernel {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
+    println!("frame: {} bytes IPv4/UDP; {ROUNDS} interleaved rounds, median reported\n", frame.len());
+
+    let mut refs = Refs::load();
+    // The bare reference's limit: same generous rate as `measured` for the
+    // admit path (the drop path is flowctl-only; the bare program's drop path
+    // is the same code with a refusal).
+    let admit = TestPlane::new(&profile);
+    let dropper = TestPlane::new(&drop_profile);
+    let m = admit.state.rules.iter().position(|r| r.name == "measured").unwrap();
+    let set = flowctl::profile::parse("bench", &profile).unwrap();
+    refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
+
+    println!("1. BPF_PROG_TEST_RUN ns/packet (kernel-reported), packets spread over N source keys");
+    println!("{:>9} {:>9} {:>9} {:>13} {:>13} {:>11} {:>11} {:>14}", "keys", "floor", "bare", "flowctl-pass", "flowctl-drop", "bare/floor", "fc/floor", "fc-pass/bare");
+    let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    for &n in key_counts {
+        refs.set_keys(n);
+        let variants: Vec<(&str, ProgramFd)> = vec![
+            ("floor", refs.fd("bench_pass")),
+            ("bare", refs.fd("bench_bare")),
+            ("flowctl-pass", xdp_fd(&admit)),
+            ("flowctl-drop", xdp_fd(&dropper)),
+        ];
+        // Warm up: every key exists before measuring.
+        for (_, fd) in &variants {
+            refs.set_target(fd);
+            refs.run(&frame, n);
+        }
+        let repeat = if quick { 200_000 } else { 1_000_000.max(n) };
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+        let mut verdicts = vec![0u32; variants.len()];
+        for _ in 0..ROUNDS {
+            for (i, (_, fd)) in variants.iter().enumerate() {
+                refs.set_target(fd);
+                let (v, ns) = refs.run(&frame, repeat);
+                verdicts[i] = v;
+                samples[i].push(ns);
+            }
+        }
+        let med: Vec<f64> = samples.into_iter().map(median).collect();
+        assert_eq!(verdicts[2], flowctl_common::XDP_PASS, "admit path passes");
+        assert_eq!(verdicts[3], flowctl_common::XDP_DROP, "drop path drops");
+        println!(
+            "{:>9} {:>9.1} {:>9.1} {:>13.1} {:>13.1} {:>10.2}x {:>10.2}x {:>13.2}x",
+            n, med[0], med[1], med[2], med[3], med[1] / med[0], med[2] / med[0], med[2] / med[1]
+        );
+        println!("{:>9} flowctl drop path / bare: {:.2}x (target: flowctl within 1.5x of bare)", "", med[3] / med[1]);
+    }
+
+    println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
+    refs.set_keys(10_000);
+    let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, TestPlane::new(&rules_profile(n)))).collect();
+    let fds: Vec<ProgramFd> = planes.iter().map(|(_, p)| xdp_fd(p)).collect();
+    for fd in &fds {
+        refs.set_target(fd);
+        refs.run(&frame, 10_000);
+    }
+    let mut s: Vec<Vec<f64>> = vec![Vec::new(); fds.len()];
+    for _ in 0..ROUNDS {
+        for (i, fd) in fds.iter().enumerate() {
+            refs.set_target(fd);
+            s[i].push(refs.run(&frame, if quick { 200_000 } else { 1_000_000 }).1);
+        }
+    }
+    let med: Vec<f64> = s.into_iter().map(median).collect();
+    println!("  8 rules: {:.1} ns/packet   256 rules: {:.1} ns/packet   ratio 256/8: {:.2}x", med[0], med[1], med[1] / med[0]);
+
+    println!("\n3. Kernel memory per key (fdinfo memlock of the preallocated LRU tables)");
+    let total = flowctl::dataplane::pinned_memlock(&admit.id);
+    let est = set.settings.kernel_memory_bytes();
+    println!(
+        "  all maps: {} (estimate used by `check`: {}); per key: {:.0} bytes across the source cache and key table ({} + {} entries)",
+        flowctl::profile::human_bytes(total),
+        flowctl::profile::human_bytes(est),
+        total as f64 / set.settings.key_table_entries as f64,
+        set.settings.source_cache_entries,
+        set.settings.key_table_entries
+    );
+    let _ = Duration::ZERO;
+}
