@@ -10,6 +10,11 @@
 //!    runs with its shipped counters on.
 //! 2. Rule-count independence: flowctl's admitted path with 8 and 256 rules.
 //! 3. Kernel bytes per key of flowctl's tables, from fdinfo memlock.
+//! 4. Drop rate through a veth pair: `bench_gen` in live-frames mode walks N
+//!    sources and redirects into one end; the other end runs, behind one XDP
+//!    link re-pointed every 0.5 s, the XDP_DROP ceiling, the bare reference
+//!    and flowctl (all refusing after each key's first packet), then XDP_PASS
+//!    with the nftables netdev-ingress meter of bench/nftables.nft.
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -178,5 +183,125 @@ fn main() {
         set.settings.source_cache_entries,
         set.settings.key_table_entries
     );
-    let _ = Duration::ZERO;
+
+    println!("\n4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
+    veth_drop_rates(&mut refs, &drop_profile, if quick { &[10_000] } else { &[10_000, 1_000_000] }, quick);
+}
+
+fn sh(args: &[&str]) -> String {
+    flowctl_tests::lab::sh(args)
+}
+
+/// Sum of the receiving veth's XDP drop counters (ethtool -S).
+fn xdp_drops(ns: &str, dev: &str) -> u64 {
+    sh(&["ip", "netns", "exec", ns, "ethtool", "-S", dev])
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("rx_queue_").and_then(|r| r.split_once("_xdp_drops:")).map(|(_, v)| v.trim().parse::<u64>().unwrap_or(0)))
+        .sum()
+}
+
+/// Packets the nftables meter dropped (its rule's counter).
+fn nft_drops(ns: &str) -> u64 {
+    let out = sh(&["ip", "netns", "exec", ns, "nft", "list", "chain", "netdev", "flowctl_bench", "ingress"]);
+    out.split("counter packets ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0)
+}
+
+fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quick: bool) {
+    use std::sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    };
+    let lab = flowctl_tests::lab::Lab::new("fbench", 230);
+    let mut dropper = TestPlane::new(drop_profile);
+    let slot = Duration::from_millis(500);
+    let rounds = if quick { 2 } else { 4 };
+    for &n in key_counts {
+        refs.set_keys(n);
+        refs.set_bare_limit(flowctl_common::gcra::interval_fp(1, 3600), flowctl_common::gcra::burst_ns(flowctl_common::gcra::interval_fp(1, 3600), 1));
+        // The generator runs on its own thread in the client namespace with its
+        // own copy of the bench object (bpf_redirect resolves the ifindex in
+        // the caller's namespace).
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let gen = {
+            let (stop, sent, ns, dev) = (stop.clone(), sent.clone(), lab.ns_cli.clone(), lab.veth_cli.clone());
+            std::thread::spawn(move || {
+                flowctl::pins::enter_netns(&ns).unwrap();
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(1, &mut set);
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                }
+                let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+                let ifindex = flowctl::pins::ifindex(&dev).unwrap();
+                {
+                    let mut cfg: Array<_, u32> = Array::try_from(ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
+                    cfg.set(0, n, 0).unwrap();
+                    cfg.set(1, 0x0a00_0000, 0).unwrap();
+                    cfg.set(2, ifindex, 0).unwrap();
+                }
+                let prog: &mut Xdp = ebpf.program_mut("bench_gen").unwrap().try_into().unwrap();
+                prog.load().unwrap();
+                let frame = V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18);
+                while !stop.load(Ordering::Relaxed) {
+                    let mut o = TestRunOptions::new();
+                    o.data_in = Some(&frame);
+                    o.repeat = 1 << 16;
+                    o.attrs = aya::programs::TestRunAttrs::new().xdp_live_frames(64);
+                    prog.test_run(o).expect("live-frames run");
+                    sent.fetch_add(1 << 16, Ordering::Relaxed);
+                }
+            })
+        };
+        // Receiver: one XDP link on the server end, re-pointed between variants.
+        flowctl::pins::enter_netns(&lab.ns_srv).unwrap();
+        let ceiling: &mut Xdp = refs.ebpf.program_mut("bench_drop").unwrap().try_into().unwrap();
+        if ceiling.fd().is_err() {
+            ceiling.load().unwrap();
+        }
+        let id = ceiling.attach(&lab.veth_srv, aya::programs::XdpMode::Driver).expect("attach on veth");
+        let mut link = Some(ceiling.take_link(id).unwrap());
+        let names = ["ceiling", "bare", "flowctl", "nftables"];
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+        let nft_rules = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/nftables.nft")).unwrap().replace("DEV", &lab.veth_srv);
+        for round in 0..rounds + 1 {
+            for (i, name) in names.iter().enumerate() {
+                let prog: &mut Xdp = match *name {
+                    "ceiling" => refs.ebpf.program_mut("bench_drop").unwrap().try_into().unwrap(),
+                    "bare" => refs.ebpf.program_mut("bench_bare").unwrap().try_into().unwrap(),
+                    "flowctl" => dropper.ebpf.program_mut(flowctl_common::XDP_PROGRAM).unwrap().try_into().unwrap(),
+                    _ => refs.ebpf.program_mut("bench_pass").unwrap().try_into().unwrap(),
+                };
+                let lid = prog.attach_to_link(link.take().unwrap()).expect("re-point the link");
+                link = Some(prog.take_link(lid).unwrap());
+                if *name == "nftables" {
+                    let f = std::env::temp_dir().join(format!("flowctl-bench-{}.nft", std::process::id()));
+                    std::fs::write(&f, &nft_rules).unwrap();
+                    sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "-f", f.to_str().unwrap()]);
+                    let _ = std::fs::remove_file(f);
+                }
+                std::thread::sleep(Duration::from_millis(50)); // let the ring settle
+                let (d0, s0, t0) = (if *name == "nftables" { nft_drops(&lab.ns_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) }, sent.load(Ordering::Relaxed), std::time::Instant::now());
+                std::thread::sleep(slot);
+                let d1 = if *name == "nftables" { nft_drops(&lab.ns_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) };
+                let dt = t0.elapsed().as_secs_f64();
+                let _ = s0;
+                if *name == "nftables" {
+                    sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "delete", "table", "netdev", "flowctl_bench"]);
+                }
+                if round > 0 {
+                    // Round 0 fills the key tables; it is not reported.
+                    rates[i].push((d1 - d0) as f64 / dt / 1e6);
+                }
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        gen.join().unwrap();
+        drop(link);
+        let med: Vec<f64> = rates.into_iter().map(median).collect();
+        println!(
+            "  {n:>8} keys: ceiling {:.2}  bare {:.2}  flowctl {:.2}  nftables {:.3}  | bare/ceiling {:.2}x  flowctl/bare {:.2}x  flowctl/nftables {:.1}x",
+            med[0], med[1], med[2], med[3], med[1] / med[0], med[2] / med[1], med[2] / med[3]
+        );
+    }
 }
