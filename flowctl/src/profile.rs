@@ -255,8 +255,22 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         let span = e.span().unwrap_or(0..0);
         cx.err(span, e.message().to_string())
     })?;
+    // Where a memory-budget error points: the table size that drives it, else
+    // the budget, else the [settings] table, else the top of the file.
+    let mut budget_span = 0..0;
     let settings = match raw.settings {
-        Some(s) => settings(&cx, s.into_inner())?,
+        Some(s) => {
+            let table_span = s.span();
+            let inner = s.into_inner();
+            budget_span = inner
+                .key_table_entries
+                .as_ref()
+                .map(|v| v.span())
+                .or_else(|| inner.source_cache_entries.as_ref().map(|v| v.span()))
+                .or_else(|| inner.memory_budget.as_ref().map(|v| v.span()))
+                .unwrap_or(table_span);
+            settings(&cx, inner)?
+        }
         None => Settings::default(),
     };
     if raw.rule.is_empty() {
@@ -278,17 +292,14 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     let set = RuleSet { settings, rules };
     let need = set.settings.kernel_memory_bytes();
     if need > set.settings.memory_budget {
-        let (line, col) = (1, 1);
-        return Err(ProfileError {
-            file: file.into(),
-            line,
-            col,
-            msg: format!(
+        return Err(cx.err(
+            budget_span,
+            format!(
                 "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries or raise settings.memory_budget)",
                 human_bytes(need),
                 human_bytes(set.settings.memory_budget)
             ),
-        });
+        ));
     }
     Ok(set)
 }
@@ -626,6 +637,7 @@ key = "src"
     fn memory_budget_rejects_big_tables() {
         let e = err("[settings]\nkey_table_entries = 67108864\nmemory_budget = \"256MiB\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"");
         assert!(e.to_string().contains("over the budget"), "{e}");
+        assert_eq!((e.line, e.col), (2, 21), "points at key_table_entries");
         let ok = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
         // Default tables: two 1M-entry LRU hashes, about 250 MB.
         let mem = ok.settings.kernel_memory_bytes();
