@@ -21,6 +21,13 @@ pub const COUNTER_RECORDS: usize = MAX_RULE_RECORDS + 1;
 pub const PORT_NONE: u32 = 65536;
 pub const PORT_INDICES: usize = 65537;
 pub const PROTO_INDICES: usize = 256;
+/// Distinct source classes per slot: one per distinct prefix in a profile,
+/// plus the two default routes. The LPM trie maps a source to its class; the
+/// class's rule bitmap lives in `SRC_CLASSES`, so the per-source cache stores a
+/// 4-byte class instead of a 32-byte bitmap.
+pub const MAX_SRC_CLASSES: usize = MAX_RULES + 2;
+/// Trie value meaning "no class" (only before the first apply).
+pub const NO_CLASS: u32 = u32::MAX;
 
 /// Default and hard limits of the key tables (entries).
 pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
@@ -47,13 +54,15 @@ pub mod map_names {
     pub const PROTO_BITS: &str = "FLOWCTL_PROTO_BITS";
     pub const PORT_BITS: &str = "FLOWCTL_PORT_BITS";
     pub const SRC_TRIE: &str = "FLOWCTL_SRC_TRIE";
+    pub const SRC_CLASSES: &str = "FLOWCTL_SRC_CLASSES";
     pub const SRC_CACHE: &str = "FLOWCTL_SRC_CACHE";
     pub const KEYS: &str = "FLOWCTL_KEYS";
     pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 9] = [
-        GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CACHE, KEYS, COUNTERS, CONTROL,
+    pub const ALL: [&str; 10] = [
+        GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
+        CONTROL,
     ];
 }
 

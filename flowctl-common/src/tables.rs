@@ -67,7 +67,8 @@ pub struct TrieEntry {
     /// Prefix length in bits, tag byte included.
     pub prefix_len: u32,
     pub data: TrieData,
-    pub bits: RuleBitmap,
+    /// The trie's value: an index into `Tables::classes`.
+    pub class: u32,
 }
 
 /// The classification tables of one slot.
@@ -77,6 +78,8 @@ pub struct Tables {
     pub proto: Vec<RuleBitmap>,
     pub port: Vec<RuleBitmap>,
     pub trie: Vec<TrieEntry>,
+    /// Distinct source bitmaps (at most `MAX_SRC_CLASSES`).
+    pub classes: Vec<RuleBitmap>,
 }
 
 /// The trie key data of `addr` in `slot`.
@@ -125,6 +128,7 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
             }
         }
     }
+    let mut classes: Vec<RuleBitmap> = Vec::new();
     let trie = prefixes
         .iter()
         .map(|p| {
@@ -134,10 +138,17 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
                     bits.set(i);
                 }
             }
-            TrieEntry { prefix_len: TRIE_TAG_BITS + p.len as u32, data: trie_data(slot, &p.addr), bits }
+            let class = match classes.iter().position(|c| *c == bits) {
+                Some(i) => i,
+                None => {
+                    classes.push(bits);
+                    classes.len() - 1
+                }
+            };
+            TrieEntry { prefix_len: TRIE_TAG_BITS + p.len as u32, data: trie_data(slot, &p.addr), class: class as u32 }
         })
         .collect();
-    Tables { slot, proto, port, trie }
+    Tables { slot, proto, port, trie, classes }
 }
 
 impl Tables {
@@ -158,7 +169,7 @@ impl Tables {
                 best = Some(e);
             }
         }
-        best.map(|e| e.bits).unwrap_or(RuleBitmap::EMPTY)
+        best.map(|e| self.classes[e.class as usize]).unwrap_or(RuleBitmap::EMPTY)
     }
 
     /// The rule the kernel picks for a packet; `dport = None` for packets
@@ -201,6 +212,7 @@ mod tests {
             MatchSpec { proto: None, src: Some(cidr("2001:db8::/32")), ports: Some((80, 90)) },
         ];
         let t = compile(&specs, 1);
+        assert!(t.classes.len() <= t.trie.len());
         let a = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(t.classify(&a("10.1.2.3"), 6, Some(22)), Some(0));
         assert_eq!(t.classify(&a("10.1.2.3"), 6, Some(23)), Some(1));

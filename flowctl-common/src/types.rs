@@ -211,29 +211,42 @@ impl RuleCounters {
     }
 }
 
-/// Key of the per-source cache: the source address alone.
+/// Key of the per-source cache: the source address alone, IPv4 as an
+/// IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), four host-order words.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SrcKey {
-    /// IPv4 in `addr[0]`, IPv6 as four host-order words.
     pub addr: [u32; 4],
-    pub family: u32,
 }
 
-/// Per-source cache entry: the source's rule bitmap (the LPM trie's answer) and
-/// the bucket of the one source-keyed rule that owns the entry. The common case,
-/// a source hitting one source-keyed rule, costs a single hash lookup.
+impl SrcKey {
+    #[inline(always)]
+    pub fn of(meta: &PacketMeta) -> Self {
+        if meta.family == 4 {
+            Self { addr: [0, 0, 0xffff, meta.src[0]] }
+        } else {
+            Self { addr: meta.src }
+        }
+    }
+}
+
+/// Per-source cache entry: the source's class (the LPM trie's answer) and the
+/// bucket of the one source-keyed rule that owns the entry. The common case, a
+/// source hitting one source-keyed rule, costs a single hash lookup; the entry
+/// is kept small (24 bytes) because its cache misses are the hot path's cost.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SrcEntry {
     /// GCRA theoretical arrival time of the owner's bucket (ns). First field:
     /// the compare-and-swap needs it 8-byte aligned.
     pub tat: u64,
-    /// Low 32 bits of the generation `bits` was computed for.
+    /// Low 32 bits of the generation `class` was computed for.
     pub generation: u32,
     /// `state_id` of the source-keyed rule whose bucket `tat` is (0: none).
     pub owner_state: u32,
-    pub bits: RuleBitmap,
+    /// Index into the slot's `SRC_CLASSES` (`NO_CLASS`: none).
+    pub class: u32,
+    pub _pad: u32,
 }
 
 /// Key of the shared key table (buckets of every rule that the per-source
@@ -292,8 +305,8 @@ assert_layout!(RuleConfig, 40, 8);
 assert_layout!(GlobalRecord, 48, 8);
 assert_layout!(ControlRecord, 32, 8);
 assert_layout!(RuleCounters, 208, 8);
-assert_layout!(SrcKey, 20, 4);
-assert_layout!(SrcEntry, 48, 8);
+assert_layout!(SrcKey, 16, 4);
+assert_layout!(SrcEntry, 24, 8);
 assert_layout!(BucketKey, 44, 4);
 
 #[cfg(feature = "user")]

@@ -25,8 +25,8 @@ use flowctl_common::{
     action, control_flags, frag, gcra, key_kind, keys::bucket_key, matcher, reason, tcp_flags,
     unit, BucketKey, ControlRecord, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
-    DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, PORT_INDICES,
-    PORT_NONE, PROTO_INDICES, SLOTS,
+    DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
+    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
 };
 
 #[map]
@@ -38,8 +38,9 @@ static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SL
 #[map]
 static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOTS) as u32, 0);
 #[map]
-static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, RuleBitmap> =
-    LpmTrie::pinned(((MAX_RULES + 2) * SLOTS) as u32, 0);
+static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> = LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
+#[map]
+static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> = Array::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
 #[map]
 static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
     LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
@@ -139,19 +140,19 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     let now = unsafe { bpf_ktime_get_ns() };
     let len = meta.len as u64;
 
-    // 1. The source's rule bitmap: from the per-source cache when it was
-    // computed for this generation, else from the LPM trie.
-    let src_key = SrcKey { addr: meta.src, family: meta.family as u32 };
+    // 1. The source's class: from the per-source cache when it was computed
+    // for this generation, else from the LPM trie.
+    let src_key = SrcKey::of(meta);
     let mut entry_ptr: *mut SrcEntry = match FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key) {
         Some(p) => p,
         None => core::ptr::null_mut(),
     };
-    let mut fresh_bits = RuleBitmap::EMPTY;
-    let src_bits: &RuleBitmap = if !entry_ptr.is_null() && unsafe { (*entry_ptr).generation } == generation {
-        unsafe { &(*entry_ptr).bits }
-    } else {
-        fresh_bits = trie_bits(slot, meta);
-        &fresh_bits
+    let cached = !entry_ptr.is_null() && unsafe { (*entry_ptr).generation } == generation;
+    let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta) };
+    let Some(src_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + class) else {
+        // NO_CLASS (no profile applied yet): nothing matches.
+        count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Pass);
+        return xdp_action::XDP_PASS;
     };
 
     let proto_idx = slot * PROTO_INDICES as u32 + meta.proto as u32;
@@ -188,13 +189,13 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
 
     // Refresh the cache entry when it was stale or missing.
     if entry_ptr.is_null() {
-        let e = SrcEntry { tat: 0, generation, owner_state: 0, bits: fresh_bits };
+        let e = SrcEntry { tat: 0, generation, owner_state: 0, class, _pad: 0 };
         if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
             entry_ptr = FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
         }
-    } else if unsafe { (*entry_ptr).generation } != generation {
+    } else if !cached {
         unsafe {
-            (*entry_ptr).bits = fresh_bits;
+            (*entry_ptr).class = class;
             (*entry_ptr).generation = generation;
         }
     }
@@ -375,9 +376,9 @@ fn bucket_tat(
     }
 }
 
-/// The source's rule bitmap from the LPM trie of `slot`.
+/// The source's class from the LPM trie of `slot`.
 #[inline(always)]
-fn trie_bits(slot: u32, meta: &PacketMeta) -> RuleBitmap {
+fn trie_class(slot: u32, meta: &PacketMeta) -> u32 {
     let mut data: TrieData = [0; 17];
     data[0] = ((slot as u8) << 1) | (meta.family == 6) as u8;
     let words = if meta.family == 6 { 4 } else { 1 };
@@ -392,8 +393,8 @@ fn trie_bits(slot: u32, meta: &PacketMeta) -> RuleBitmap {
     }
     let key = Key::new(8 + 128, data);
     match FLOWCTL_SRC_TRIE.get(&key) {
-        Some(b) => *b,
-        None => RuleBitmap::EMPTY,
+        Some(c) => *c,
+        None => NO_CLASS,
     }
 }
 

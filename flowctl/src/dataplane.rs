@@ -14,7 +14,7 @@ use aya::{
 };
 use flowctl_common::{
     map_names as names, tables, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
-    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, PORT_INDICES,
+    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
 use std::{fs, path::Path};
@@ -25,7 +25,8 @@ pub struct Maps {
     pub rules: Array<MapData, RuleConfig>,
     pub proto: Array<MapData, RuleBitmap>,
     pub port: Array<MapData, RuleBitmap>,
-    pub trie: LpmTrie<MapData, TrieData, RuleBitmap>,
+    pub trie: LpmTrie<MapData, TrieData, u32>,
+    pub classes: Array<MapData, RuleBitmap>,
     pub counters: PerCpuArray<MapData, RuleCounters>,
     pub control: Array<MapData, ControlRecord>,
 }
@@ -43,6 +44,7 @@ impl Maps {
             proto: Array::try_from(Map::Array(open(&d, names::PROTO_BITS)?))?,
             port: Array::try_from(Map::Array(open(&d, names::PORT_BITS)?))?,
             trie: LpmTrie::try_from(Map::LpmTrie(open(&d, names::SRC_TRIE)?))?,
+            classes: Array::try_from(Map::Array(open(&d, names::SRC_CLASSES)?))?,
             counters: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::COUNTERS)?))?,
             control: Array::try_from(Map::Array(open(&d, names::CONTROL)?))?,
         })
@@ -65,18 +67,16 @@ impl Maps {
     /// tables with the kernel's matcher.
     pub fn classify(&self, src: &std::net::IpAddr, proto: u8, dport: Option<u16>) -> Result<Option<u32>> {
         let slot = (self.global()?.active_slot & 1) as u8;
-        let key = Key::new(8 + 128, pad_trie(tables::trie_data(slot, src)));
-        let src_bits = self.trie.get(&key, 0).unwrap_or(RuleBitmap::EMPTY);
+        let key = Key::new(8 + 128, tables::trie_data(slot, src));
+        let src_bits = match self.trie.get(&key, 0) {
+            Ok(class) => self.classes.get(&(slot as u32 * MAX_SRC_CLASSES as u32 + class), 0)?,
+            Err(_) => RuleBitmap::EMPTY,
+        };
         let pb = self.proto.get(&(slot as u32 * PROTO_INDICES as u32 + proto as u32), 0)?;
         let port = dport.map(u32::from).unwrap_or(flowctl_common::PORT_NONE);
         let portb = self.port.get(&(slot as u32 * PORT_INDICES as u32 + port), 0)?;
         Ok(flowctl_common::matcher::first_match(&src_bits, &pb, &portb))
     }
-}
-
-/// v4 trie data is 4 address bytes; the rest stays zero (the prefix never covers it).
-fn pad_trie(d: TrieData) -> TrieData {
-    d
 }
 
 /// Assigns counter records and bucket-state ids for `set`, keeping a rule's
@@ -162,8 +162,12 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     for k in &stale {
         let _ = maps.trie.remove(k);
     }
+    // Classes first, so no trie entry ever names a class not yet written.
+    for (i, b) in t.classes.iter().enumerate() {
+        maps.classes.set(slot * MAX_SRC_CLASSES as u32 + i as u32, b, 0)?;
+    }
     for e in &t.trie {
-        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.bits, 0)?;
+        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0)?;
     }
     // Records new to this set start from zero.
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;

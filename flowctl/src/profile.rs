@@ -198,7 +198,7 @@ pub fn lru_bytes_per_entry(key: usize, value: usize) -> u64 {
 /// Fixed kernel memory of the classification tables and counters (bytes).
 pub fn fixed_table_bytes() -> u64 {
     use flowctl_common::*;
-    let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES) * core::mem::size_of::<RuleBitmap>()
+    let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * core::mem::size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
