@@ -29,6 +29,14 @@ pub const MAX_SRC_CLASSES: usize = MAX_RULES + 2;
 /// Trie value meaning "no class" (only before the first apply).
 pub const NO_CLASS: u32 = u32::MAX;
 
+/// Debt slots per rule record. When a bucket refuses a packet, its TAT is
+/// remembered in slot `hash(key) % DEBT_SLOTS_PER_RULE` of the rule's region;
+/// a bucket created for a key (new, or back after LRU eviction) starts from
+/// that debt, so eviction never hands a refused key a fresh burst. Regions are
+/// per rule, so a flood on one rule cannot touch another rule's debts.
+pub const DEBT_SLOTS_PER_RULE: usize = 1024;
+pub const DEBT_SLOTS: usize = MAX_RULE_RECORDS * DEBT_SLOTS_PER_RULE;
+
 /// Default and hard limits of the key tables (entries).
 pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
 
@@ -59,10 +67,11 @@ pub mod map_names {
     pub const KEYS: &str = "FLOWCTL_KEYS";
     pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
+    pub const DEBT: &str = "FLOWCTL_DEBT";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL,
+        CONTROL, DEBT,
     ];
 }
 

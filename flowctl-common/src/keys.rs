@@ -58,12 +58,48 @@ pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
     k
 }
 
+/// Debt slot of a bucket key within its rule's region
+/// (`record * DEBT_SLOTS_PER_RULE + hash % DEBT_SLOTS_PER_RULE`).
+#[inline(always)]
+pub fn debt_slot(record: u32, k: &BucketKey) -> u32 {
+    let words = [
+        k.state_id,
+        (k.family as u32) | (k.proto as u32) << 8 | (k.sport as u32) << 16,
+        k.dport as u32,
+        k.src[0], k.src[1], k.src[2], k.src[3],
+        k.dst[0], k.dst[1], k.dst[2], k.dst[3],
+    ];
+    // FNV-1a over words then a murmur3 finaliser: cheap, no tables, no 128-bit math.
+    let mut h: u32 = 0x811c_9dc5;
+    let mut i = 0;
+    while i < words.len() {
+        h = (h ^ words[i]).wrapping_mul(0x0100_0193);
+        i += 1;
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    record * crate::DEBT_SLOTS_PER_RULE as u32 + (h % crate::DEBT_SLOTS_PER_RULE as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn meta(src: u32, dport: u16) -> PacketMeta {
         PacketMeta { src: [src, 0, 0, 0], dst: [0x0a000001, 0, 0, 0], sport: 999, dport, family: 4, proto: 6, ..Default::default() }
+    }
+
+    #[test]
+    fn debt_slots_stay_in_the_rule_region_and_spread() {
+        let r = RuleConfig { state_id: 3, key_kind: key_kind::SRC, ..Default::default() };
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..4096u32 {
+            let s = debt_slot(7, &bucket_key(&meta(0x0a000000 + i, 80), &r));
+            assert!((7 * 1024..8 * 1024).contains(&s));
+            seen.insert(s);
+        }
+        assert!(seen.len() > 900, "4096 keys spread over {} of 1024 slots", seen.len());
     }
 
     #[test]

@@ -22,11 +22,13 @@ use aya_ebpf::{
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, control_flags, frag, gcra, key_kind, keys::bucket_key, matcher, reason, tcp_flags,
+    action, control_flags, frag, gcra, key_kind,
+    keys::{bucket_key, debt_slot},
+    matcher, reason, tcp_flags,
     unit, BucketKey, ControlRecord, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
-    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
+    DEBT_SLOTS, NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
 };
 
 #[map]
@@ -51,6 +53,9 @@ static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> =
     PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
 #[map]
 static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
+/// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
+#[map]
+static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
 
 #[xdp]
 pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
@@ -249,6 +254,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
+            remember_debt(rule, meta, record, old);
             return verdict(rule, record, len, reason::RATE);
         };
         let (_, ok) = unsafe {
@@ -345,9 +351,12 @@ fn bucket_tat(
             return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
         }
         if owner == 0 {
-            // Claim the entry. Two CPUs may race here; the claim is a plain
-            // store of the same value, and the TAT starts at 0 (a full bucket).
+            // Claim the entry, starting from the key's remembered debt (a full
+            // bucket when there is none). Two CPUs may race here; both store
+            // the same values.
+            let start = initial_tat(record, &bucket_key(meta, rule), now);
             unsafe {
+                (*entry).tat = start;
                 (*entry).owner_state = rule.state_id;
             }
             return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
@@ -357,7 +366,7 @@ fn bucket_tat(
     if let Some(p) = FLOWCTL_KEYS.get_ptr_mut(&key) {
         return BucketRef::Ptr(p);
     }
-    let Some(first) = gcra::admit(0, now, inc, rule.burst_ns) else {
+    let Some(first) = gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns) else {
         // Costlier than the whole bucket: refused without creating state.
         return BucketRef::FreshRefused;
     };
@@ -373,6 +382,31 @@ fn bucket_tat(
                 BucketRef::Unavailable
             }
         },
+    }
+}
+
+/// Where a bucket starts: the debt remembered for its key's slot when that is
+/// still in the future, else 0 (a full bucket).
+#[inline(always)]
+fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
+    match FLOWCTL_DEBT.get(debt_slot(record, key)) {
+        Some(d) if *d > now => *d,
+        _ => 0,
+    }
+}
+
+/// Remember a refused bucket's TAT, so the key cannot shed its debt by being
+/// evicted. Racing CPUs may lose a larger value; the slot then holds a debt
+/// that ends sooner, never one that was not owed.
+#[inline(always)]
+fn remember_debt(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat: u64) {
+    let slot = debt_slot(record, &bucket_key(meta, rule));
+    if let Some(d) = FLOWCTL_DEBT.get_ptr_mut(slot) {
+        unsafe {
+            if tat > *d {
+                *d = tat;
+            }
+        }
     }
 }
 

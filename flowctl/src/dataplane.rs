@@ -14,7 +14,7 @@ use aya::{
 };
 use flowctl_common::{
     map_names as names, tables, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
-    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, PORT_INDICES,
+    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
 use std::{fs, path::Path};
@@ -29,6 +29,7 @@ pub struct Maps {
     pub classes: Array<MapData, RuleBitmap>,
     pub counters: PerCpuArray<MapData, RuleCounters>,
     pub control: Array<MapData, ControlRecord>,
+    pub debt: Array<MapData, u64>,
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
@@ -47,6 +48,7 @@ impl Maps {
             classes: Array::try_from(Map::Array(open(&d, names::SRC_CLASSES)?))?,
             counters: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::COUNTERS)?))?,
             control: Array::try_from(Map::Array(open(&d, names::CONTROL)?))?,
+            debt: Array::try_from(Map::Array(open(&d, names::DEBT)?))?,
         })
     }
 
@@ -176,6 +178,13 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
             maps.counters.set(s.record, zeros, 0)?;
             maps.control.set(s.record, ControlRecord::default(), 0)?;
+            // Debts of the rule that used this record before are not this rule's.
+            let base = s.record * DEBT_SLOTS_PER_RULE as u32;
+            for i in 0..DEBT_SLOTS_PER_RULE as u32 {
+                if maps.debt.get(&(base + i), 0)? != 0 {
+                    maps.debt.set(base + i, 0, 0)?;
+                }
+            }
         }
     }
     // The flip.

@@ -200,7 +200,8 @@ pub fn fixed_table_bytes() -> u64 {
     use flowctl_common::*;
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * core::mem::size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
-        + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>();
+        + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>()
+        + DEBT_SLOTS * core::mem::size_of::<u64>();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let counters = COUNTER_RECORDS * core::mem::size_of::<RuleCounters>() * ncpu;
     (arrays + counters) as u64

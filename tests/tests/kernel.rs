@@ -364,3 +364,35 @@ fn verifier_rejection_carries_the_log_tail() {
     assert!(msg.contains("verifier rejected"), "{msg}");
     assert!(msg.contains("invalid access to packet") || msg.contains("R1") || msg.contains("processed"), "log tail present: {msg}");
 }
+
+/// A flood of new sources on one rule evicts another rule's drained key from
+/// the LRU tables; the key comes back still refused (its debt was
+/// remembered), and the flood never touched the other rule's debt region.
+#[test]
+fn eviction_hands_no_fresh_burst_to_refused_keys() {
+    if not_root() {
+        return;
+    }
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"victim\"\nproto = \"icmp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n";
+    let p = TestPlane::new(text);
+    let victim = V4::new([10, 20, 0, 1]).build(L4::Icmp, 0);
+    let v: Vec<u32> = (0..5).map(|_| p.run(&victim)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP]);
+    // 8192 new sources on the other rule: eight times the table.
+    for i in 0..8192u32 {
+        let b = i.to_be_bytes();
+        p.run(&V4::new([10, 30 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
+    }
+    let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+        aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE)).unwrap(),
+    ))
+    .unwrap();
+    let key = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a14_0001] };
+    assert!(cache.get(&key, 0).is_err(), "the flood evicted the victim's entry");
+    assert_eq!(p.run(&victim), XDP_DROP, "back after eviction, still refused");
+    // Without the remembered debt, a new key gets its full burst.
+    let fresh = V4::new([10, 20, 0, 2]).build(L4::Icmp, 0);
+    assert_eq!(p.run(&fresh), XDP_PASS);
+}
