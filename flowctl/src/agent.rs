@@ -59,10 +59,14 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         pins::enter_netns(ns)?;
     }
     pins::ensure_bpffs()?;
+    pins::ensure_layout()?;
     let id = AttachId::of(&args.iface)?;
     let Some(lock) = AgentLock::try_acquire(&id)? else {
         bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", args.iface, id.run_dir().join("agent.lock").display());
     };
+    // A socket left by an agent that was killed: gone before anything else, so
+    // `status` never mistakes it for this agent being ready.
+    let _ = std::fs::remove_file(control::socket_path(&id));
     let link_pinned = id.pin_dir().join("link").exists();
     if link_pinned && args.replace {
         dataplane::detach(&id)?;
@@ -128,7 +132,8 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         args.profile.display(),
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
-    let result = rt.block_on(serve(&id, &mut maps, &mut state, signals));
+    let local = tokio::task::LocalSet::new();
+    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, signals));
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
     } else {
@@ -165,12 +170,19 @@ fn now_unix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// A request read by a connection task, with the channel for its answer.
+type Pending = (String, tokio::sync::oneshot::Sender<Response>);
+
 async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals: Signals) -> Result<()> {
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     let mut beat = tokio::time::interval(Duration::from_millis(500));
+    // Connections are read on their own tasks, so a client that connects and
+    // says nothing cannot hold up the heartbeat; requests are then handled
+    // one at a time here, where the maps are.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
     loop {
         tokio::select! {
             _ = int.recv() => break,
@@ -180,18 +192,31 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
                     tracing::warn!("heartbeat failed: {e:#}");
                 }
             }
+            Some((line, reply)) = rx.recv() => {
+                let _ = reply.send(handle(maps, state, &line));
+            }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
-                let (r, mut w) = stream.into_split();
-                let mut line = String::new();
-                let mut reader = BufReader::new(r);
-                let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-                    Ok(Ok(_)) => handle(maps, state, &line),
-                    _ => Response::err("no request received"),
-                };
-                let mut out = serde_json::to_string(&resp)?;
-                out.push('\n');
-                let _ = w.write_all(out.as_bytes()).await;
+                let tx = tx.clone();
+                tokio::task::spawn_local(async move {
+                    let (r, mut w) = stream.into_split();
+                    let mut line = String::new();
+                    let mut reader = BufReader::new(r);
+                    let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
+                        Ok(Ok(n)) if n > 0 => {
+                            let (rtx, rrx) = tokio::sync::oneshot::channel();
+                            if tx.send((line, rtx)).await.is_err() {
+                                return;
+                            }
+                            rrx.await.unwrap_or_else(|_| Response::err("the agent is stopping"))
+                        }
+                        _ => Response::err("no request received"),
+                    };
+                    if let Ok(mut out) = serde_json::to_string(&resp) {
+                        out.push('\n');
+                        let _ = w.write_all(out.as_bytes()).await;
+                    }
+                });
             }
         }
     }

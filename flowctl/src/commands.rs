@@ -112,6 +112,9 @@ pub fn status(json: bool) -> Result<()> {
             "ifindex": id.ifindex,
             "mode": state.as_ref().map(|s| s.mode.clone()),
             "agent_running": pins::agent_running(&id),
+            // The agent binds its socket once attached and applied, and removes
+            // any stale one first: lock held + socket present = serving.
+            "agent_ready": pins::agent_running(&id) && control::socket_path(&id).exists(),
             "profile": state.as_ref().map(|s| s.profile_path.clone()),
             "generation": generation,
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),

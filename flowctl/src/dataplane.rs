@@ -361,19 +361,16 @@ pub fn pinned_max_entries(id: &AttachId, name: &str) -> Option<u32> {
 
 /// Kernel memory the pinned maps lock, as fdinfo reports it.
 pub fn pinned_memlock(id: &AttachId) -> u64 {
-    let mut total = 0;
-    for name in names::ALL {
-        if let Ok(m) = MapData::from_pin(id.pin_dir().join(name)) {
-            use std::os::fd::{AsFd, AsRawFd};
-            let fd = m.fd().as_fd().as_raw_fd();
-            if let Ok(s) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) {
-                for l in s.lines() {
-                    if let Some(v) = l.strip_prefix("memlock:") {
-                        total += v.trim().parse::<u64>().unwrap_or(0);
-                    }
-                }
-            }
-        }
-    }
-    total
+    names::ALL.iter().map(|n| map_memlock(id, n)).sum()
+}
+
+/// Kernel memory one pinned map locks (fdinfo `memlock`), 0 when absent.
+pub fn map_memlock(id: &AttachId, name: &str) -> u64 {
+    let Ok(m) = MapData::from_pin(id.pin_dir().join(name)) else { return 0 };
+    use std::os::fd::{AsFd, AsRawFd};
+    let fd = m.fd().as_fd().as_raw_fd();
+    fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("memlock:").map(|v| v.trim().parse::<u64>().unwrap_or(0))))
+        .unwrap_or(0)
 }

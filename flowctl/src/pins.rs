@@ -85,6 +85,16 @@ pub fn ensure_bpffs() -> Result<()> {
     Ok(())
 }
 
+/// Creates the pin root's layout: `ifaces/` and the places reserved for cgroup
+/// and egress attachments.
+pub fn ensure_layout() -> Result<()> {
+    for d in ["ifaces", "cgroups", "egress"] {
+        let p = layout_root().join(d);
+        fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    }
+    Ok(())
+}
+
 /// One rule's persistent identity across applies.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RuleState {

@@ -54,14 +54,11 @@ impl Agent {
     fn start(lab: &Lab, profile: &str, extra: &[&str]) -> Self {
         let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile];
         args.extend_from_slice(extra);
-        // Every attach applies its profile, so the generation moves past what
-        // was pinned before: that, not the lock alone, says the agent is up.
-        let before = attachment(&lab.veth_srv).and_then(|v| v["generation"].as_u64()).unwrap_or(0);
         let child = Command::new(bin()).args(&args).stdin(Stdio::null()).spawn().unwrap();
         let a = Agent(child);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_running"] == true && v["generation"].as_u64() > Some(before)) {
+            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true) {
                 return a;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -216,6 +213,10 @@ fn apply_through_the_agent_is_all_or_nothing() {
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &[]);
     let gen0 = attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap();
+    // A client that connects to the control socket and says nothing must not
+    // hold up the agent (heartbeat, other requests).
+    let a = attachment(&lab.veth_srv).unwrap();
+    let silent = std::os::unix::net::UnixStream::connect(format!("/run/flowctl/{}-{}/agent.sock", a["netns_inode"], a["ifindex"])).unwrap();
     let bad = profile_file("[[rule]]\nname = \"x\"\nrate = \"0/s\"\n");
     let out = flowctl(&["apply", &lab.veth_srv, bad.path(), "--netns", &lab.ns_srv]);
     assert_eq!(out.status.code(), Some(2));
@@ -223,10 +224,13 @@ fn apply_through_the_agent_is_all_or_nothing() {
     assert!(err.contains(&format!("{}:3:", bad.path())) && err.contains("greater than zero"), "{err}");
     assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0, "nothing applied");
     let good = profile_file(&format!("{UDP_RULE}[[rule]]\nname = \"icmp\"\nproto = \"icmp\"\nrate = \"10/s\"\n"));
+    let t = Instant::now();
     let out = flowctl(&["apply", &lab.veth_srv, good.path(), "--netns", &lab.ns_srv]);
+    assert!(t.elapsed() < Duration::from_secs(3), "apply waited on the silent client");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0 + 1);
     assert_eq!(attachment(&lab.veth_srv).unwrap()["rules"].as_array().unwrap().len(), 2);
+    drop(silent);
     agent.stop();
 }
 
@@ -265,7 +269,7 @@ fn error_paths_say_how_to_fix() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
-    while attachment("lo").is_none_or(|a| a["agent_running"] != true) && Instant::now() < deadline {
+    while attachment("lo").is_none_or(|a| a["agent_ready"] != true) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(attachment("lo").expect("attached to lo")["mode"], "generic");
@@ -357,4 +361,37 @@ fn foreign_xdp_program_is_not_replaced() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("already has another XDP program") && err.contains("xdp off"), "{err}");
     assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
+}
+
+/// One agent per attachment; pins of another layout version are refused, and
+/// `--replace` starts over.
+#[test]
+fn one_agent_per_attachment_and_layout_versions_are_checked() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("flock", 217);
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"), "{}", String::from_utf8_lossy(&out.stderr));
+    agent.kill9();
+    // Pretend the pins were written by a future flowctl.
+    let a = attachment(&lab.veth_srv).unwrap();
+    let dir = format!("/sys/fs/bpf/flowctl/v1/ifaces/{}-{}", a["netns_inode"], a["ifindex"]);
+    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> = aya::maps::Array::try_from(aya::maps::Map::Array(
+        aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL)).unwrap(),
+    ))
+    .unwrap();
+    let mut g = global.get(&0, 0).unwrap();
+    g.layout_version = 99;
+    global.set(0, g, 0).unwrap();
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layout version Some(99)") && err.contains("--replace"), "{err}");
+    let agent = Agent::start(&lab, prof.path(), &["--replace"]);
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 1, "started over");
+    agent.stop();
 }

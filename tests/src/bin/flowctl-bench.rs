@@ -183,14 +183,12 @@ fn main() {
     println!("\n3. Kernel memory per key (fdinfo memlock of the preallocated LRU tables)");
     let total = flowctl::dataplane::pinned_memlock(&admit.id);
     let est = set.settings.kernel_memory_bytes();
-    println!(
-        "  all maps: {} (estimate used by `check`: {}); per key: {:.0} bytes across the source cache and key table ({} + {} entries)",
-        flowctl::profile::human_bytes(total),
-        flowctl::profile::human_bytes(est),
-        total as f64 / set.settings.key_table_entries as f64,
-        set.settings.source_cache_entries,
-        set.settings.key_table_entries
-    );
+    println!("  all maps: {} (the estimate `check` uses: {})", flowctl::profile::human_bytes(total), flowctl::profile::human_bytes(est));
+    for (name, entries) in [(flowctl_common::map_names::SRC_CACHE, set.settings.source_cache_entries), (flowctl_common::map_names::KEYS, set.settings.key_table_entries)] {
+        let bytes = flowctl::dataplane::map_memlock(&admit.id, name);
+        println!("  {name}: {:.1} kernel bytes per key ({} entries, {})", bytes as f64 / entries as f64, entries, flowctl::profile::human_bytes(bytes));
+    }
+    println!("  (a source-keyed rule's key lives in the source cache alone; other keys take one key-table entry)");
 
     // The veth run needs both CPUs: generator on one, the rest free to move.
     unsafe {
@@ -210,16 +208,27 @@ fn sh(args: &[&str]) -> String {
 
 /// Sum of the receiving veth's XDP drop counters (ethtool -S).
 fn xdp_drops(ns: &str, dev: &str) -> u64 {
+    veth_stat(ns, dev, "_xdp_drops:")
+}
+
+/// A veth's per-queue ethtool counters whose name ends with `suffix`, summed.
+fn veth_stat(ns: &str, dev: &str, suffix: &str) -> u64 {
     sh(&["ip", "netns", "exec", ns, "ethtool", "-S", dev])
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("rx_queue_").and_then(|r| r.split_once("_xdp_drops:")).map(|(_, v)| v.trim().parse::<u64>().unwrap_or(0)))
+        .filter_map(|l| l.trim().strip_prefix("rx_queue_").and_then(|r| r.split_once(suffix)).map(|(_, v)| v.trim().parse::<u64>().unwrap_or(0)))
         .sum()
 }
 
-/// Packets the nftables meter dropped (its rule's counter).
-fn nft_drops(ns: &str) -> u64 {
-    let out = sh(&["ip", "netns", "exec", ns, "nft", "list", "chain", "netdev", "flowctl_bench", "ingress"]);
-    out.split("counter packets ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0)
+/// Packets the nftables meter dropped: what XDP passed up, minus what reached
+/// IP (listing nft counters would walk the million-element set).
+fn nft_drops(ns: &str, dev: &str) -> u64 {
+    let passed_up = veth_stat(ns, dev, "_xdp_packets:");
+    let snmp = sh(&["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"]);
+    let mut ip = snmp.lines().filter(|l| l.starts_with("Ip:"));
+    let (names, values) = (ip.next().unwrap_or(""), ip.next().unwrap_or(""));
+    let col = names.split_whitespace().position(|n| n == "InReceives").unwrap_or(0);
+    let in_receives: u64 = values.split_whitespace().nth(col).and_then(|v| v.parse().ok()).unwrap_or(0);
+    passed_up.saturating_sub(in_receives)
 }
 
 fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quick: bool) {
@@ -227,6 +236,12 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     };
+    // Labs of earlier runs that were killed before they could clean up.
+    for l in sh(&["ip", "netns", "list"]).lines() {
+        if let Some(name) = l.split_whitespace().next().filter(|n| n.starts_with("fbench")) {
+            let _ = std::process::Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
     let lab = flowctl_tests::lab::Lab::new("fbench", 230);
     let mut dropper = TestPlane::new(drop_profile);
     let slot = Duration::from_millis(500);
@@ -297,9 +312,9 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
                     let _ = std::fs::remove_file(f);
                 }
                 std::thread::sleep(Duration::from_millis(50)); // let the ring settle
-                let (d0, s0, t0) = (if *name == "nftables" { nft_drops(&lab.ns_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) }, sent.load(Ordering::Relaxed), std::time::Instant::now());
+                let (d0, s0, t0) = (if *name == "nftables" { nft_drops(&lab.ns_srv, &lab.veth_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) }, sent.load(Ordering::Relaxed), std::time::Instant::now());
                 std::thread::sleep(slot);
-                let d1 = if *name == "nftables" { nft_drops(&lab.ns_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) };
+                let d1 = if *name == "nftables" { nft_drops(&lab.ns_srv, &lab.veth_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) };
                 let dt = t0.elapsed().as_secs_f64();
                 let _ = s0;
                 if *name == "nftables" {

@@ -38,7 +38,7 @@ fn main() -> Result<()> {
     loop {
         let out = Command::new(&bin).args(["status", "--json"]).output()?;
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        if v.as_array().is_some_and(|a| a.iter().any(|x| x["iface"] == lab.veth_srv.as_str() && x["agent_running"] == true)) {
+        if v.as_array().is_some_and(|a| a.iter().any(|x| x["iface"] == lab.veth_srv.as_str() && x["agent_ready"] == true)) {
             break;
         }
         if Instant::now() > deadline {
