@@ -19,3 +19,21 @@ pub mod tables;
 
 pub use consts::*;
 pub use types::*;
+
+/// The panic handler and license section every flowctl BPF object needs
+/// (the verifier rejects a reachable panic, so the handler is never entered).
+#[macro_export]
+macro_rules! bpf_object_boilerplate {
+    () => {
+        #[cfg(not(test))]
+        #[panic_handler]
+        fn panic(_info: &core::panic::PanicInfo) -> ! {
+            loop {}
+        }
+
+        /// GPL-compatible, so GPL-only helpers are available.
+        #[link_section = "license"]
+        #[no_mangle]
+        static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+    };
+}

@@ -432,12 +432,4 @@ fn trie_class(slot: u32, meta: &PacketMeta) -> u32 {
     }
 }
 
-#[cfg(not(test))]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
-    loop {}
-}
-
-#[link_section = "license"]
-#[no_mangle]
-static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+flowctl_common::bpf_object_boilerplate!();

@@ -263,7 +263,7 @@ fn error_paths_say_how_to_fix() {
     let out = flowctl(&["check", prof.path()]);
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kernel memory"));
     // Native XDP is refused on a fresh namespace's lo: auto falls back loudly.
-    let mut child = Command::new(bin())
+    let child = Command::new(bin())
         .args(["attach", "lo", "--netns", &lab.ns_srv, "--profile", prof.path()])
         .stderr(Stdio::piped())
         .spawn()

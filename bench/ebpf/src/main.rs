@@ -132,12 +132,4 @@ pub fn reject_me(ctx: XdpContext) -> u32 {
     unsafe { core::ptr::read_volatile(p.add(64)) as u32 }
 }
 
-#[cfg(not(test))]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
-    loop {}
-}
-
-#[link_section = "license"]
-#[no_mangle]
-static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+flowctl_common::bpf_object_boilerplate!();
