@@ -62,23 +62,18 @@ pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
 /// (`record * DEBT_SLOTS_PER_RULE + hash % DEBT_SLOTS_PER_RULE`).
 #[inline(always)]
 pub fn debt_slot(record: u32, k: &BucketKey) -> u32 {
-    let words = [
-        k.state_id,
-        (k.family as u32) | (k.proto as u32) << 8 | (k.sport as u32) << 16,
-        k.dport as u32,
-        k.src[0], k.src[1], k.src[2], k.src[3],
-        k.dst[0], k.dst[1], k.dst[2], k.dst[3],
-    ];
-    // FNV-1a over words then a murmur3 finaliser: cheap, no tables, no 128-bit math.
-    let mut h: u32 = 0x811c_9dc5;
-    let mut i = 0;
-    while i < words.len() {
-        h = (h ^ words[i]).wrapping_mul(0x0100_0193);
-        i += 1;
-    }
+    // Fold the words with distinct rotations (cheap: this runs on every
+    // refused packet), then one murmur3 finaliser to spread the bits.
+    let mut h = k.state_id.wrapping_mul(0x9e37_79b9);
+    h ^= ((k.family as u32) | (k.proto as u32) << 8 | (k.sport as u32) << 16).rotate_left(5);
+    h ^= (k.dport as u32).rotate_left(11);
+    h ^= k.src[0].rotate_left(3) ^ k.src[1].rotate_left(7) ^ k.src[2].rotate_left(13) ^ k.src[3];
+    h ^= k.dst[0].rotate_left(17) ^ k.dst[1].rotate_left(19) ^ k.dst[2].rotate_left(23) ^ k.dst[3].rotate_left(29);
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
     record * crate::DEBT_SLOTS_PER_RULE as u32 + (h % crate::DEBT_SLOTS_PER_RULE as u32)
 }
 
