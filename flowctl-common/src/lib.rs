@@ -11,6 +11,7 @@ pub mod gcra;
 pub mod keys;
 pub mod matcher;
 pub mod types;
+pub mod window;
 
 #[cfg(feature = "user")]
 pub mod rate;
