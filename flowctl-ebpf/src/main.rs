@@ -254,9 +254,19 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
-            remember_debt(rule, meta, record, old);
+            // Bit 0 of a TAT marks "debt already remembered": a key that keeps
+            // being refused pays for the debt slot once, not per packet. The
+            // mark makes the TAT 1 ns later, never earlier.
+            if old & DEBT_MARK == 0 {
+                remember_debt(rule, meta, record, old);
+                unsafe {
+                    let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, old | DEBT_MARK);
+                }
+            }
             return verdict(rule, record, len, reason::RATE);
         };
+        // Admitting moves the TAT: clear the mark by rounding up to even.
+        let new = unmarked(new);
         let (_, ok) = unsafe {
             atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, new)
         };
@@ -370,6 +380,7 @@ fn bucket_tat(
         // Costlier than the whole bucket: refused without creating state.
         return BucketRef::FreshRefused;
     };
+    let first = unmarked(first);
     // BPF_NOEXIST: if another CPU created the key first, use its bucket.
     match FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */) {
         Ok(()) => BucketRef::FreshAdmitted,
@@ -383,6 +394,15 @@ fn bucket_tat(
             }
         },
     }
+}
+
+/// Bit 0 of a stored TAT: this bucket's current debt is in `FLOWCTL_DEBT`.
+const DEBT_MARK: u64 = 1;
+
+/// A TAT with the debt mark clear, rounded up (later, so never more lenient).
+#[inline(always)]
+fn unmarked(tat: u64) -> u64 {
+    tat.saturating_add(1) & !DEBT_MARK
 }
 
 /// Where a bucket starts: the debt remembered for its key's slot when that is
