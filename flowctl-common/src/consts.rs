@@ -39,6 +39,11 @@ pub const DEBT_SLOTS: usize = MAX_RULE_RECORDS * DEBT_SLOTS_PER_RULE;
 
 /// Default and hard limits of the key tables (entries).
 pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
+/// Default entries of the quota table (one window ring per key).
+pub const DEFAULT_QUOTA_ENTRIES: u32 = 1 << 16;
+/// Most buckets a quota window may have (K); the ring holds K + 1 slots.
+pub const MAX_QUOTA_BUCKETS: usize = 16;
+pub const QUOTA_RING_SLOTS: usize = MAX_QUOTA_BUCKETS + 1;
 
 /// Bounded compare-and-swap retries on one key before the packet is dropped
 /// with reason `contended` (see docs/design.md).
@@ -68,10 +73,11 @@ pub mod map_names {
     pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
     pub const DEBT: &str = "FLOWCTL_DEBT";
+    pub const QUOTAS: &str = "FLOWCTL_QUOTAS";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT,
+        CONTROL, DEBT, QUOTAS,
     ];
 }
 

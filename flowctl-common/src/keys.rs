@@ -23,39 +23,32 @@ pub fn mask_prefix(addr: &[u32; 4], family: u8, len: u8) -> [u32; 4] {
 }
 
 /// The bucket key of `meta` under `rule`. Fields the key kind does not use stay
-/// zero, so all packets that share a bucket build the same key.
+/// zero, so all packets that share a bucket build the same key. Every field is
+/// computed on its own (no `..Default::default()`): zero-filling a 44-byte
+/// struct makes LLVM call memset, which the BPF verifier cannot load here.
 #[inline(always)]
 pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
-    let mut k = BucketKey { state_id: rule.state_id, ..BucketKey::default() };
-    match rule.key_kind {
-        key_kind::SRC => {
-            k.family = meta.family;
-            k.src = meta.src;
-        }
+    let kind = rule.key_kind;
+    let by_src = matches!(kind, key_kind::SRC | key_kind::SRC_PREFIX | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE);
+    let five = kind == key_kind::FIVE_TUPLE;
+    let src = match kind {
+        key_kind::SRC | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE => meta.src,
         key_kind::SRC_PREFIX => {
-            k.family = meta.family;
             let len = if meta.family == 4 { rule.prefix_v4 } else { rule.prefix_v6 };
-            k.src = mask_prefix(&meta.src, meta.family, len);
+            mask_prefix(&meta.src, meta.family, len)
         }
-        key_kind::DPORT => {
-            k.dport = meta.dport;
-        }
-        key_kind::SRC_DPORT => {
-            k.family = meta.family;
-            k.src = meta.src;
-            k.dport = meta.dport;
-        }
-        key_kind::FIVE_TUPLE => {
-            k.family = meta.family;
-            k.proto = meta.proto;
-            k.src = meta.src;
-            k.dst = meta.dst;
-            k.sport = meta.sport;
-            k.dport = meta.dport;
-        }
-        _ => {}
+        _ => [0; 4],
+    };
+    BucketKey {
+        state_id: rule.state_id,
+        family: if by_src { meta.family } else { 0 },
+        proto: if five { meta.proto } else { 0 },
+        sport: if five { meta.sport } else { 0 },
+        dport: if matches!(kind, key_kind::DPORT | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE) { meta.dport } else { 0 },
+        _pad: 0,
+        src,
+        dst: if five { meta.dst } else { [0; 4] },
     }
-    k
 }
 
 /// Debt slot of a bucket key within its rule's region

@@ -156,6 +156,7 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, RateError> {
         "ms" => 1_000_000,
         "s" | "" => 1_000_000_000,
         "min" | "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
         other => return Err(RateError::Period(other.to_string())),
     };
     n.checked_mul(mult).ok_or(RateError::TooLarge)
@@ -204,5 +205,6 @@ mod tests {
         assert_eq!(parse_amount("0"), Err(RateError::Zero));
         assert_eq!(parse_duration_ns("3s"), Ok(3_000_000_000));
         assert_eq!(parse_duration_ns("250ms"), Ok(250_000_000));
+        assert_eq!(parse_duration_ns("1h"), Ok(3_600_000_000_000));
     }
 }

@@ -112,7 +112,15 @@ pub struct RuleConfig {
     pub prefix_v6: u8,
     /// 1 when the rule constrains the destination port.
     pub has_ports: u8,
-    pub _pad: [u8; 6],
+    /// 1 when the rule has a token bucket (0: quota only).
+    pub has_bucket: u8,
+    pub _pad: [u8; 5],
+    /// Quota bucket length L in ns (0: no quota).
+    pub quota_bucket_ns: u64,
+    /// Quota: at most this many units per window.
+    pub quota_limit: u32,
+    /// Quota buckets K (the window is K * L).
+    pub quota_buckets: u32,
 }
 
 /// Global record (array index 0): agent heartbeat, generation, verdict policy.
@@ -264,6 +272,14 @@ pub struct BucketKey {
     pub dst: [u32; 4],
 }
 
+/// One key's quota window ring: K + 1 slots, each (epoch << 32 | count)
+/// updated by compare-and-swap (see `window`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaRing {
+    pub words: [u64; crate::QUOTA_RING_SLOTS],
+}
+
 /// LPM trie key data: `[slot << 1 | is_v6, address bytes in network order...]`.
 /// The prefix length counts the 8 tag bits.
 pub type TrieData = [u8; 17];
@@ -301,7 +317,8 @@ macro_rules! assert_layout {
     };
 }
 assert_layout!(RuleBitmap, 32, 8);
-assert_layout!(RuleConfig, 40, 8);
+assert_layout!(RuleConfig, 56, 8);
+assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
 assert_layout!(GlobalRecord, 48, 8);
 assert_layout!(ControlRecord, 32, 8);
 assert_layout!(RuleCounters, 208, 8);
@@ -320,4 +337,5 @@ mod pod {
     unsafe impl aya::Pod for SrcKey {}
     unsafe impl aya::Pod for SrcEntry {}
     unsafe impl aya::Pod for BucketKey {}
+    unsafe impl aya::Pod for QuotaRing {}
 }

@@ -25,10 +25,11 @@ use flowctl_common::{
     action, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
     matcher, reason, tcp_flags,
+    window::{self, Window},
     unit, BucketKey, ControlRecord, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
-    DEBT_SLOTS, NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
+    DEBT_SLOTS, DEFAULT_QUOTA_ENTRIES, NO_CLASS, QuotaRing, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
 };
 
 #[map]
@@ -53,6 +54,12 @@ static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> =
     PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
 #[map]
 static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
+/// Quota window rings, one per key of every quota rule.
+#[map]
+static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> = LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
+/// A zeroed ring to insert from (136 bytes are too many for the stack).
+#[map]
+static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
 /// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
 #[map]
 static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
@@ -232,38 +239,80 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
             return verdict(rule, record, len, reason::ADMISSION);
         }
     }
-    // Stages 2 (BBR) and 3 (quota) are added by later work; they must check
-    // here and commit below, after the bucket.
+    // Stage 2 (BBR) is added by later work: check here, commit below.
 
-    // Stage 4: token bucket, committed with compare-and-swap.
+    // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)
+    // only once the bucket has admitted on a read, and rolled back if the
+    // bucket's own compare-and-swap then refuses.
+    let mut quota = Quota::none();
+    if rule.quota_bucket_ns != 0 {
+        quota = Quota::of(rule, meta, record, now);
+        if !quota.has_room(cost) {
+            return verdict(rule, record, len, reason::QUOTA);
+        }
+    }
+    // Stage 4, look: the bucket's verdict on a read, before anything commits.
     let inc = gcra::increment_ns(rule.interval_fp, cost);
-    let tat_ptr = bucket_tat(rule, meta, entry_ptr, now, inc, record);
-    let tat_ptr = match tat_ptr {
-        BucketRef::Ptr(p) => p,
-        BucketRef::FreshAdmitted => {
+    let mut tat_ptr: *mut u64 = core::ptr::null_mut();
+    let mut create: Option<u64> = None;
+    if rule.has_bucket != 0 {
+        match bucket_tat(rule, meta, entry_ptr, now) {
+            BucketRef::Ptr(p) => {
+                let old = unsafe { core::ptr::read_volatile(p) };
+                if gcra::admit(old, now, inc, rule.burst_ns).is_none() {
+                    return refuse_rate(rule, meta, record, len, p, old);
+                }
+                tat_ptr = p;
+            }
+            BucketRef::Missing => {
+                let key = bucket_key(meta, rule);
+                let Some(first) = gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns) else {
+                    // Costlier than the whole bucket, or still in debt:
+                    // refused without creating state.
+                    return verdict(rule, record, len, reason::RATE);
+                };
+                create = Some(unmarked(first));
+            }
+        }
+    }
+
+    // Stage 3, commit: the quota (one compare-and-swap, exact).
+    match quota.commit(cost) {
+        QuotaCommit::Done => {}
+        QuotaCommit::Full => return verdict(rule, record, len, reason::QUOTA),
+        QuotaCommit::Contended => return verdict(rule, record, len, reason::CONTENDED),
+    }
+
+    // Stage 4, commit: create the bucket charged, or swap its TAT.
+    if let Some(first) = create {
+        let key = bucket_key(meta, rule);
+        // BPF_NOEXIST: if another CPU created the key first, use its bucket.
+        if FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_ok() {
             count(record, len, true, Outcome::Pass);
             return xdp_action::XDP_PASS;
         }
-        BucketRef::FreshRefused => return verdict(rule, record, len, reason::RATE),
-        BucketRef::Unavailable => {
-            count(record, len, true, Outcome::Pass);
-            return xdp_action::XDP_PASS;
+        match FLOWCTL_KEYS.get_ptr_mut(&key) {
+            Some(p) => tat_ptr = p,
+            None => {
+                // The table refused the insert: admit (the quota has counted
+                // it) and say so.
+                if let Some(c) = counters(record) {
+                    c.insert_failures += 1;
+                }
+            }
         }
-    };
+    }
+    if tat_ptr.is_null() {
+        count(record, len, true, Outcome::Pass);
+        return xdp_action::XDP_PASS;
+    }
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
-            // Bit 0 of a TAT marks "debt already remembered": a key that keeps
-            // being refused pays for the debt slot once, not per packet. The
-            // mark makes the TAT 1 ns later, never earlier.
-            if old & DEBT_MARK == 0 {
-                remember_debt(rule, meta, record, old);
-                unsafe {
-                    let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, old | DEBT_MARK);
-                }
-            }
-            return verdict(rule, record, len, reason::RATE);
+            // Another CPU took the last token between the look and the swap.
+            quota.rollback(cost);
+            return refuse_rate(rule, meta, record, len, tat_ptr, old);
         };
         // Admitting moves the TAT: clear the mark by rounding up to even.
         let new = unmarked(new);
@@ -276,7 +325,148 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
         }
         tries += 1;
     }
+    quota.rollback(cost);
     verdict(rule, record, len, reason::CONTENDED)
+}
+
+/// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
+/// key that keeps being refused pays for the debt slot once, not per packet.
+/// The mark makes the TAT 1 ns later, never earlier.
+#[inline(always)]
+fn refuse_rate(rule: &RuleConfig, meta: &PacketMeta, record: u32, len: u64, tat_ptr: *mut u64, old: u64) -> u32 {
+    if old & DEBT_MARK == 0 {
+        remember_debt(rule, meta, record, old);
+        unsafe {
+            let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, old | DEBT_MARK);
+        }
+    }
+    verdict(rule, record, len, reason::RATE)
+}
+
+enum QuotaCommit {
+    Done,
+    Full,
+    Contended,
+}
+
+/// The quota stage of one packet: its key's window ring and epoch, and
+/// whether this packet has committed to it yet (so retries of the bucket's
+/// compare-and-swap never count it twice).
+struct Quota {
+    ring: *mut QuotaRing,
+    window: Window,
+    epoch: u64,
+    limit: u64,
+    /// The K full buckets' sum, from `has_room` (past buckets no longer change).
+    past: u64,
+    committed: bool,
+}
+
+impl Quota {
+    #[inline(always)]
+    fn none() -> Self {
+        Self { ring: core::ptr::null_mut(), window: Window { bucket_ns: 1, buckets: 1 }, epoch: 0, limit: 0, past: 0, committed: false }
+    }
+
+    /// The ring for this packet's key, created empty when missing. A table
+    /// that refuses the insert leaves the quota unenforced for this packet
+    /// (counted as an insert failure), like the key table.
+    #[inline(always)]
+    fn of(rule: &RuleConfig, meta: &PacketMeta, record: u32, now: u64) -> Self {
+        let window = Window { bucket_ns: rule.quota_bucket_ns, buckets: rule.quota_buckets };
+        let key = bucket_key(meta, rule);
+        let mut ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
+        if ring.is_null() {
+            if let Some(zero) = FLOWCTL_ZERO_RING.get(0) {
+                let _ = FLOWCTL_QUOTAS.insert(&key, zero, 1 /* BPF_NOEXIST */);
+            }
+            ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
+            if ring.is_null() {
+                if let Some(c) = counters(record) {
+                    c.insert_failures += 1;
+                }
+            }
+        }
+        Self { ring, window, epoch: window.epoch(now), limit: rule.quota_limit as u64, past: 0, committed: false }
+    }
+
+    #[inline(always)]
+    fn word(&self, i: u32) -> u64 {
+        unsafe {
+            match (*self.ring).words.get(i as usize) {
+                Some(w) => core::ptr::read_volatile(w),
+                None => 0,
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn current(&self) -> Option<*mut u64> {
+        let i = window::slot(self.epoch, self.window.slots());
+        unsafe { (*self.ring).words.get_mut(i as usize).map(|w| w as *mut u64) }
+    }
+
+    #[inline(always)]
+    fn has_room(&mut self, cost: u64) -> bool {
+        if self.ring.is_null() {
+            return true;
+        }
+        let sum = window::ring_sum(|i| self.word(i as u32), self.epoch, self.window.buckets);
+        let current = match self.current() {
+            Some(p) => window::count_in(unsafe { core::ptr::read_volatile(p) }, self.epoch) as u64,
+            None => 0,
+        };
+        self.past = sum.saturating_sub(current);
+        window::quota_admits(sum, cost, self.limit)
+    }
+
+    /// Adds the packet to the current bucket if the window still has room:
+    /// the check and the increment are one compare-and-swap on the current
+    /// slot (past buckets no longer change).
+    #[inline(always)]
+    fn commit(&mut self, cost: u64) -> QuotaCommit {
+        if self.ring.is_null() || self.committed {
+            return QuotaCommit::Done;
+        }
+        let Some(cur) = self.current() else { return QuotaCommit::Done };
+        let past = self.past;
+        let mut tries = 0;
+        while tries < CAS_RETRIES {
+            let old = unsafe { core::ptr::read_volatile(cur) };
+            let sum = past + window::count_in(old, self.epoch) as u64;
+            if !window::quota_admits(sum, cost, self.limit) {
+                return QuotaCommit::Full;
+            }
+            let new = window::bumped(old, self.epoch, cost as u32);
+            let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(cur, old, new) };
+            if ok {
+                self.committed = true;
+                return QuotaCommit::Done;
+            }
+            tries += 1;
+        }
+        QuotaCommit::Contended
+    }
+
+    /// Takes this packet's count back out after a later stage refused it.
+    /// One attempt: if another CPU changed the slot meanwhile, the count
+    /// stays (the window under-admits by this packet until the bucket ages
+    /// out; never over-admits).
+    #[inline(always)]
+    fn rollback(&mut self, cost: u64) {
+        if !self.committed {
+            return;
+        }
+        let Some(cur) = self.current() else { return };
+        let old = unsafe { core::ptr::read_volatile(cur) };
+        let (e, c) = window::unpack(old);
+        if e == self.epoch as u32 && (c as u64) >= cost {
+            unsafe {
+                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(cur, old, window::pack(self.epoch, c - cost as u32));
+            }
+        }
+        self.committed = false;
+    }
 }
 
 /// Drop (or, in dry-run, count a would-drop and pass) for `why`.
@@ -337,24 +527,16 @@ fn flow_hash(seed: u64, m: &PacketMeta) -> u64 {
 
 enum BucketRef {
     Ptr(*mut u64),
-    FreshAdmitted,
-    FreshRefused,
-    Unavailable,
+    /// No bucket yet for this key: the caller creates it, charged. (The key
+    /// is rebuilt there: moving it through the enum makes LLVM call memcpy.)
+    Missing,
 }
 
 /// Where the rule's bucket for this packet lives. A source-keyed rule keeps its
 /// bucket in the source's cache entry when it owns it (one map touch per
-/// packet); every other bucket lives in the shared key table. New buckets are
-/// created already charged with this packet, so creation needs no second CAS.
+/// packet); every other bucket lives in the shared key table.
 #[inline(always)]
-fn bucket_tat(
-    rule: &RuleConfig,
-    meta: &PacketMeta,
-    entry: *mut SrcEntry,
-    now: u64,
-    inc: u64,
-    record: u32,
-) -> BucketRef {
+fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u64) -> BucketRef {
     if rule.key_kind == key_kind::SRC && !entry.is_null() {
         let owner = unsafe { (*entry).owner_state };
         if owner == rule.state_id {
@@ -364,7 +546,7 @@ fn bucket_tat(
             // Claim the entry, starting from the key's remembered debt (a full
             // bucket when there is none). Two CPUs may race here; both store
             // the same values.
-            let start = initial_tat(record, &bucket_key(meta, rule), now);
+            let start = initial_tat(rule.record, &bucket_key(meta, rule), now);
             unsafe {
                 (*entry).tat = start;
                 (*entry).owner_state = rule.state_id;
@@ -373,26 +555,9 @@ fn bucket_tat(
         }
     }
     let key = bucket_key(meta, rule);
-    if let Some(p) = FLOWCTL_KEYS.get_ptr_mut(&key) {
-        return BucketRef::Ptr(p);
-    }
-    let Some(first) = gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns) else {
-        // Costlier than the whole bucket: refused without creating state.
-        return BucketRef::FreshRefused;
-    };
-    let first = unmarked(first);
-    // BPF_NOEXIST: if another CPU created the key first, use its bucket.
-    match FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */) {
-        Ok(()) => BucketRef::FreshAdmitted,
-        Err(_) => match FLOWCTL_KEYS.get_ptr_mut(&key) {
-            Some(p) => BucketRef::Ptr(p),
-            None => {
-                if let Some(c) = counters(record) {
-                    c.insert_failures += 1;
-                }
-                BucketRef::Unavailable
-            }
-        },
+    match FLOWCTL_KEYS.get_ptr_mut(&key) {
+        Some(p) => BucketRef::Ptr(p),
+        None => BucketRef::Missing,
     }
 }
 

@@ -79,7 +79,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
                 other
             ),
         }
-        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries)] {
+        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries), (map_names::QUOTAS, set.settings.quota_table_entries)] {
             if let Some(have) = dataplane::pinned_max_entries(&id, name) {
                 if have != want {
                     bail!("the pinned {name} has {have} entries but the profile asks for {want}; table sizes can only change with --replace (which resets bucket state)");
@@ -113,6 +113,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
             attached_at_unix: now_unix(),
             key_table_entries: set.settings.key_table_entries,
             source_cache_entries: set.settings.source_cache_entries,
+            quota_table_entries: set.settings.quota_table_entries,
         },
     };
     let mut maps = Maps::open(&id)?;
@@ -236,7 +237,7 @@ fn handle(maps: &mut Maps, state: &mut AttachState, line: &str) -> Response {
                 Ok(s) => s,
                 Err(e) => return Response::err(e.to_string()),
             };
-            if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries {
+            if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries || set.settings.quota_table_entries != state.quota_table_entries {
                 return Response::err("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
             }
             match apply_and_record(maps, state, &set, &path) {

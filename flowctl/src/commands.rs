@@ -55,7 +55,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     let Some(mut state) = AttachState::load(&id)? else {
         bail!("nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`", path.display());
     };
-    if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries {
+    if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries || set.settings.quota_table_entries != state.quota_table_entries {
         bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
     }
     let mut maps = Maps::open(&id)?;
@@ -84,7 +84,14 @@ fn limit_text(r: &profile::Rule) -> String {
     if r.action == flowctl_common::action::PASS {
         return "pass (exempt)".into();
     }
-    format!("{} {} burst {} per {}{}", r.rate_text, r.unit_name(), r.burst, r.key_name(), if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" })
+    let mut parts = Vec::new();
+    if r.interval_fp != 0 {
+        parts.push(format!("{} {} burst {}", r.rate_text, r.unit_name(), r.burst));
+    }
+    if let Some(q) = r.quota_text() {
+        parts.push(format!("quota {q}"));
+    }
+    format!("{} per {}{}", parts.join(", "), r.key_name(), if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" })
 }
 
 pub fn status(json: bool) -> Result<()> {
@@ -199,7 +206,12 @@ pub fn explain(iface: &str, proto: &str, src: &str, dport: Option<u16>, netns: &
             println!("match  {}", r.match_text());
             println!("action {}", r.action_name());
             if r.action != flowctl_common::action::PASS {
-                println!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
+                if r.interval_fp != 0 {
+                    println!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
+                }
+                if let Some(q) = r.quota_text() {
+                    println!("quota  {q}");
+                }
                 println!("key    {}", r.key_name());
             }
             if let Some(st) = st {

@@ -142,7 +142,11 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             prefix_v4: r.prefix_v4,
             prefix_v6: r.prefix_v6,
             has_ports: r.spec.ports.is_some() as u8,
-            _pad: [0; 6],
+            has_bucket: (r.interval_fp != 0) as u8,
+            _pad: [0; 5],
+            quota_bucket_ns: r.quota_bucket_ns,
+            quota_limit: r.quota_limit,
+            quota_buckets: r.quota_buckets,
         };
         maps.rules.set(slot * MAX_RULES as u32 + i as u32, cfg, 0)?;
     }
@@ -244,6 +248,7 @@ pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
         .default_map_pin_directory(&dir)
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
         .map_max_entries(names::KEYS, settings.key_table_entries)
+        .map_max_entries(names::QUOTAS, settings.quota_table_entries)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
     let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing from object")?.try_into()?;

@@ -119,6 +119,13 @@ pub struct AttachState {
     pub attached_at_unix: u64,
     pub key_table_entries: u32,
     pub source_cache_entries: u32,
+    /// Absent in state written before quotas existed: the default then.
+    #[serde(default = "default_quota_entries")]
+    pub quota_table_entries: u32,
+}
+
+fn default_quota_entries() -> u32 {
+    flowctl_common::DEFAULT_QUOTA_ENTRIES
 }
 
 impl AttachState {

@@ -6,7 +6,8 @@ use flowctl_common::{
     action, gcra, key_kind,
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
     tables::{Cidr, MatchSpec},
-    unit, BucketKey, SrcEntry, SrcKey, DEFAULT_TABLE_ENTRIES, MAX_RULES, XDP_DROP, XDP_PASS,
+    unit, BucketKey, QuotaRing, SrcEntry, SrcKey, DEFAULT_QUOTA_ENTRIES, DEFAULT_TABLE_ENTRIES,
+    MAX_QUOTA_BUCKETS, MAX_RULES, XDP_DROP, XDP_PASS,
 };
 use serde::Deserialize;
 use std::{net::IpAddr, path::Path};
@@ -42,6 +43,7 @@ struct RawSettings {
     fragments: Option<Spanned<String>>,
     key_table_entries: Option<Spanned<i64>>,
     source_cache_entries: Option<Spanned<i64>>,
+    quota_table_entries: Option<Spanned<i64>>,
     memory_budget: Option<Spanned<String>>,
     grace_period: Option<Spanned<String>>,
 }
@@ -74,6 +76,9 @@ struct RawRule {
     key: Option<Spanned<String>>,
     prefix_v4: Option<Spanned<i64>>,
     prefix_v6: Option<Spanned<i64>>,
+    quota: Option<Spanned<RawAmount>>,
+    quota_window: Option<Spanned<String>>,
+    quota_buckets: Option<Spanned<i64>>,
 }
 
 /// Profile-wide settings, validated.
@@ -83,6 +88,7 @@ pub struct Settings {
     pub fragment_verdict: u32,
     pub key_table_entries: u32,
     pub source_cache_entries: u32,
+    pub quota_table_entries: u32,
     pub memory_budget: u64,
     pub grace_ns: u64,
 }
@@ -94,6 +100,7 @@ impl Default for Settings {
             fragment_verdict: XDP_PASS,
             key_table_entries: DEFAULT_TABLE_ENTRIES,
             source_cache_entries: DEFAULT_TABLE_ENTRIES,
+            quota_table_entries: DEFAULT_QUOTA_ENTRIES,
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
         }
@@ -116,15 +123,22 @@ pub struct Rule {
     pub burst: u64,
     pub interval_fp: u64,
     pub burst_ns: u64,
+    /// Quota: at most `quota_limit` units per `quota_buckets * quota_bucket_ns`.
+    pub quota_limit: u32,
+    pub quota_bucket_ns: u64,
+    pub quota_buckets: u32,
 }
+
+/// Default quota buckets K: the effective window is at most W + W/K.
+pub const DEFAULT_QUOTA_BUCKETS: u64 = 10;
 
 impl Rule {
     /// What must be equal for `apply` to keep this rule's bucket state.
     pub fn state_fingerprint(&self) -> String {
         format!(
-            "{:?}|{}|{}|{}|{}|{}|{}|{}",
+            "{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
             self.spec, self.action, self.unit, self.key_kind, self.prefix_v4, self.prefix_v6,
-            self.interval_fp, self.burst_ns
+            self.interval_fp, self.burst_ns, self.quota_limit, self.quota_bucket_ns, self.quota_buckets
         )
     }
 
@@ -153,6 +167,13 @@ impl Rule {
             action::DRY_RUN => "dry-run",
             _ => "drop",
         }
+    }
+
+    pub fn quota_text(&self) -> Option<String> {
+        (self.quota_limit != 0).then(|| {
+            let w = self.quota_bucket_ns * self.quota_buckets as u64;
+            format!("{} {} per {} ms ({} buckets)", self.quota_limit, self.unit_name(), w / 1_000_000, self.quota_buckets)
+        })
     }
 
     pub fn match_text(&self) -> String {
@@ -214,7 +235,9 @@ impl Settings {
             * lru_bytes_per_entry(core::mem::size_of::<SrcKey>(), core::mem::size_of::<SrcEntry>());
         let keys = self.key_table_entries as u64
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
-        cache + keys + fixed_table_bytes()
+        let quotas = self.quota_table_entries as u64
+            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<QuotaRing>());
+        cache + keys + quotas + fixed_table_bytes()
     }
 }
 
@@ -345,6 +368,9 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
     if let Some(v) = &s.source_cache_entries {
         out.source_cache_entries = table_size(cx, v)?;
     }
+    if let Some(v) = &s.quota_table_entries {
+        out.quota_table_entries = table_size(cx, v)?;
+    }
     if let Some(v) = &s.memory_budget {
         out.memory_budget = match parse_amount(v.get_ref()) {
             Ok((n, Dimension::Bytes)) => n,
@@ -466,22 +492,37 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         burst: 0,
         interval_fp: 0,
         burst_ns: 0,
+        quota_limit: 0,
+        quota_bucket_ns: 0,
+        quota_buckets: 0,
     };
     if action_v == action::PASS {
-        for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span()))] {
+        for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span())), ("quota", r.quota.as_ref().map(|x| x.span()))] {
             if let Some(s) = s {
                 return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
             }
         }
         return Ok(rule);
     }
-    let Some(rate_s) = &r.rate else {
-        return Err(cx.err(span, format!("rule `{}` needs a `rate` (e.g. \"100/s\", \"10Mbit/s\") or action = \"pass\"", rule.name)));
+    if r.rate.is_none() && r.quota.is_none() {
+        return Err(cx.err(span, format!("rule `{}` needs a `rate` (e.g. \"100/s\", \"10Mbit/s\"), a `quota` (e.g. 60 with quota_window = \"1min\"), or action = \"pass\"", rule.name)));
+    }
+    let rate: Option<Rate> = match &r.rate {
+        Some(rs) => Some(parse_rate(rs.get_ref()).map_err(|e| cx.err(rs.span(), format!("bad rate `{}`: {e}", rs.get_ref())))?),
+        None => None,
     };
-    let rate: Rate = parse_rate(rate_s.get_ref()).map_err(|e| cx.err(rate_s.span(), format!("bad rate `{}`: {e}", rate_s.get_ref())))?;
-    rule.rate_text = rate_s.get_ref().clone();
+    let quota_amount: Option<(u64, Dimension)> = match &r.quota {
+        Some(q) => Some(match q.get_ref() {
+            RawAmount::Int(n) if *n <= 0 => return Err(cx.err(q.span(), "quota must be greater than zero")),
+            RawAmount::Int(n) => (*n as u64, Dimension::Count),
+            RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(q.span(), format!("bad quota `{t}`: {e}")))?,
+        }),
+        None => None,
+    };
+    // The unit: as written, else the dimension of the rate or the quota.
+    let implied_bytes = rate.map(|x| x.dim == Dimension::Bytes).or(quota_amount.map(|q| q.1 == Dimension::Bytes)).unwrap_or(false);
     rule.unit = match &r.unit {
-        None => if rate.dim == Dimension::Bytes { unit::BYTES } else { unit::PACKETS },
+        None => if implied_bytes { unit::BYTES } else { unit::PACKETS },
         Some(u) => match u.get_ref().as_str() {
             "packets" => unit::PACKETS,
             "bytes" => unit::BYTES,
@@ -489,45 +530,93 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             other => return Err(cx.err(u.span(), format!("unknown unit `{other}`: use packets, bytes or connections"))),
         },
     };
-    if (rule.unit == unit::BYTES) != (rate.dim == Dimension::Bytes) {
-        return Err(cx.err(rate_s.span(), if rule.unit == unit::BYTES {
-            "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
-        } else {
-            format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
-        }));
-    }
     if rule.unit == unit::CONNECTIONS && proto.is_some_and(|p| p != 6) {
         return Err(cx.err(r.unit.as_ref().map(|u| u.span()).unwrap_or(span.clone()), "unit = \"connections\" counts TCP SYNs: use proto = \"tcp\""));
     }
-    let (num, den) = (rate.num, rate.den);
-    if num > u64::MAX as u128 || den > u64::MAX as u128 {
-        return Err(cx.err(rate_s.span(), "rate out of range"));
-    }
-    rule.interval_fp = gcra::interval_fp(num as u64, den as u64);
-    rule.burst = match &r.burst {
-        None => {
-            // Default: one second's worth, at least one unit (one large frame
-            // for byte rules).
-            let per_s = rate.per_second() as u64;
-            if rule.unit == unit::BYTES { per_s.max(MIN_BYTE_BURST) } else { per_s.max(1) }
+    if let (Some(rate), Some(rate_s)) = (rate, &r.rate) {
+        if (rule.unit == unit::BYTES) != (rate.dim == Dimension::Bytes) {
+            return Err(cx.err(rate_s.span(), if rule.unit == unit::BYTES {
+                "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
+            } else {
+                format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
+            }));
         }
-        Some(b) => {
-            let (n, dim) = match b.get_ref() {
-                RawAmount::Int(n) if *n <= 0 => return Err(cx.err(b.span(), "burst must be greater than zero")),
-                RawAmount::Int(n) => (*n as u64, Dimension::Count),
-                RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(b.span(), format!("bad burst `{t}`: {e}")))?,
-            };
-            if rule.unit == unit::BYTES {
-                if n < MIN_BYTE_BURST {
-                    return Err(cx.err(b.span(), format!("byte burst {n} is below one full frame ({MIN_BYTE_BURST} bytes): such packets could never pass")));
-                }
-            } else if dim == Dimension::Bytes {
-                return Err(cx.err(b.span(), format!("a byte-sized burst needs unit = \"bytes\", not {}", rule.unit_name())));
+        rule.rate_text = rate_s.get_ref().clone();
+        let (num, den) = (rate.num, rate.den);
+        if num > u64::MAX as u128 || den > u64::MAX as u128 {
+            return Err(cx.err(rate_s.span(), "rate out of range"));
+        }
+        rule.interval_fp = gcra::interval_fp(num as u64, den as u64);
+        rule.burst = match &r.burst {
+            None => {
+                // Default: one second's worth, at least one unit (one large
+                // frame for byte rules).
+                let per_s = rate.per_second() as u64;
+                if rule.unit == unit::BYTES { per_s.max(MIN_BYTE_BURST) } else { per_s.max(1) }
             }
-            n
+            Some(b) => {
+                let (n, dim) = match b.get_ref() {
+                    RawAmount::Int(n) if *n <= 0 => return Err(cx.err(b.span(), "burst must be greater than zero")),
+                    RawAmount::Int(n) => (*n as u64, Dimension::Count),
+                    RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(b.span(), format!("bad burst `{t}`: {e}")))?,
+                };
+                if rule.unit == unit::BYTES {
+                    if n < MIN_BYTE_BURST {
+                        return Err(cx.err(b.span(), format!("byte burst {n} is below one full frame ({MIN_BYTE_BURST} bytes): such packets could never pass")));
+                    }
+                } else if dim == Dimension::Bytes {
+                    return Err(cx.err(b.span(), format!("a byte-sized burst needs unit = \"bytes\", not {}", rule.unit_name())));
+                }
+                n
+            }
+        };
+    } else if let Some(b) = &r.burst {
+        return Err(cx.err(b.span(), "`burst` belongs to a `rate`; this rule has none"));
+    }
+    match (quota_amount, &r.quota) {
+        (Some((n, dim)), Some(q)) => {
+            if rule.unit == unit::BYTES && n < MIN_BYTE_BURST {
+                return Err(cx.err(q.span(), format!("byte quota {n} is below one full frame ({MIN_BYTE_BURST} bytes)")));
+            }
+            if rule.unit != unit::BYTES && dim == Dimension::Bytes {
+                return Err(cx.err(q.span(), format!("a byte-sized quota needs unit = \"bytes\", not {}", rule.unit_name())));
+            }
+            if n > u32::MAX as u64 {
+                return Err(cx.err(q.span(), format!("quota {n} is over the limit of {}", u32::MAX)));
+            }
+            let Some(w) = &r.quota_window else {
+                return Err(cx.err(q.span(), "a quota needs `quota_window` (e.g. \"1min\")"));
+            };
+            let window = parse_duration_ns(w.get_ref()).map_err(|e| cx.err(w.span(), format!("bad quota_window: {e}")))?;
+            let k = match &r.quota_buckets {
+                Some(b) => {
+                    let k = *b.get_ref();
+                    if !(1..=MAX_QUOTA_BUCKETS as i64).contains(&k) {
+                        return Err(cx.err(b.span(), format!("quota_buckets {k} out of range 1..={MAX_QUOTA_BUCKETS}")));
+                    }
+                    k as u64
+                }
+                None => DEFAULT_QUOTA_BUCKETS,
+            };
+            let bucket_ns = window / k;
+            if bucket_ns < 1_000_000 {
+                return Err(cx.err(w.span(), format!("quota_window / quota_buckets must be at least 1ms (is {bucket_ns} ns)")));
+            }
+            rule.quota_limit = n as u32;
+            rule.quota_bucket_ns = bucket_ns;
+            rule.quota_buckets = k as u32;
         }
-    };
-    rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+        _ => {
+            for (f, s) in [("quota_window", r.quota_window.as_ref().map(|x| x.span())), ("quota_buckets", r.quota_buckets.as_ref().map(|x| x.span()))] {
+                if let Some(s) = s {
+                    return Err(cx.err(s, format!("`{f}` needs a `quota`")));
+                }
+            }
+        }
+    }
+    if rule.interval_fp != 0 {
+        rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+    }
     if let Some(k) = &r.key {
         rule.key_kind = match k.get_ref().as_str() {
             "rule" => key_kind::RULE,
@@ -631,6 +720,28 @@ key = "src"
             assert!(e.col >= 1);
             assert!(e.to_string().contains(needle), "{text}: {e}");
             assert!(e.to_string().starts_with("p.toml:"), "{e}");
+        }
+    }
+
+    #[test]
+    fn quotas() {
+        let s = parse("p", "[[rule]]\nname = \"q\"\nproto = \"tcp\"\nunit = \"connections\"\nquota = 60\nquota_window = \"1min\"\nkey = \"src_prefix\"\n").unwrap();
+        let r = &s.rules[0];
+        assert_eq!((r.quota_limit, r.quota_buckets, r.quota_bucket_ns), (60, 10, 6_000_000_000));
+        assert_eq!(r.interval_fp, 0, "quota only: no bucket");
+        let b = parse("p", "[[rule]]\nname = \"q\"\nquota = \"1GiB\"\nquota_window = \"1h\"\nquota_buckets = 16\n").unwrap();
+        assert_eq!((b.rules[0].unit, b.rules[0].quota_limit), (unit::BYTES, 1 << 30));
+        for (text, line, needle) in [
+            ("[[rule]]\nname = \"q\"\nquota = 5\n", 3, "quota_window"),
+            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\nquota_buckets = 17\n", 5, "out of range"),
+            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5ms\"\n", 4, "at least 1ms"),
+            ("[[rule]]\nname = \"q\"\nrate = \"1/s\"\nquota_window = \"5s\"\n", 4, "needs a `quota`"),
+            ("[[rule]]\nname = \"q\"\nquota = 0\nquota_window = \"5s\"\n", 3, "greater than zero"),
+            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5s\"\nburst = 3\n", 5, "belongs to a `rate`"),
+        ] {
+            let e = err(text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
         }
     }
 

@@ -43,6 +43,7 @@ impl TestPlane {
             attached_at_unix: 0,
             key_table_entries: set.settings.key_table_entries,
             source_cache_entries: set.settings.source_cache_entries,
+            quota_table_entries: set.settings.quota_table_entries,
         };
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
         Self { ebpf, id, maps, state }
