@@ -244,13 +244,50 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)
     // only once the bucket has admitted on a read, and rolled back if the
     // bucket's own compare-and-swap then refuses.
-    let mut quota = Quota::none();
-    if rule.quota_bucket_ns != 0 {
-        quota = Quota::of(rule, meta, record, now);
-        if !quota.has_room(cost) {
-            return verdict(rule, record, len, reason::QUOTA);
-        }
+    if rule.quota_bucket_ns == 0 {
+        // Most rules: the bucket alone, with the quota steps compiled away.
+        return bucket_stages(rule, meta, entry_ptr, record, len, cost, now, &mut NoQuota);
     }
+    let mut quota = Quota::of(rule, meta, record, now);
+    if !quota.has_room(cost) {
+        return verdict(rule, record, len, reason::QUOTA);
+    }
+    bucket_stages(rule, meta, entry_ptr, record, len, cost, now, &mut quota)
+}
+
+/// What the bucket stage needs of the quota stage: commit after the bucket's
+/// look, roll back if the bucket's swap then refuses.
+trait QuotaStage {
+    fn commit(&mut self, cost: u64) -> QuotaCommit;
+    fn rollback(&mut self, cost: u64);
+}
+
+/// Rules without a quota.
+struct NoQuota;
+
+impl QuotaStage for NoQuota {
+    #[inline(always)]
+    fn commit(&mut self, _cost: u64) -> QuotaCommit {
+        QuotaCommit::Done
+    }
+    #[inline(always)]
+    fn rollback(&mut self, _cost: u64) {}
+}
+
+/// Stage 4 (and the commit of stage 3): look at the bucket, commit the
+/// quota, then create or swap the bucket.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn bucket_stages<Q: QuotaStage>(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    entry_ptr: *mut SrcEntry,
+    record: u32,
+    len: u64,
+    cost: u64,
+    now: u64,
+    quota: &mut Q,
+) -> u32 {
     // Stage 4, look: the bucket's verdict on a read, before anything commits.
     let inc = gcra::increment_ns(rule.interval_fp, cost);
     let mut tat_ptr: *mut u64 = core::ptr::null_mut();
@@ -363,11 +400,6 @@ struct Quota {
 }
 
 impl Quota {
-    #[inline(always)]
-    fn none() -> Self {
-        Self { ring: core::ptr::null_mut(), window: Window { bucket_ns: 1, buckets: 1 }, epoch: 0, limit: 0, past: 0, committed: false }
-    }
-
     /// The ring for this packet's key, created empty when missing. A table
     /// that refuses the insert leaves the quota unenforced for this packet
     /// (counted as an insert failure), like the key table.
@@ -420,6 +452,9 @@ impl Quota {
         window::quota_admits(sum, cost, self.limit)
     }
 
+}
+
+impl QuotaStage for Quota {
     /// Adds the packet to the current bucket if the window still has room:
     /// the check and the increment are one compare-and-swap on the current
     /// slot (past buckets no longer change).
