@@ -162,6 +162,27 @@ fn main() {
         println!("{:>9} flowctl drop path / bare: {:.2}x (target: flowctl within 1.5x of bare)", "", med[3] / med[1]);
     }
 
+    println!("\n1b. The quota stage: flowctl's admitted path with and without a quota on `measured` (10k keys)");
+    let quota_profile = profile.replace("rate = \"100G/s\"", "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16");
+    assert_ne!(quota_profile, profile);
+    let with_quota = TestPlane::new(&quota_profile);
+    refs.set_keys(10_000);
+    let qfds = [xdp_fd(&admit), xdp_fd(&with_quota)];
+    for fd in &qfds {
+        refs.set_target(fd);
+        refs.run(&frame, 10_000);
+    }
+    let mut qs: Vec<Vec<f64>> = vec![Vec::new(); 2];
+    for _ in 0..ROUNDS {
+        for (i, fd) in qfds.iter().enumerate() {
+            refs.set_target(fd);
+            qs[i].push(refs.run(&frame, if quick { 100_000 } else { 300_000 }).1);
+        }
+    }
+    let qm: Vec<f64> = qs.into_iter().map(median).collect();
+    println!("  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x", qm[0], qm[1], qm[1] / qm[0]);
+    drop(with_quota);
+
     println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
     refs.set_keys(10_000);
     let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, TestPlane::new(&rules_profile(n)))).collect();
