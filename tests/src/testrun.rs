@@ -86,6 +86,34 @@ impl TestPlane {
     }
 }
 
+/// Pins the calling thread to one CPU (BPF_PROG_TEST_RUN runs on the caller's).
+pub fn pin_to_cpu(cpu: usize) {
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// Two threads, pinned to CPUs 0 and 1, each running `frame` through the
+/// program `calls` times with `repeat` repetitions per call.
+pub fn hammer_on_two_cpus(plane: &std::sync::Arc<TestPlane>, frame: &[u8], calls: usize, repeat: u32) {
+    let handles: Vec<_> = (0..2)
+        .map(|cpu| {
+            let (p, frame) = (plane.clone(), frame.to_vec());
+            std::thread::spawn(move || {
+                pin_to_cpu(cpu);
+                for _ in 0..calls {
+                    p.run_repeat(&frame, repeat);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("hammer thread");
+    }
+}
+
 fn next() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);

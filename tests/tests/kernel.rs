@@ -324,24 +324,7 @@ fn exact_under_concurrency() {
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hot\"\nrate = \"1000/s\"\nburst = 50\nkey = \"rule\"\n")));
     let frame = V4::new([10, 14, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let start = std::time::Instant::now();
-    let handles: Vec<_> = (0..2)
-        .map(|cpu| {
-            let (p, frame) = (p.clone(), frame.clone());
-            std::thread::spawn(move || {
-                unsafe {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(cpu, &mut set);
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-                }
-                for _ in 0..200 {
-                    p.run_repeat(&frame, 1000);
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 200, 1000);
     let elapsed = start.elapsed().as_secs_f64();
     let c = p.counters("hot");
     let bound = 50.0 + 1000.0 * elapsed + 1.0;
@@ -471,24 +454,7 @@ fn quota_exact_under_concurrency() {
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hotq\"\nquota = 1000\nquota_window = \"100ms\"\nquota_buckets = 10\nkey = \"rule\"\n")));
     let frame = V4::new([10, 42, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let start = std::time::Instant::now();
-    let handles: Vec<_> = (0..2)
-        .map(|cpu| {
-            let (p, frame) = (p.clone(), frame.clone());
-            std::thread::spawn(move || {
-                unsafe {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(cpu, &mut set);
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-                }
-                for _ in 0..100 {
-                    p.run_repeat(&frame, 2000);
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 100, 2000);
     let elapsed = start.elapsed().as_nanos() as f64;
     let c = p.counters("hotq");
     // Upper bound: N per started window, with windows of W = 100 ms.
@@ -503,24 +469,7 @@ fn quota_exact_under_concurrency() {
     // stale slot. A lost increment would admit more than N, a double count
     // fewer; the ring must hold exactly what was admitted.
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"exact\"\nquota = 150000\nquota_window = \"10min\"\nquota_buckets = 1\nkey = \"rule\"\n")));
-    let handles: Vec<_> = (0..2)
-        .map(|cpu| {
-            let (p, frame) = (p.clone(), frame.clone());
-            std::thread::spawn(move || {
-                unsafe {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(cpu, &mut set);
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-                }
-                for _ in 0..100 {
-                    p.run_repeat(&frame, 2000);
-                }
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 100, 2000);
     let c = p.counters("exact");
     let quotas: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
         aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::QUOTAS)).unwrap(),

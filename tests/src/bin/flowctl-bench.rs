@@ -103,11 +103,7 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "quick");
     // One CPU for the measuring thread: BPF_PROG_TEST_RUN runs on the caller's CPU.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(0, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
+    flowctl_tests::testrun::pin_to_cpu(0);
     let profile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml")).expect("bench/profile.toml");
     let drop_profile = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
     assert_ne!(profile, drop_profile);
@@ -279,11 +275,7 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
             let (stop, sent, ns, dev) = (stop.clone(), sent.clone(), lab.ns_cli.clone(), lab.veth_cli.clone());
             std::thread::spawn(move || {
                 flowctl::pins::enter_netns(&ns).unwrap();
-                unsafe {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(1, &mut set);
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-                }
+                flowctl_tests::testrun::pin_to_cpu(1);
                 let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
                 let ifindex = flowctl::pins::ifindex(&dev).unwrap();
                 {
