@@ -20,6 +20,8 @@ pub struct AttachArgs {
     pub netns: Option<String>,
     pub keep: bool,
     pub replace: bool,
+    /// Serve Prometheus metrics here.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 pub fn require_root() -> Result<()> {
@@ -124,6 +126,9 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         return Err(e);
     }
     dataplane::heartbeat(&mut maps)?;
+    if let Some(addr) = args.metrics {
+        crate::metrics::spawn(addr, id)?;
+    }
     let verb = if adopting { "adopted the pinned data plane on" } else { "attached to" };
     eprintln!(
         "flowctl: {verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",

@@ -4,12 +4,14 @@
 //! libbpf), clap (the CLI), serde/serde_json/toml (profiles and the agent's
 //! state and socket protocol), thiserror/anyhow (errors in library/binary),
 //! tokio (the agent's event loop: signals, timers, control socket), tracing
-//! (logs), libc (setns, flock, if_nametoindex, capabilities).
+//! (logs), libc (setns, flock, if_nametoindex, capabilities),
+//! prometheus-client (metric encoding) and tiny_http (the metrics endpoint).
 
 pub mod agent;
 pub mod commands;
 pub mod control;
 pub mod dataplane;
+pub mod metrics;
 pub mod object;
 pub mod pins;
 pub mod profile;

@@ -30,6 +30,9 @@ enum Cmd {
         /// Discard existing pins (and all bucket state) instead of adopting them.
         #[arg(long)]
         replace: bool,
+        /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464).
+        #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = flowctl::metrics::DEFAULT_ADDR)]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Detach and remove all pins of an interface (idempotent).
     Detach {
@@ -73,8 +76,8 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Attach { iface, profile, mode, netns, keep, replace } => {
-            agent::run(agent::AttachArgs { iface, profile, mode, netns, keep, replace })
+        Cmd::Attach { iface, profile, mode, netns, keep, replace, metrics } => {
+            agent::run(agent::AttachArgs { iface, profile, mode, netns, keep, replace, metrics })
         }
         Cmd::Detach { iface, netns } => commands::detach(&iface, &netns),
         Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),

@@ -395,3 +395,61 @@ fn one_agent_per_attachment_and_layout_versions_are_checked() {
     assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 1, "started over");
     agent.stop();
 }
+
+/// GET a path over plain HTTP/1.0 from inside namespace `ns`.
+fn http_get(ns: &str, addr: &str, path: &str) -> String {
+    let (addr, path) = (addr.to_string(), path.to_string());
+    Lab::in_ns(ns, move || {
+        use std::io::Read;
+        let mut s = std::net::TcpStream::connect(&addr).expect("connect to the metrics endpoint");
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    })
+}
+
+/// The metrics endpoint serves valid text exposition format whose numbers
+/// are the kernel's (the same as `status --json`).
+#[test]
+fn metrics_endpoint_matches_status() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fmet", 218);
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19464"]);
+    blast(&lab, 7000, 1000, 0.5, 800);
+    let resp = http_get(&lab.ns_srv, "127.0.0.1:19464", "/metrics");
+    let (head, body) = resp.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.") && head.contains(" 200"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: text/plain"), "{head}");
+    // Every line is a comment or `name{labels} value`.
+    let mut samples = std::collections::HashMap::new();
+    for line in body.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with('#') {
+            assert!(line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF", "{line}");
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let v: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line}"));
+        let name = series.split('{').next().unwrap();
+        assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && name.starts_with("flowctl_"), "{name}");
+        if let Some(labels) = series.strip_prefix(name) {
+            assert!(labels.is_empty() || (labels.starts_with('{') && labels.ends_with('}')), "{series}");
+        }
+        samples.insert(series.to_string(), v);
+    }
+    let r = rule(&lab.veth_srv, "udp");
+    let get = |k: &str| *samples.get(k).unwrap_or_else(|| panic!("missing {k} in\n{body}"));
+    assert_eq!(get("flowctl_offered_packets_total{rule=\"udp\"}") as u64, r["offered_pkts"].as_u64().unwrap());
+    assert_eq!(get("flowctl_packets_total{rule=\"udp\",verdict=\"passed\",reason=\"\"}") as u64, r["passed_pkts"].as_u64().unwrap());
+    assert_eq!(get("flowctl_packets_total{rule=\"udp\",verdict=\"dropped\",reason=\"rate\"}") as u64, r["dropped_by_reason"]["rate"].as_u64().unwrap());
+    assert_eq!(get("flowctl_admission_ratio{rule=\"udp\"}"), 1.0);
+    assert_eq!(get("flowctl_rules"), 1.0);
+    assert!(get("flowctl_kernel_memory_bytes") > 0.0);
+    let missing = http_get(&lab.ns_srv, "127.0.0.1:19464", "/nope");
+    assert!(missing.contains(" 404"), "{missing}");
+    agent.stop();
+}

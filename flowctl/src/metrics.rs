@@ -1,0 +1,151 @@
+//! Prometheus metrics: `flowctl attach ... --metrics [ADDR]` serves the text
+//! exposition format at `http://ADDR/metrics` (default 127.0.0.1:9464).
+//!
+//! Each scrape reads the pinned maps and the attachment state afresh, so the
+//! numbers are the kernel's, never a cache of the agent's. prometheus-client
+//! does the encoding (names, escaping, `# TYPE`/`# HELP`); tiny_http is the
+//! small HTTP server, on its own thread, so a slow scraper never delays the
+//! agent's heartbeat. With `--netns` the agent lives in that namespace, and
+//! so does the address.
+
+use crate::{
+    dataplane::{self, Maps},
+    pins::{AttachId, AttachState},
+};
+use anyhow::{anyhow, Context, Result};
+use flowctl_common::{control_flags, reason, GLOBAL_COUNTER_INDEX};
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+use std::{net::SocketAddr, sync::atomic::AtomicU64};
+
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9464";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleLabel {
+    rule: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VerdictLabels {
+    rule: String,
+    verdict: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+/// The exposition text for one attachment, read from its pins now.
+pub fn render(id: &AttachId) -> Result<String> {
+    let maps = Maps::open(id)?;
+    let state = AttachState::load(id)?.ok_or_else(|| anyhow!("no state for the attachment"))?;
+    let mut reg = <Registry>::default();
+    let offered = Family::<RuleLabel, Counter>::default();
+    let offered_bytes = Family::<RuleLabel, Counter>::default();
+    let packets = Family::<VerdictLabels, Counter>::default();
+    let bytes = Family::<VerdictLabels, Counter>::default();
+    let insert_failures = Family::<RuleLabel, Counter>::default();
+    let ratio = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
+    let unmatched = Family::<KindLabel, Counter>::default();
+    for r in &state.rules {
+        let c = maps.counters(r.record)?;
+        let rule = RuleLabel { rule: r.name.clone() };
+        offered.get_or_create(&rule).inc_by(c.offered_pkts);
+        offered_bytes.get_or_create(&rule).inc_by(c.offered_bytes);
+        insert_failures.get_or_create(&rule).inc_by(c.insert_failures);
+        let l = |verdict: &str, reason: &str| VerdictLabels { rule: r.name.clone(), verdict: verdict.into(), reason: reason.into() };
+        packets.get_or_create(&l("passed", "")).inc_by(c.passed_pkts);
+        bytes.get_or_create(&l("passed", "")).inc_by(c.passed_bytes);
+        packets.get_or_create(&l("would_drop", "")).inc_by(c.would_drop_pkts);
+        bytes.get_or_create(&l("would_drop", "")).inc_by(c.would_drop_bytes);
+        for (i, name) in reason::NAMES.iter().enumerate().take(reason::QUOTA + 1) {
+            packets.get_or_create(&l("dropped", name)).inc_by(c.dropped_pkts[i]);
+            bytes.get_or_create(&l("dropped", name)).inc_by(c.dropped_bytes[i]);
+        }
+        let ctl = maps.control.get(&r.record, 0)?;
+        let admitted = if ctl.flags & control_flags::ADMISSION_ACTIVE != 0 { ctl.admission_ppm.min(1_000_000) as f64 / 1e6 } else { 1.0 };
+        ratio.get_or_create(&rule).set(admitted);
+    }
+    let g = maps.counters(GLOBAL_COUNTER_INDEX)?;
+    for (kind, v) in [("non_ip", g.non_ip_pkts), ("malformed", g.malformed_pkts), ("fragment", g.fragment_pkts), ("all", g.offered_pkts)] {
+        unmatched.get_or_create(&KindLabel { kind: kind.into() }).inc_by(v);
+    }
+    let memory = Gauge::<i64>::default();
+    memory.set(dataplane::pinned_memlock(id) as i64);
+    let generation = Gauge::<i64>::default();
+    generation.set(maps.global()?.generation as i64);
+    let rules = Gauge::<i64>::default();
+    rules.set(state.rules.len() as i64);
+
+    reg.register("flowctl_offered_packets", "Packets that matched the rule", offered);
+    reg.register("flowctl_offered_bytes", "Bytes that matched the rule", offered_bytes);
+    reg.register("flowctl_packets", "Packets by rule, verdict and drop reason", packets);
+    reg.register("flowctl_bytes", "Bytes by rule, verdict and drop reason", bytes);
+    reg.register("flowctl_key_insert_failures", "Bucket inserts the kernel refused", insert_failures);
+    reg.register("flowctl_admission_ratio", "Share of new flows the rule admits (1 = all)", ratio);
+    reg.register("flowctl_unmatched_packets", "Packets no rule matched, by kind (all = every one)", unmatched);
+    reg.register("flowctl_kernel_memory_bytes", "Kernel memory the pinned maps lock", memory);
+    reg.register("flowctl_profile_generation", "Applies since attach", generation);
+    reg.register("flowctl_rules", "Rules in the active profile", rules);
+    let mut out = String::new();
+    encode(&mut out, &reg).map_err(|e| anyhow!("encoding metrics: {e}"))?;
+    Ok(out)
+}
+
+/// Serves `/metrics` on `addr` from a thread of its own.
+pub fn spawn(addr: SocketAddr, id: AttachId) -> Result<std::thread::JoinHandle<()>> {
+    if !addr.ip().is_loopback() {
+        eprintln!("flowctl: warning: metrics on {addr} are reachable from outside this host");
+    }
+    let server = tiny_http::Server::http(addr).map_err(|e| anyhow!("serving metrics on {addr}: {e}"))?;
+    std::thread::Builder::new()
+        .name("flowctl-metrics".into())
+        .spawn(move || {
+            for req in server.incoming_requests() {
+                let resp = if req.url() == "/metrics" {
+                    match render(&id) {
+                        Ok(body) => tiny_http::Response::from_string(body).with_header(
+                            "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse::<tiny_http::Header>().expect("static header"),
+                        ),
+                        Err(e) => tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500),
+                    }
+                } else {
+                    tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
+                };
+                let _ = req.respond(resp);
+            }
+        })
+        .context("starting the metrics thread")
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every metric the shipped Grafana dashboard queries is one flowctl
+    /// exports (names as `render` registers them, with `_total` on counters).
+    #[test]
+    fn dashboard_queries_exported_metrics() {
+        let exported = [
+            "flowctl_offered_packets_total", "flowctl_offered_bytes_total", "flowctl_packets_total", "flowctl_bytes_total",
+            "flowctl_key_insert_failures_total", "flowctl_admission_ratio", "flowctl_unmatched_packets_total",
+            "flowctl_kernel_memory_bytes", "flowctl_profile_generation", "flowctl_rules",
+        ];
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
+        let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");
+        let mut seen = 0;
+        for p in dash["panels"].as_array().unwrap() {
+            for t in p["targets"].as_array().unwrap() {
+                let expr = t["expr"].as_str().unwrap();
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("flowctl_")) {
+                    assert!(exported.contains(&word), "the dashboard queries `{word}`, which flowctl does not export");
+                    seen += 1;
+                }
+            }
+        }
+        assert!(seen >= 10);
+    }
+}
