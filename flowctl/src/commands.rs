@@ -80,7 +80,7 @@ pub fn check(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn limit_text(r: &profile::Rule) -> String {
+pub fn limit_text(r: &profile::Rule) -> String {
     if r.action == flowctl_common::action::PASS {
         return "pass (exempt)".into();
     }

@@ -5,7 +5,8 @@
 //! state and socket protocol), thiserror/anyhow (errors in library/binary),
 //! tokio (the agent's event loop: signals, timers, control socket), tracing
 //! (logs), libc (setns, flock, if_nametoindex, capabilities),
-//! prometheus-client (metric encoding) and tiny_http (the metrics endpoint).
+//! prometheus-client (metric encoding), tiny_http (the metrics endpoint) and
+//! ratatui (the `top` view, over its crossterm backend).
 
 pub mod agent;
 pub mod commands;
@@ -15,3 +16,4 @@ pub mod metrics;
 pub mod object;
 pub mod pins;
 pub mod profile;
+pub mod top;

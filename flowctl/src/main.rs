@@ -54,6 +54,22 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Live per-rule rates of every attachment (read-only; keys: s sort, p pause, q quit).
+    ///
+    /// Example: sudo flowctl top --once --json
+    Top {
+        /// Only this interface.
+        iface: Option<String>,
+        /// Refresh period in seconds.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Print one reading (two samples `interval` apart) and exit.
+        #[arg(long)]
+        once: bool,
+        /// With --once: JSON (schema in docs/top.md).
+        #[arg(long, requires = "once")]
+        json: bool,
+    },
     /// Validate a profile without touching the kernel (for CI pipelines).
     Check { profile: PathBuf },
     /// Which rule, key and limit apply to a packet, from the kernel's tables.
@@ -83,6 +99,14 @@ fn main() {
         Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
+        Cmd::Top { iface, interval, once, json } => {
+            let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
+            if once {
+                flowctl::top::once(interval, iface.as_deref(), json)
+            } else {
+                flowctl::top::run(interval, iface.as_deref())
+            }
+        }
         Cmd::Explain { iface, proto, src, dport, netns } => commands::explain(&iface, &proto, &src, dport, &netns),
     };
     if let Err(e) = r {

@@ -453,3 +453,106 @@ fn metrics_endpoint_matches_status() {
     assert!(missing.contains(" 404"), "{missing}");
     agent.stop();
 }
+
+/// `top --once --json` agrees with what the harness sent, and its totals
+/// with `status`.
+#[test]
+fn top_once_json_agrees_with_traffic() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("ftop", 219);
+    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n");
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let sender = {
+        let lab_cli = (lab.ns_cli.clone(), lab.ip_cli.clone(), format!("{}:7000", lab.ip_srv));
+        std::thread::spawn(move || {
+            Lab::in_ns(&lab_cli.0.clone(), move || {
+                let s = UdpSocket::bind(format!("{}:0", lab_cli.1)).unwrap();
+                let start = Instant::now();
+                let mut n = 0u64;
+                while start.elapsed() < Duration::from_millis(2500) && n < 3000 {
+                    let _ = s.send_to(b"top", &lab_cli.2);
+                    n += 1;
+                    if let Some(d) = (start + Duration::from_millis(n)).checked_duration_since(Instant::now()) {
+                        std::thread::sleep(d);
+                    }
+                }
+                (n, start.elapsed().as_secs_f64())
+            })
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let out = flowctl(&["top", "--once", "--json", "--interval", "1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["schema"], 1);
+    let a = v["attachments"].as_array().unwrap().iter().find(|a| a["iface"] == lab.veth_srv.as_str()).unwrap().clone();
+    let r = a["rules"][0].clone();
+    let (sent, secs) = sender.join().unwrap();
+    let rate = sent as f64 / secs;
+    println!("harness sent {rate:.0} pps; top: offered {} passed {} dropped {} drop% {}", r["offered_pps"], r["passed_pps"], r["dropped_pps"], r["drop_pct"]);
+    let offered = r["offered_pps"].as_f64().unwrap();
+    assert!(offered > 0.7 * rate && offered < 1.3 * rate, "offered {offered} vs sent {rate}");
+    let passed = r["passed_pps"].as_f64().unwrap();
+    assert!(passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75, "passed {passed} pps against a 100/s limit");
+    assert_eq!(r["top_reason"], "rate");
+    assert_eq!(a["cpu"], "n/a");
+    // After the traffic: totals agree with status exactly.
+    let out = flowctl(&["top", "--once", "--json", "--interval", "0.2", &lab.veth_srv]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r2 = &v["attachments"][0]["rules"][0];
+    let st = rule(&lab.veth_srv, "udp");
+    assert_eq!(r2["offered_total"], st["offered_pkts"]);
+    assert_eq!(r2["offered_total"].as_u64().unwrap(), sent);
+    assert_eq!(r2["offered_pps"].as_f64().unwrap(), 0.0);
+    agent.stop();
+}
+
+/// A real run in a terminal (tmux): the view draws, the sort key works, and
+/// quitting restores the terminal (the alternate screen is gone).
+#[test]
+fn top_runs_in_a_terminal_and_restores_it() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("ftui", 220);
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let session = flowctl_tests::unique("flowctl-top-");
+    let tmux = |args: &[&str]| Command::new("tmux").args(args).output().expect("tmux");
+    let cmd = format!("{} top --interval 0.3", bin().display());
+    let out = tmux(&["new-session", "-d", "-s", &session, "-x", "220", "-y", "30", &cmd]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
+    let screen = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string();
+    let wait_for = |needle: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = screen();
+            if s.contains(needle) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "`{needle}` never appeared:\n{s}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let s = wait_for("sort: profile order");
+    assert!(s.contains(&lab.veth_srv) && s.contains("udp"), "{s}");
+    tmux(&["send-keys", "-t", &session, "s"]);
+    wait_for("sort: offered pps");
+    tmux(&["send-keys", "-t", &session, "q"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let dead = String::from_utf8_lossy(&tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{pane_dead_status} #{alternate_on}"]).stdout).trim().to_string();
+        if dead.starts_with("1 ") {
+            assert_eq!(dead, "1 0 0", "exit status 0 and the alternate screen off");
+            break;
+        }
+        assert!(Instant::now() < deadline, "top did not quit: {dead}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!screen().contains("keys: s sort"), "the TUI is gone from the screen");
+    tmux(&["kill-session", "-t", &session]);
+    agent.stop();
+}

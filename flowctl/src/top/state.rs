@@ -1,0 +1,178 @@
+//! What `flowctl top` shows, computed from two reads of the pinned counters:
+//! the state, kept apart from the view (tokio-console's split). Also the
+//! `--once --json` schema (docs/top.md).
+
+use crate::{
+    dataplane::Maps,
+    pins::{self, AttachId, AttachState},
+    profile,
+};
+use anyhow::Result;
+use flowctl_common::{control_flags, reason, RuleCounters};
+use serde::Serialize;
+use std::{collections::HashMap, time::Instant};
+
+/// Version of the JSON schema; bumped on any incompatible change.
+pub const SCHEMA: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Top {
+    pub schema: u32,
+    /// Seconds between the two counter reads the rates come from.
+    pub interval_s: f64,
+    pub attachments: Vec<Attachment>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Attachment {
+    pub iface: String,
+    pub netns: Option<String>,
+    pub mode: String,
+    pub uptime_s: u64,
+    pub agent_running: bool,
+    /// Fields only the agent computes (CPU signal, control loops). Until
+    /// those exist, "n/a"; without an agent, "agent not running".
+    pub cpu: String,
+    pub rules: Vec<RuleRow>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RuleRow {
+    pub rule: String,
+    #[serde(rename = "match")]
+    pub match_: String,
+    pub key: String,
+    pub limit: String,
+    pub offered_pps: f64,
+    pub offered_bps: f64,
+    pub passed_pps: f64,
+    pub passed_bps: f64,
+    pub dropped_pps: f64,
+    /// Dropped / offered over the interval, 0 to 100.
+    pub drop_pct: f64,
+    pub admission_ratio: f64,
+    /// The reason with most drops over the interval ("" when none).
+    pub top_reason: String,
+    /// Totals since attach, for cross-checks.
+    pub offered_total: u64,
+    pub passed_total: u64,
+    pub dropped_total: u64,
+}
+
+/// One read of every attachment's counters.
+pub struct Sample {
+    at: Instant,
+    counters: HashMap<(u64, u32, String), RuleCounters>,
+}
+
+pub fn sample() -> Sample {
+    let mut counters = HashMap::new();
+    for id in pins::list_attachments() {
+        let (Ok(Some(state)), Ok(maps)) = (AttachState::load(&id), Maps::open(&id)) else { continue };
+        for r in &state.rules {
+            if let Ok(c) = maps.counters(r.record) {
+                counters.insert((id.netns_ino, id.ifindex, r.name.clone()), c);
+            }
+        }
+    }
+    Sample { at: Instant::now(), counters }
+}
+
+/// Rates between two samples, with the rule details from each attachment's
+/// active profile.
+pub fn compute(before: &Sample, after: &Sample, only_iface: Option<&str>) -> Result<Top> {
+    let dt = after.at.duration_since(before.at).as_secs_f64().max(1e-9);
+    let mut attachments = Vec::new();
+    for id in pins::list_attachments() {
+        let Some(state) = AttachState::load(&id)? else { continue };
+        if only_iface.is_some_and(|i| i != state.iface) {
+            continue;
+        }
+        attachments.push(attachment(&id, &state, before, after, dt)?);
+    }
+    Ok(Top { schema: SCHEMA, interval_s: dt, attachments })
+}
+
+fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sample, dt: f64) -> Result<Attachment> {
+    let agent = pins::agent_running(id);
+    let set = profile::load(&id.run_dir().join("profile.toml")).ok();
+    let maps = Maps::open(id)?;
+    let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut rules = Vec::new();
+    for r in &state.rules {
+        let key = (id.netns_ino, id.ifindex, r.name.clone());
+        let (Some(a), Some(b)) = (before.counters.get(&key), after.counters.get(&key)) else { continue };
+        let d = |f: fn(&RuleCounters) -> u64| (f(b).saturating_sub(f(a))) as f64 / dt;
+        let dropped: Vec<u64> = (0..reason::COUNT).map(|i| b.dropped_pkts[i].saturating_sub(a.dropped_pkts[i])).collect();
+        let dropped_n: u64 = dropped.iter().sum();
+        let offered_n = b.offered_pkts.saturating_sub(a.offered_pkts);
+        let top_reason = dropped.iter().enumerate().filter(|(_, n)| **n > 0).max_by_key(|(_, n)| **n).map(|(i, _)| reason::NAMES[i].to_string()).unwrap_or_default();
+        let ctl = maps.control.get(&r.record, 0).unwrap_or_default();
+        let rule = set.as_ref().and_then(|s| s.rules.iter().find(|x| x.name == r.name));
+        rules.push(RuleRow {
+            rule: r.name.clone(),
+            match_: rule.map(|x| x.match_text()).unwrap_or_default(),
+            key: rule.map(|x| x.key_name()).unwrap_or_default(),
+            limit: rule.map(crate::commands::limit_text).unwrap_or_default(),
+            offered_pps: d(|c| c.offered_pkts),
+            offered_bps: d(|c| c.offered_bytes) * 8.0,
+            passed_pps: d(|c| c.passed_pkts),
+            passed_bps: d(|c| c.passed_bytes) * 8.0,
+            dropped_pps: dropped_n as f64 / dt,
+            drop_pct: if offered_n == 0 { 0.0 } else { 100.0 * dropped_n as f64 / offered_n as f64 },
+            admission_ratio: if ctl.flags & control_flags::ADMISSION_ACTIVE != 0 { ctl.admission_ppm.min(1_000_000) as f64 / 1e6 } else { 1.0 },
+            top_reason,
+            offered_total: b.offered_pkts,
+            passed_total: b.passed_pkts,
+            dropped_total: b.dropped_total(),
+        });
+    }
+    Ok(Attachment {
+        iface: state.iface.clone(),
+        netns: state.netns.clone(),
+        mode: state.mode.clone(),
+        uptime_s: now_unix.saturating_sub(state.attached_at_unix),
+        agent_running: agent,
+        cpu: if agent { "n/a".into() } else { "agent not running".into() },
+        rules,
+    })
+}
+
+/// Sort orders the view offers (the `s` key cycles them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SortBy {
+    Profile,
+    Offered,
+    Dropped,
+    DropPct,
+}
+
+impl SortBy {
+    pub fn next(self) -> Self {
+        match self {
+            Self::Profile => Self::Offered,
+            Self::Offered => Self::Dropped,
+            Self::Dropped => Self::DropPct,
+            Self::DropPct => Self::Profile,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Profile => "profile order",
+            Self::Offered => "offered pps",
+            Self::Dropped => "dropped pps",
+            Self::DropPct => "drop %",
+        }
+    }
+
+    pub fn apply(self, rows: &mut [RuleRow]) {
+        let key = |r: &RuleRow| match self {
+            Self::Profile => 0.0,
+            Self::Offered => -r.offered_pps,
+            Self::Dropped => -r.dropped_pps,
+            Self::DropPct => -r.drop_pct,
+        };
+        rows.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
+    }
+}

@@ -1,0 +1,166 @@
+//! Draws a [`Top`] state: one block per attachment, one row per rule.
+
+use super::state::{SortBy, Top};
+use ratatui::{
+    layout::{Constraint, Layout},
+    style::{Modifier, Style},
+    text::Line,
+    widgets::{Block, Borders, Cell, Paragraph, Row, Table},
+    Frame,
+};
+
+/// Human rates: 1234567 -> "1.23M".
+pub fn si(v: f64) -> String {
+    let (v, unit) = if v >= 1e9 {
+        (v / 1e9, "G")
+    } else if v >= 1e6 {
+        (v / 1e6, "M")
+    } else if v >= 1e3 {
+        (v / 1e3, "k")
+    } else {
+        (v, "")
+    };
+    if unit.is_empty() {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}{unit}")
+    }
+}
+
+pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
+    let area = f.area();
+    let n = top.attachments.len().max(1);
+    let mut constraints = vec![Constraint::Length(1)];
+    constraints.extend(std::iter::repeat_n(Constraint::Fill(1), n));
+    let chunks = Layout::vertical(constraints).split(area);
+    let status = format!(
+        " flowctl top | sort: {} | {}every {:.1}s | keys: s sort, p pause, q quit",
+        sort.name(),
+        if paused { "PAUSED | " } else { "" },
+        top.interval_s
+    );
+    f.render_widget(Paragraph::new(Line::from(status)).style(Style::default().add_modifier(Modifier::REVERSED)), chunks[0]);
+    if top.attachments.is_empty() {
+        f.render_widget(Paragraph::new("no flowctl attachments (start one with `flowctl attach IFACE --profile FILE`)"), chunks[1]);
+        return;
+    }
+    for (i, a) in top.attachments.iter().enumerate() {
+        let title = format!(
+            " {}{} | {} mode | up {}s | CPU {} | agent {} ",
+            a.iface,
+            a.netns.as_ref().map(|n| format!(" (netns {n})")).unwrap_or_default(),
+            a.mode,
+            a.uptime_s,
+            a.cpu,
+            if a.agent_running { "running" } else { "not running" }
+        );
+        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "top reason"])
+            .style(Style::default().add_modifier(Modifier::BOLD));
+        let mut rows = a.rules.clone();
+        sort.apply(&mut rows);
+        let rows = rows.iter().map(|r| {
+            Row::new(vec![
+                Cell::from(r.rule.clone()),
+                Cell::from(r.match_.clone()),
+                Cell::from(r.key.clone()),
+                Cell::from(r.limit.clone()),
+                Cell::from(si(r.offered_pps)),
+                Cell::from(si(r.offered_bps)),
+                Cell::from(si(r.passed_pps)),
+                Cell::from(si(r.passed_bps)),
+                Cell::from(si(r.dropped_pps)),
+                Cell::from(format!("{:.1}", r.drop_pct)),
+                Cell::from(format!("{:.3}", r.admission_ratio)),
+                Cell::from(r.top_reason.clone()),
+            ])
+        });
+        let widths = [
+            Constraint::Length(16), Constraint::Min(20), Constraint::Length(10), Constraint::Min(16),
+            Constraint::Length(11), Constraint::Length(11), Constraint::Length(10), Constraint::Length(10),
+            Constraint::Length(11), Constraint::Length(6), Constraint::Length(6), Constraint::Length(10),
+        ];
+        let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
+        f.render_widget(table, chunks[i + 1]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::top::state::{Attachment, RuleRow};
+    use ratatui::{backend::TestBackend, Terminal};
+
+    fn row(name: &str, offered: f64, dropped: f64) -> RuleRow {
+        RuleRow {
+            rule: name.into(),
+            match_: "udp from any to port 53".into(),
+            key: "src".into(),
+            limit: "100/s".into(),
+            offered_pps: offered,
+            offered_bps: offered * 800.0,
+            passed_pps: offered - dropped,
+            passed_bps: 0.0,
+            dropped_pps: dropped,
+            drop_pct: if offered > 0.0 { 100.0 * dropped / offered } else { 0.0 },
+            admission_ratio: 1.0,
+            top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
+            offered_total: 0,
+            passed_total: 0,
+            dropped_total: 0,
+        }
+    }
+
+    fn fixture(agent: bool) -> Top {
+        Top {
+            schema: 1,
+            interval_s: 1.0,
+            attachments: vec![Attachment {
+                iface: "veth0".into(),
+                netns: Some("lab".into()),
+                mode: "native".into(),
+                uptime_s: 42,
+                agent_running: agent,
+                cpu: if agent { "n/a".into() } else { "agent not running".into() },
+                rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
+            }],
+        }
+    }
+
+    fn render(top: &Top, sort: SortBy, paused: bool) -> String {
+        let mut t = Terminal::new(TestBackend::new(200, 12)).unwrap();
+        t.draw(|f| draw(f, top, sort, paused)).unwrap();
+        let buf = t.backend().buffer().clone();
+        (0..buf.area.height)
+            .map(|y| (0..buf.area.width).map(|x| buf[(x, y)].symbol().to_string()).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn header_rows_and_units() {
+        let s = render(&fixture(true), SortBy::Profile, false);
+        assert!(s.contains("veth0 (netns lab) | native mode | up 42s | CPU n/a | agent running"), "{s}");
+        assert!(s.contains("offered pps") && s.contains("drop %"));
+        assert!(s.contains("5.00k") && s.contains("80.0") && s.contains("rate"), "{s}");
+        assert!(s.find("quiet").unwrap() < s.find("noisy").unwrap(), "profile order");
+    }
+
+    #[test]
+    fn sorting_and_pause_show() {
+        let s = render(&fixture(true), SortBy::Dropped, true);
+        assert!(s.find("noisy").unwrap() < s.find("quiet").unwrap(), "dropped first");
+        assert!(s.contains("sort: dropped pps") && s.contains("PAUSED"));
+    }
+
+    #[test]
+    fn agent_only_fields_say_so_without_an_agent() {
+        let s = render(&fixture(false), SortBy::Profile, false);
+        assert!(s.contains("CPU agent not running") && s.contains("agent not running"), "{s}");
+    }
+
+    #[test]
+    fn empty_state_says_how_to_start() {
+        let s = render(&Top { schema: 1, interval_s: 1.0, attachments: vec![] }, SortBy::Profile, false);
+        assert!(s.contains("no flowctl attachments"));
+    }
+}
