@@ -464,32 +464,18 @@ fn top_once_json_agrees_with_traffic() {
     let lab = Lab::new("ftop", 219);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n");
     let agent = Agent::start(&lab, prof.path(), &[]);
-    let sender = {
-        let lab_cli = (lab.ns_cli.clone(), lab.ip_cli.clone(), format!("{}:7000", lab.ip_srv));
-        std::thread::spawn(move || {
-            Lab::in_ns(&lab_cli.0.clone(), move || {
-                let s = UdpSocket::bind(format!("{}:0", lab_cli.1)).unwrap();
-                let start = Instant::now();
-                let mut n = 0u64;
-                while start.elapsed() < Duration::from_millis(2500) && n < 3000 {
-                    let _ = s.send_to(b"top", &lab_cli.2);
-                    n += 1;
-                    if let Some(d) = (start + Duration::from_millis(n)).checked_duration_since(Instant::now()) {
-                        std::thread::sleep(d);
-                    }
-                }
-                (n, start.elapsed().as_secs_f64())
-            })
-        })
-    };
-    std::thread::sleep(Duration::from_millis(500));
-    let out = flowctl(&["top", "--once", "--json", "--interval", "1"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (sent, secs, v) = std::thread::scope(|scope| {
+        let sender = scope.spawn(|| blast(&lab, 7000, 1000, 2.5, 3000));
+        std::thread::sleep(Duration::from_millis(500));
+        let out = flowctl(&["top", "--once", "--json", "--interval", "1"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let (sent, first, last) = sender.join().unwrap();
+        (sent, last.duration_since(first).as_secs_f64(), v)
+    });
     assert_eq!(v["schema"], 1);
     let a = v["attachments"].as_array().unwrap().iter().find(|a| a["iface"] == lab.veth_srv.as_str()).unwrap().clone();
     let r = a["rules"][0].clone();
-    let (sent, secs) = sender.join().unwrap();
     let rate = sent as f64 / secs;
     println!("harness sent {rate:.0} pps; top: offered {} passed {} dropped {} drop% {}", r["offered_pps"], r["passed_pps"], r["dropped_pps"], r["drop_pct"]);
     let offered = r["offered_pps"].as_f64().unwrap();
