@@ -288,42 +288,9 @@ fn tcp_connection_rate_within_bounds() {
     }
     let lab = Lab::new("ftcp", 215);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7200\nunit = \"connections\"\nrate = \"20/s\"\nburst = 5\nkey = \"src\"\n");
-    let srv_ip = lab.ip_srv.clone();
-    // A real server in the protected namespace, accepting until told to stop.
-    let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(format!("{srv_ip}:7200")).unwrap());
-    listener.set_nonblocking(true).unwrap();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let server = {
-        let (stop, accepted) = (stop.clone(), accepted.clone());
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok(_) => {
-                        accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
-                }
-            }
-        })
-    };
+    let server = TcpServer::start(&lab, 7200);
     let agent = Agent::start(&lab, prof.path(), &[]);
-    let target: std::net::SocketAddr = format!("{}:7200", lab.ip_srv).parse().unwrap();
-    let (ok, attempts, t) = Lab::in_ns(&lab.ns_cli, move || {
-        let start = Instant::now();
-        let (mut ok, mut n) = (0u64, 0u64);
-        let mut last_ok = start;
-        // 200 ms connect timeout: shorter than the first SYN retransmission
-        // (1 s), so every attempt is exactly one SYN.
-        while start.elapsed() < Duration::from_secs(2) && n < 400 {
-            n += 1;
-            if std::net::TcpStream::connect_timeout(&target, Duration::from_millis(200)).is_ok() {
-                ok += 1;
-                last_ok = Instant::now();
-            }
-        }
-        (ok, n, last_ok.duration_since(start).as_secs_f64())
-    });
+    let (ok, attempts, t) = connect_many(&lab, 7200, 400, Duration::from_secs(2));
     let r = rule(&lab.veth_srv, "conns");
     let admitted = r["passed_pkts"].as_u64().unwrap();
     let syn_drops = r["dropped_by_reason"]["rate"].as_u64().unwrap_or(0);
@@ -332,9 +299,88 @@ fn tcp_connection_rate_within_bounds() {
     assert!((ok as f64) <= upper, "{ok} connections > {upper}");
     assert!(ok as f64 >= 0.9 * (5.0 + 20.0 * t).min(attempts as f64) - 1.0, "too few: {ok}");
     assert_eq!(syn_drops, attempts - ok, "every refused connect lost exactly its SYN");
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    server.join().unwrap();
-    assert_eq!(accepted.load(std::sync::atomic::Ordering::Relaxed), ok);
+    assert_eq!(server.stop(), ok);
+    agent.stop();
+}
+
+/// A real TCP server in the protected namespace, counting accepted
+/// connections until stopped.
+struct TcpServer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TcpServer {
+    fn start(lab: &Lab, port: u16) -> Self {
+        let addr = format!("{}:{port}", lab.ip_srv);
+        let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(addr).unwrap());
+        listener.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (s, a) = (stop.clone(), accepted.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok(_) => {
+                        a.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        });
+        Self { stop, accepted, thread: Some(thread) }
+    }
+
+    /// Stops the server; returns how many connections it accepted.
+    fn stop(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Connects from the client namespace until `max` attempts or `budget` time;
+/// returns (established, attempts, seconds until the last success). The 200
+/// ms connect timeout is shorter than the first SYN retransmission (1 s), so
+/// every attempt is exactly one SYN.
+fn connect_many(lab: &Lab, port: u16, max: u64, budget: Duration) -> (u64, u64, f64) {
+    let target: std::net::SocketAddr = format!("{}:{port}", lab.ip_srv).parse().unwrap();
+    Lab::in_ns(&lab.ns_cli, move || {
+        let start = Instant::now();
+        let (mut ok, mut n) = (0u64, 0u64);
+        let mut last_ok = start;
+        while start.elapsed() < budget && n < max {
+            n += 1;
+            if std::net::TcpStream::connect_timeout(&target, Duration::from_millis(200)).is_ok() {
+                ok += 1;
+                last_ok = Instant::now();
+            }
+        }
+        (ok, n, last_ok.duration_since(start).as_secs_f64())
+    })
+}
+
+/// A connection quota end to end: "at most 5 new TCP connections per 10 s
+/// per source /24" admits exactly 5 of a stream of connects, refusing the
+/// rest by dropping their SYNs (reason `quota`).
+#[test]
+fn tcp_connection_quota() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fquota", 221);
+    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nquota_table_entries = 4096\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7300\nunit = \"connections\"\nquota = 5\nquota_window = \"10s\"\nkey = \"src_prefix\"\nprefix_v4 = 24\n");
+    let server = TcpServer::start(&lab, 7300);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let (ok, attempts, _) = connect_many(&lab, 7300, 12, Duration::from_secs(5));
+    let r = rule(&lab.veth_srv, "conns");
+    println!("{attempts} connects, {ok} established; quota drops {}", r["dropped_by_reason"]["quota"]);
+    assert_eq!(ok, 5, "exactly the quota within one window");
+    assert_eq!(r["dropped_by_reason"]["quota"].as_u64().unwrap(), attempts - ok);
+    assert_eq!(server.stop(), 5);
     agent.stop();
 }
 
