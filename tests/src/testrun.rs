@@ -24,6 +24,7 @@ impl TestPlane {
     /// Loads the program and applies `profile_text` (panics with context).
     pub fn new(profile_text: &str) -> Self {
         flowctl::pins::ensure_bpffs().expect("bpffs");
+        remove_orphaned_test_pins();
         let set = profile::parse("test.toml", profile_text).expect("test profile");
         // netns inode 1 never exists, so these pins cannot collide with a real attachment.
         let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
@@ -111,6 +112,27 @@ pub fn hammer_on_two_cpus(plane: &std::sync::Arc<TestPlane>, frame: &[u8], calls
         .collect();
     for h in handles {
         h.join().expect("hammer thread");
+    }
+}
+
+/// Test planes pin under netns inode 1 (never a real namespace) with an
+/// ifindex that encodes the pid (`1_000_000 + pid % 100_000 * 10 + n`). A run
+/// that was killed leaves its pins (and their preallocated maps) behind:
+/// remove those whose process is gone.
+fn remove_orphaned_test_pins() {
+    let Ok(rd) = std::fs::read_dir(flowctl::pins::ifaces_root()) else { return };
+    let me = std::process::id() % 100_000;
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(ifindex) = name.strip_prefix("1-").and_then(|i| i.parse::<u32>().ok()) else { continue };
+        if ifindex < 1_000_000 {
+            continue;
+        }
+        let pid = (ifindex - 1_000_000) / 10;
+        let alive = pid == me || std::path::Path::new(&format!("/proc/{pid}")).exists();
+        if !alive {
+            let _ = dataplane::detach(&AttachId { netns_ino: 1, ifindex });
+        }
     }
 }
 
