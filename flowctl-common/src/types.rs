@@ -164,6 +164,18 @@ pub struct ControlRecord {
     pub updated_ns: u64,
 }
 
+impl ControlRecord {
+    /// The share of new flows the kernel admits under this record (1.0 when
+    /// no ratio is active).
+    pub fn admission_ratio(&self) -> f64 {
+        if self.flags & control_flags::ADMISSION_ACTIVE != 0 {
+            self.admission_ppm.min(1_000_000) as f64 / 1e6
+        } else {
+            1.0
+        }
+    }
+}
+
 pub mod control_flags {
     pub const ADMISSION_ACTIVE: u32 = 1;
     pub const BBR_ACTIVE: u32 = 2;

@@ -74,15 +74,13 @@ fn counters(record: u32) -> Option<&'static mut RuleCounters> {
     FLOWCTL_COUNTERS.get_ptr_mut(record).map(|p| unsafe { &mut *p })
 }
 
-/// Count `len` bytes against a record with a verdict: passed, dropped for
-/// `why`, or (dry-run) passed and would-drop.
+/// Count one offered packet of `len` bytes against a record with its
+/// verdict: passed, dropped for `why`, or (dry-run) passed and would-drop.
 #[inline(always)]
-fn count(record: u32, len: u64, offered: bool, outcome: Outcome) {
+fn count(record: u32, len: u64, outcome: Outcome) {
     if let Some(c) = counters(record) {
-        if offered {
-            c.offered_pkts += 1;
-            c.offered_bytes += len;
-        }
+        c.offered_pkts += 1;
+        c.offered_bytes += len;
         match outcome {
             Outcome::Pass => {
                 c.passed_pkts += 1;
@@ -124,7 +122,7 @@ fn run(ctx: &XdpContext) -> u32 {
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.non_ip_pkts += 1;
             }
-            count(GLOBAL_COUNTER_INDEX, wire_len, true, Outcome::Pass);
+            count(GLOBAL_COUNTER_INDEX, wire_len, Outcome::Pass);
             return xdp_action::XDP_PASS;
         }
         Err(()) => {
@@ -134,7 +132,7 @@ fn run(ctx: &XdpContext) -> u32 {
             } else {
                 Outcome::Pass
             };
-            count(GLOBAL_COUNTER_INDEX, wire_len, true, outcome);
+            count(GLOBAL_COUNTER_INDEX, wire_len, outcome);
             // Counted whatever the verdict, so a pass policy still shows them.
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.malformed_pkts += 1;
@@ -163,7 +161,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta) };
     let Some(src_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + class) else {
         // NO_CLASS (no profile applied yet): nothing matches.
-        count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Pass);
+        count(GLOBAL_COUNTER_INDEX, len, Outcome::Pass);
         return xdp_action::XDP_PASS;
     };
 
@@ -187,11 +185,11 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
                 c.fragment_pkts += 1;
             }
             if global.fragment_verdict == xdp_action::XDP_DROP {
-                count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Drop(reason::FRAGMENT));
+                count(GLOBAL_COUNTER_INDEX, len, Outcome::Drop(reason::FRAGMENT));
                 return xdp_action::XDP_DROP;
             }
         }
-        count(GLOBAL_COUNTER_INDEX, len, true, Outcome::Pass);
+        count(GLOBAL_COUNTER_INDEX, len, Outcome::Pass);
         return xdp_action::XDP_PASS;
     };
     let Some(rule) = FLOWCTL_RULES.get(slot * MAX_RULES as u32 + rule_idx) else {
@@ -213,7 +211,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     }
 
     if rule.action == action::PASS {
-        count(record, len, true, Outcome::Pass);
+        count(record, len, Outcome::Pass);
         return xdp_action::XDP_PASS;
     }
     // Only what the rule's unit counts spends tokens: for `connections`, a
@@ -222,7 +220,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
         unit::BYTES => len,
         unit::CONNECTIONS => {
             if meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) != tcp_flags::SYN {
-                count(record, len, true, Outcome::Pass);
+                count(record, len, Outcome::Pass);
                 return xdp_action::XDP_PASS;
             }
             1
@@ -325,7 +323,7 @@ fn bucket_stages<Q: QuotaStage>(
         let key = bucket_key(meta, rule);
         // BPF_NOEXIST: if another CPU created the key first, use its bucket.
         if FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_ok() {
-            count(record, len, true, Outcome::Pass);
+            count(record, len, Outcome::Pass);
             return xdp_action::XDP_PASS;
         }
         match FLOWCTL_KEYS.get_ptr_mut(&key) {
@@ -340,7 +338,7 @@ fn bucket_stages<Q: QuotaStage>(
         }
     }
     if tat_ptr.is_null() {
-        count(record, len, true, Outcome::Pass);
+        count(record, len, Outcome::Pass);
         return xdp_action::XDP_PASS;
     }
     let mut tries = 0;
@@ -357,7 +355,7 @@ fn bucket_stages<Q: QuotaStage>(
             atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, new)
         };
         if ok {
-            count(record, len, true, Outcome::Pass);
+            count(record, len, Outcome::Pass);
             return xdp_action::XDP_PASS;
         }
         tries += 1;
@@ -508,10 +506,10 @@ impl QuotaStage for Quota {
 #[inline(always)]
 fn verdict(rule: &RuleConfig, record: u32, len: u64, why: usize) -> u32 {
     if rule.action == action::DRY_RUN {
-        count(record, len, true, Outcome::WouldDrop);
+        count(record, len, Outcome::WouldDrop);
         xdp_action::XDP_PASS
     } else {
-        count(record, len, true, Outcome::Drop(why));
+        count(record, len, Outcome::Drop(why));
         xdp_action::XDP_DROP
     }
 }

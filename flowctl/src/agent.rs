@@ -163,7 +163,13 @@ fn load_and_attach(id: &AttachId, set: &profile::RuleSet, args: &AttachArgs, ado
     Ok((ebpf, mode))
 }
 
+/// Applies `set` to an attachment and records it (state, active profile).
+/// Both the agent and an agent-less `apply` come through here.
 pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
+    let s = &set.settings;
+    if (s.key_table_entries, s.source_cache_entries, s.quota_table_entries) != (state.key_table_entries, state.source_cache_entries, state.quota_table_entries) {
+        bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
+    }
     dataplane::apply(maps, state, set)?;
     let abs = std::fs::canonicalize(path).unwrap_or(path.to_path_buf());
     state.profile_path = abs.display().to_string();
@@ -242,9 +248,6 @@ fn handle(maps: &mut Maps, state: &mut AttachState, line: &str) -> Response {
                 Ok(s) => s,
                 Err(e) => return Response::err(e.to_string()),
             };
-            if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries || set.settings.quota_table_entries != state.quota_table_entries {
-                return Response::err("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
-            }
             match apply_and_record(maps, state, &set, &path) {
                 Ok(()) => Response::ok(format!("applied {} rules (generation {})", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0))),
                 Err(e) => Response::err(format!("{e:#}")),

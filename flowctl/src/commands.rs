@@ -55,9 +55,6 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     let Some(mut state) = AttachState::load(&id)? else {
         bail!("nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`", path.display());
     };
-    if set.settings.key_table_entries != state.key_table_entries || set.settings.source_cache_entries != state.source_cache_entries || set.settings.quota_table_entries != state.quota_table_entries {
-        bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
-    }
     let mut maps = Maps::open(&id)?;
     apply_and_record(&mut maps, &mut state, &set, path)?;
     println!("applied {} rules to the kept data plane on {iface} (no agent running)", set.rules.len());

@@ -13,7 +13,7 @@ use crate::{
     pins::{AttachId, AttachState},
 };
 use anyhow::{anyhow, Context, Result};
-use flowctl_common::{control_flags, reason, GLOBAL_COUNTER_INDEX};
+use flowctl_common::{reason, GLOBAL_COUNTER_INDEX};
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
     metrics::{counter::Counter, family::Family, gauge::Gauge},
@@ -68,8 +68,7 @@ pub fn render(id: &AttachId) -> Result<String> {
             bytes.get_or_create(&l("dropped", name)).inc_by(c.dropped_bytes[i]);
         }
         let ctl = maps.control.get(&r.record, 0)?;
-        let admitted = if ctl.flags & control_flags::ADMISSION_ACTIVE != 0 { ctl.admission_ppm.min(1_000_000) as f64 / 1e6 } else { 1.0 };
-        ratio.get_or_create(&rule).set(admitted);
+        ratio.get_or_create(&rule).set(ctl.admission_ratio());
     }
     let g = maps.counters(GLOBAL_COUNTER_INDEX)?;
     for (kind, v) in [("non_ip", g.non_ip_pkts), ("malformed", g.malformed_pkts), ("fragment", g.fragment_pkts), ("all", g.offered_pkts)] {

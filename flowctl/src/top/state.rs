@@ -8,7 +8,7 @@ use crate::{
     profile,
 };
 use anyhow::Result;
-use flowctl_common::{control_flags, reason, RuleCounters};
+use flowctl_common::{reason, RuleCounters};
 use serde::Serialize;
 use std::{collections::HashMap, time::Instant};
 
@@ -120,7 +120,7 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
             passed_bps: d(|c| c.passed_bytes) * 8.0,
             dropped_pps: dropped_n as f64 / dt,
             drop_pct: if offered_n == 0 { 0.0 } else { 100.0 * dropped_n as f64 / offered_n as f64 },
-            admission_ratio: if ctl.flags & control_flags::ADMISSION_ACTIVE != 0 { ctl.admission_ppm.min(1_000_000) as f64 / 1e6 } else { 1.0 },
+            admission_ratio: ctl.admission_ratio(),
             top_reason,
             offered_total: b.offered_pkts,
             passed_total: b.passed_pkts,

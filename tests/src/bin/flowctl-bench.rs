@@ -75,6 +75,29 @@ impl Refs {
     }
 }
 
+impl Refs {
+    /// Runs `frame` through each target behind the spreader: first once per
+    /// key (so every key exists), then `ROUNDS` interleaved rounds of
+    /// `repeat` runs. Returns each target's median ns/packet and last verdict.
+    fn interleaved(&mut self, targets: &[ProgramFd], frame: &[u8], keys: u32, repeat: u32) -> (Vec<f64>, Vec<u32>) {
+        for fd in targets {
+            self.set_target(fd);
+            self.run(frame, keys);
+        }
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); targets.len()];
+        let mut verdicts = vec![0u32; targets.len()];
+        for _ in 0..ROUNDS {
+            for (i, fd) in targets.iter().enumerate() {
+                self.set_target(fd);
+                let (v, ns) = self.run(frame, repeat);
+                verdicts[i] = v;
+                samples[i].push(ns);
+            }
+        }
+        (samples.into_iter().map(median).collect(), verdicts)
+    }
+}
+
 fn xdp_fd(plane: &TestPlane) -> ProgramFd {
     let p: &Xdp = plane.ebpf.program(flowctl_common::XDP_PROGRAM).unwrap().try_into().unwrap();
     p.fd().unwrap().try_clone().unwrap()
@@ -124,31 +147,12 @@ fn main() {
     println!("1. BPF_PROG_TEST_RUN ns/packet (kernel-reported), packets spread over N source keys");
     println!("{:>9} {:>9} {:>9} {:>13} {:>13} {:>11} {:>11} {:>14}", "keys", "floor", "bare", "flowctl-pass", "flowctl-drop", "bare/floor", "fc/floor", "fc-pass/bare");
     let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    let repeat = if quick { 100_000 } else { 300_000 };
     for &n in key_counts {
         refs.set_keys(n);
-        let variants: Vec<(&str, ProgramFd)> = vec![
-            ("floor", refs.fd("bench_pass")),
-            ("bare", refs.fd("bench_bare")),
-            ("flowctl-pass", xdp_fd(&admit)),
-            ("flowctl-drop", xdp_fd(&dropper)),
-        ];
-        // Warm up: every key exists before measuring.
-        for (_, fd) in &variants {
-            refs.set_target(fd);
-            refs.run(&frame, n);
-        }
-        let repeat = if quick { 100_000 } else { 300_000 };
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-        let mut verdicts = vec![0u32; variants.len()];
-        for _ in 0..ROUNDS {
-            for (i, (_, fd)) in variants.iter().enumerate() {
-                refs.set_target(fd);
-                let (v, ns) = refs.run(&frame, repeat);
-                verdicts[i] = v;
-                samples[i].push(ns);
-            }
-        }
-        let med: Vec<f64> = samples.into_iter().map(median).collect();
+        // floor, bare, flowctl admitted, flowctl dropped
+        let targets = [refs.fd("bench_pass"), refs.fd("bench_bare"), xdp_fd(&admit), xdp_fd(&dropper)];
+        let (med, verdicts) = refs.interleaved(&targets, &frame, n, repeat);
         assert_eq!(verdicts[2], flowctl_common::XDP_PASS, "admit path passes");
         assert_eq!(verdicts[3], flowctl_common::XDP_DROP, "drop path drops");
         println!(
@@ -163,19 +167,7 @@ fn main() {
     assert_ne!(quota_profile, profile);
     let with_quota = TestPlane::new(&quota_profile);
     refs.set_keys(10_000);
-    let qfds = [xdp_fd(&admit), xdp_fd(&with_quota)];
-    for fd in &qfds {
-        refs.set_target(fd);
-        refs.run(&frame, 10_000);
-    }
-    let mut qs: Vec<Vec<f64>> = vec![Vec::new(); 2];
-    for _ in 0..ROUNDS {
-        for (i, fd) in qfds.iter().enumerate() {
-            refs.set_target(fd);
-            qs[i].push(refs.run(&frame, if quick { 100_000 } else { 300_000 }).1);
-        }
-    }
-    let qm: Vec<f64> = qs.into_iter().map(median).collect();
+    let (qm, _) = refs.interleaved(&[xdp_fd(&admit), xdp_fd(&with_quota)], &frame, 10_000, repeat);
     println!("  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x", qm[0], qm[1], qm[1] / qm[0]);
     drop(with_quota);
 
@@ -183,18 +175,7 @@ fn main() {
     refs.set_keys(10_000);
     let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, TestPlane::new(&rules_profile(n)))).collect();
     let fds: Vec<ProgramFd> = planes.iter().map(|(_, p)| xdp_fd(p)).collect();
-    for fd in &fds {
-        refs.set_target(fd);
-        refs.run(&frame, 10_000);
-    }
-    let mut s: Vec<Vec<f64>> = vec![Vec::new(); fds.len()];
-    for _ in 0..ROUNDS {
-        for (i, fd) in fds.iter().enumerate() {
-            refs.set_target(fd);
-            s[i].push(refs.run(&frame, if quick { 100_000 } else { 300_000 }).1);
-        }
-    }
-    let med: Vec<f64> = s.into_iter().map(median).collect();
+    let (med, _) = refs.interleaved(&fds, &frame, 10_000, repeat);
     println!("  8 rules: {:.1} ns/packet   256 rules: {:.1} ns/packet   ratio 256/8: {:.2}x", med[0], med[1], med[1] / med[0]);
 
     println!("\n3. Kernel memory per key (fdinfo memlock of the preallocated LRU tables)");
