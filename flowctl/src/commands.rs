@@ -26,9 +26,9 @@ pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
         eprintln!("note: an agent is running for {iface}; it will exit when it notices (or stop it with Ctrl-C)");
     }
     if dataplane::detach(&id)? {
-        println!("detached from {iface}");
+        out!("detached from {iface}");
     } else {
-        println!("nothing attached to {iface}");
+        out!("nothing attached to {iface}");
     }
     Ok(())
 }
@@ -42,7 +42,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     let abs = std::fs::canonicalize(path)?;
     if let Some(resp) = control::call(&id, &Request::Apply { profile: abs.display().to_string() })? {
         if resp.ok {
-            println!("{}", resp.message);
+            out!("{}", resp.message);
             return Ok(());
         }
         bail!("{}", resp.message);
@@ -57,14 +57,14 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     };
     let mut maps = Maps::open(&id)?;
     apply_and_record(&mut maps, &mut state, &set, path)?;
-    println!("applied {} rules to the kept data plane on {iface} (no agent running)", set.rules.len());
+    out!("applied {} rules to the kept data plane on {iface} (no agent running)", set.rules.len());
     Ok(())
 }
 
 pub fn check(path: &Path) -> Result<()> {
     let set = profile::load(path)?;
-    println!("{}: ok, {} rules", path.display(), set.rules.len());
-    println!(
+    out!("{}: ok, {} rules", path.display(), set.rules.len());
+    out!(
         "kernel memory: {} preallocated (budget {}; key table {} entries, source cache {} entries)",
         human_bytes(set.settings.kernel_memory_bytes()),
         human_bytes(set.settings.memory_budget),
@@ -72,7 +72,7 @@ pub fn check(path: &Path) -> Result<()> {
         set.settings.source_cache_entries
     );
     for r in &set.rules {
-        println!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
+        out!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
     }
     Ok(())
 }
@@ -127,15 +127,15 @@ pub fn status(json: bool) -> Result<()> {
         }));
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        out!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     if out.is_empty() {
-        println!("no flowctl attachments");
+        out!("no flowctl attachments");
         return Ok(());
     }
     for a in &out {
-        println!(
+        out!(
             "{} (netns {}{}, ifindex {}) mode {} agent {} generation {} kernel memory {}",
             a["iface"].as_str().unwrap_or("?"),
             a["netns_inode"],
@@ -146,9 +146,9 @@ pub fn status(json: bool) -> Result<()> {
             a["generation"],
             human_bytes(a["kernel_memory_bytes"].as_u64().unwrap_or(0)),
         );
-        println!("  {:<20} {:>12} {:>12} {:>12} {:>12}", "rule", "offered", "passed", "dropped", "would-drop");
+        out!("  {:<20} {:>12} {:>12} {:>12} {:>12}", "rule", "offered", "passed", "dropped", "would-drop");
         for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
-            println!(
+            out!(
                 "  {:<20} {:>12} {:>12} {:>12} {:>12}",
                 r["rule"].as_str().unwrap_or(""),
                 r["offered_pkts"].to_string(),
@@ -195,24 +195,24 @@ pub fn explain(iface: &str, proto: &str, src: &str, dport: Option<u16>, netns: &
     let port = if proto_n == 6 || proto_n == 17 { dport } else { None };
     let maps = Maps::open(&id)?;
     match maps.classify(&src, proto_n, port)? {
-        None => println!("no rule matches: the packet passes unlimited"),
+        None => out!("no rule matches: the packet passes unlimited"),
         Some(i) => {
             let r = set.rules.get(i as usize).context("kernel rule index outside the active profile")?;
             let st = state.rules.get(i as usize);
-            println!("rule   {} (#{}, line {} of the active profile)", r.name, i + 1, r.line);
-            println!("match  {}", r.match_text());
-            println!("action {}", r.action_name());
+            out!("rule   {} (#{}, line {} of the active profile)", r.name, i + 1, r.line);
+            out!("match  {}", r.match_text());
+            out!("action {}", r.action_name());
             if r.action != flowctl_common::action::PASS {
                 if r.interval_fp != 0 {
-                    println!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
+                    out!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
                 }
                 if let Some(q) = r.quota_text() {
-                    println!("quota  {q}");
+                    out!("quota  {q}");
                 }
-                println!("key    {}", r.key_name());
+                out!("key    {}", r.key_name());
             }
             if let Some(st) = st {
-                println!("state  id {} record {}", st.state_id, st.record);
+                out!("state  id {} record {}", st.state_id, st.record);
             }
         }
     }

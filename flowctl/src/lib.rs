@@ -8,6 +8,16 @@
 //! prometheus-client (metric encoding), tiny_http (the metrics endpoint) and
 //! ratatui (the `top` view, over its crossterm backend).
 
+/// `println!` that returns the write error (through `?`) instead of
+/// panicking, so `flowctl status | head` ends with the broken pipe that main
+/// turns into exit 0.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($t)*)?;
+    }};
+}
+
 pub mod agent;
 pub mod commands;
 pub mod control;

@@ -26,14 +26,14 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
     let b = state::sample();
     let top = state::compute(&a, &b, iface)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&top)?);
+        out!("{}", serde_json::to_string_pretty(&top)?);
         return Ok(());
     }
     for a in &top.attachments {
-        println!("{} ({} mode, up {}s, CPU {})", a.iface, a.mode, a.uptime_s, a.cpu);
-        println!("  {:<20} {:>12} {:>12} {:>12} {:>7} {:>7}  {}", "rule", "offered pps", "passed pps", "dropped pps", "drop %", "ratio", "top reason");
+        out!("{} ({} mode, up {}s, CPU {})", a.iface, a.mode, a.uptime_s, a.cpu);
+        out!("  {:<20} {:>12} {:>12} {:>12} {:>7} {:>7}  {}", "rule", "offered pps", "passed pps", "dropped pps", "drop %", "ratio", "top reason");
         for r in &a.rules {
-            println!(
+            out!(
                 "  {:<20} {:>12} {:>12} {:>12} {:>7.1} {:>7.3}  {}",
                 r.rule, view::si(r.offered_pps), view::si(r.passed_pps), view::si(r.dropped_pps), r.drop_pct, r.admission_ratio, r.top_reason
             );
