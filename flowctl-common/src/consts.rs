@@ -45,6 +45,25 @@ pub const DEFAULT_QUOTA_ENTRIES: u32 = 1 << 16;
 pub const MAX_QUOTA_BUCKETS: usize = 16;
 pub const QUOTA_RING_SLOTS: usize = MAX_QUOTA_BUCKETS + 1;
 
+/// Statistics rings: default bucket width and count (100 ms x 100 = 10 s,
+/// the span BBR's window and the in-flight idle timeout need), and limits.
+pub const DEFAULT_STATS_BUCKET_NS: u64 = 100_000_000;
+pub const DEFAULT_STATS_BUCKETS: u32 = 100;
+pub const MAX_STATS_BUCKETS: u32 = 1000;
+
+/// Bytes of the key-sampling ring buffer (`top --keys`); a power of two
+/// multiple of the page size, as the kernel requires.
+pub const KEY_SAMPLE_RING_BYTES: u32 = 1 << 20;
+
+/// Load-time constants of the XDP object (read-only data the verifier sees
+/// as known, so code behind a switched-off constant is pruned).
+pub mod globals {
+    /// `stats::level::*`.
+    pub const STATS_LEVEL: &str = "FLOWCTL_STATS_LEVEL";
+    pub const STATS_BUCKET_NS: &str = "FLOWCTL_STATS_BUCKET_NS";
+    pub const STATS_BUCKETS: &str = "FLOWCTL_STATS_BUCKETS";
+}
+
 /// Bounded compare-and-swap retries on one key before the packet is dropped
 /// with reason `contended` (see docs/design.md).
 pub const CAS_RETRIES: u32 = 4;
@@ -54,7 +73,7 @@ pub const MAX_IPV6_EXT_HEADERS: u32 = 8;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -74,10 +93,12 @@ pub mod map_names {
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
     pub const DEBT: &str = "FLOWCTL_DEBT";
     pub const QUOTAS: &str = "FLOWCTL_QUOTAS";
+    pub const STATS: &str = "FLOWCTL_STATS";
+    pub const KEY_SAMPLES: &str = "FLOWCTL_KEY_SAMPLES";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 14] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT, QUOTAS,
+        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES,
     ];
 }
 

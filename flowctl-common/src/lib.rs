@@ -10,6 +10,7 @@ pub mod consts;
 pub mod gcra;
 pub mod keys;
 pub mod matcher;
+pub mod stats;
 pub mod types;
 pub mod window;
 
@@ -19,6 +20,7 @@ pub mod rate;
 pub mod tables;
 
 pub use consts::*;
+pub use stats::StatsBucket;
 pub use types::*;
 
 /// The panic handler and license section every flowctl BPF object needs

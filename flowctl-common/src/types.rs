@@ -114,7 +114,9 @@ pub struct RuleConfig {
     pub has_ports: u8,
     /// 1 when the rule has a token bucket (0: quota only).
     pub has_bucket: u8,
-    pub _pad: [u8; 5],
+    pub _pad: u8,
+    /// This rule's own index in the rules array (slot * MAX_RULES + index).
+    pub at: u32,
     /// Quota bucket length L in ns (0: no quota).
     pub quota_bucket_ns: u64,
     /// Quota: at most this many units per window.
@@ -143,6 +145,10 @@ pub struct GlobalRecord {
     pub malformed_verdict: u32,
     /// XDP verdict for non-first fragments that only port rules could match.
     pub fragment_verdict: u32,
+    /// Send about one in this many matched packets' keys to the sampling
+    /// ring for `top --keys` (0: off). Set by the agent while someone asks.
+    pub key_sample_every: u32,
+    pub _pad: u32,
 }
 
 /// Per-rule control record written by the agent's control loops (admission
@@ -292,6 +298,19 @@ pub struct QuotaRing {
     pub words: [u64; crate::QUOTA_RING_SLOTS],
 }
 
+/// One sampled packet for `top --keys`, as the kernel writes it into the
+/// sampling ring buffer: the rule's record, the packet's bucket key, its
+/// length and whether it was dropped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeySample {
+    pub record: u32,
+    pub len: u32,
+    /// 1 when the packet was dropped (or would have been, in dry-run).
+    pub dropped: u32,
+    pub key: BucketKey,
+}
+
 /// LPM trie key data: `[slot << 1 | is_v6, address bytes in network order...]`.
 /// The prefix length counts the 8 tag bits.
 pub type TrieData = [u8; 17];
@@ -331,7 +350,9 @@ macro_rules! assert_layout {
 assert_layout!(RuleBitmap, 32, 8);
 assert_layout!(RuleConfig, 56, 8);
 assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
-assert_layout!(GlobalRecord, 48, 8);
+assert_layout!(GlobalRecord, 56, 8);
+assert_layout!(crate::StatsBucket, 96, 8);
+assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 32, 8);
 assert_layout!(RuleCounters, 208, 8);
 assert_layout!(SrcKey, 16, 4);
@@ -350,4 +371,6 @@ mod pod {
     unsafe impl aya::Pod for SrcEntry {}
     unsafe impl aya::Pod for BucketKey {}
     unsafe impl aya::Pod for QuotaRing {}
+    unsafe impl aya::Pod for crate::StatsBucket {}
+    unsafe impl aya::Pod for KeySample {}
 }

@@ -14,19 +14,21 @@
 mod parse;
 
 use aya_ebpf::{
-    bindings::xdp_action,
+    bindings::{xdp_action, xdp_md},
     helpers::bpf_ktime_get_ns,
     macros::{map, xdp},
-    maps::{lpm_trie::Key, Array, LruHashMap, LpmTrie, PerCpuArray},
+    maps::{lpm_trie::Key, Array, LruHashMap, LpmTrie, PerCpuArray, RingBuf},
     programs::XdpContext,
+    Global,
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     action, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
-    matcher, reason, tcp_flags,
+    matcher, reason, stats, tcp_flags,
     window::{self, Window},
-    unit, BucketKey, ControlRecord, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
+    unit, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
+    KEY_SAMPLE_RING_BYTES, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
     DEBT_SLOTS, DEFAULT_QUOTA_ENTRIES, NO_CLASS, QuotaRing, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
@@ -63,10 +65,72 @@ static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries
 /// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
 #[map]
 static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
+/// Per-rule statistics rings: `FLOWCTL_STATS_BUCKETS` entries per counter
+/// record, sized by the loader (see `flowctl_common::stats`).
+#[map]
+static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
+    PerCpuArray::pinned(COUNTER_RECORDS as u32 * DEFAULT_STATS_BUCKETS, 0);
+/// Sampled keys for `top --keys`, read by the agent.
+#[map]
+static FLOWCTL_KEY_SAMPLES: RingBuf = RingBuf::pinned(KEY_SAMPLE_RING_BYTES, 0);
+
+// Load-time constants (set by the loader; the verifier prunes by them).
+#[no_mangle]
+static FLOWCTL_STATS_LEVEL: Global<u8> = Global::new(stats::level::FULL);
+#[no_mangle]
+static FLOWCTL_STATS_BUCKET_NS: Global<u64> = Global::new(DEFAULT_STATS_BUCKET_NS);
+#[no_mangle]
+static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
 
 #[xdp]
 pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
-    run(&ctx)
+    // Three global functions, each verified once on its own: the decision
+    // (parse, classify, stages, counting), then, while `top --keys` watches,
+    // the sampler. Siblings, so their stack frames do not add up past the
+    // verifier's 512 bytes.
+    let v = flowctl_decide(ctx.ctx);
+    if v & packed::SAMPLE != 0 {
+        flowctl_sample_key(ctx.ctx, packed::rule_at(v), packed::record(v), packed::code(v));
+    }
+    packed::action(v)
+}
+
+/// What `flowctl_decide` returns, in one register: the XDP action (bits
+/// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
+/// table index (32-47, 0xffff: none) and "sample this packet" (63).
+mod packed {
+    pub const SAMPLE: u64 = 1 << 63;
+
+    #[inline(always)]
+    pub fn pack(action: u32, code: u32, record: u32, rule_at: u32, sample: bool) -> u64 {
+        (action as u64 & 0xff)
+            | (code as u64 & 0xff) << 8
+            | (record as u64 & 0xffff) << 16
+            | (rule_at as u64 & 0xffff) << 32
+            | (sample as u64) << 63
+    }
+    #[inline(always)]
+    pub fn action(v: u64) -> u32 {
+        (v & 0xff) as u32
+    }
+    #[inline(always)]
+    pub fn code(v: u64) -> u32 {
+        (v >> 8 & 0xff) as u32
+    }
+    #[inline(always)]
+    pub fn record(v: u64) -> u32 {
+        (v >> 16 & 0xffff) as u32
+    }
+    #[inline(always)]
+    pub fn rule_at(v: u64) -> u32 {
+        (v >> 32 & 0xffff) as u32
+    }
+}
+
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_decide(ctx: *mut xdp_md) -> u64 {
+    run(&XdpContext::new(ctx))
 }
 
 #[inline(always)]
@@ -74,31 +138,25 @@ fn counters(record: u32) -> Option<&'static mut RuleCounters> {
     FLOWCTL_COUNTERS.get_ptr_mut(record).map(|p| unsafe { &mut *p })
 }
 
-/// Count one offered packet of `len` bytes against a record with its
-/// verdict: passed, dropped for `why`, or (dry-run) passed and would-drop.
-#[inline(always)]
-fn count(record: u32, len: u64, outcome: Outcome) {
-    if let Some(c) = counters(record) {
-        c.offered_pkts += 1;
-        c.offered_bytes += len;
-        match outcome {
-            Outcome::Pass => {
-                c.passed_pkts += 1;
-                c.passed_bytes += len;
-            }
-            Outcome::Drop(why) => {
-                if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why)) {
-                    *p += 1;
-                    *b += len;
-                }
-            }
-            Outcome::WouldDrop => {
-                c.passed_pkts += 1;
-                c.passed_bytes += len;
-                c.would_drop_pkts += 1;
-                c.would_drop_bytes += len;
-            }
-        }
+/// A packet's verdict, counted in one place (`account`) whatever stage
+/// decided it: one copy of the counting code keeps the verifier's work small.
+#[derive(Clone, Copy)]
+struct Decision {
+    record: u32,
+    outcome: Outcome,
+    /// Index of the deciding rule in `FLOWCTL_RULES` (u32::MAX: none).
+    rule_at: u32,
+}
+
+impl Decision {
+    #[inline(always)]
+    fn unmatched(outcome: Outcome) -> Self {
+        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX }
+    }
+
+    #[inline(always)]
+    fn of(rule: &RuleConfig, outcome: Outcome) -> Self {
+        Self { record: rule.record, outcome, rule_at: rule.at }
     }
 }
 
@@ -109,11 +167,145 @@ enum Outcome {
     WouldDrop,
 }
 
+/// An outcome as one scalar for `account`: 0 pass, 1 would-drop, 2 + reason
+/// for a drop.
 #[inline(always)]
-fn run(ctx: &XdpContext) -> u32 {
+fn outcome_code(o: Outcome) -> u32 {
+    match o {
+        Outcome::Pass => 0,
+        Outcome::WouldDrop => 1,
+        Outcome::Drop(why) => 2 + why as u32,
+    }
+}
+
+/// Counts one offered packet of `len` bytes against its record (the running
+/// totals and the current bucket of its statistics ring) and returns the
+/// XDP action. A real BPF-to-BPF call taking only scalars, with nothing of
+/// the caller live after it: the verifier walks it once per distinct
+/// outcome instead of once per path through the stages.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, now: u64) -> u32 {
+    let dropped = code >= 2;
+    let why = code.wrapping_sub(2) as usize;
+    if let Some(c) = counters(record) {
+        c.offered_pkts += 1;
+        c.offered_bytes += len;
+        if dropped {
+            if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why)) {
+                *p += 1;
+                *b += len;
+            }
+        } else {
+            c.passed_pkts += 1;
+            c.passed_bytes += len;
+            if code == 1 {
+                c.would_drop_pkts += 1;
+                c.would_drop_bytes += len;
+            }
+        }
+    }
+    let full = FLOWCTL_STATS_LEVEL.load() == stats::level::FULL;
+    let epoch = stats::epoch_of(now, FLOWCTL_STATS_BUCKET_NS.load());
+    if let Some(b) = FLOWCTL_STATS.get_ptr_mut(stats::index(record, epoch, FLOWCTL_STATS_BUCKETS.load())) {
+        // Per-CPU: only this CPU writes this copy, so plain stores are exact.
+        let b = unsafe { &mut *b };
+        if b.epoch != epoch {
+            reset_bucket(b, epoch, full);
+        }
+        b.offered_pkts += 1;
+        if !dropped {
+            b.passed_pkts += 1;
+        }
+        if tcp as u8 & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN {
+            b.syn_offered += 1;
+            if !dropped {
+                b.syn_passed += 1;
+            }
+        }
+        if tcp as u8 & (tcp_flags::FIN | tcp_flags::RST) != 0 {
+            b.fin_rst += 1;
+        }
+        if full {
+            b.offered_bytes += len;
+            if dropped {
+                if let Some(p) = b.dropped_pkts.get_mut(why) {
+                    *p += 1;
+                }
+            } else {
+                b.passed_bytes += len;
+                if code == 1 {
+                    b.would_drop_pkts += 1;
+                }
+            }
+        }
+    }
+    if dropped { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS }
+}
+
+/// Zeroes a stale bucket field by field (a struct-wide zero fill becomes a
+/// memset call the verifier cannot load); display-only fields only when kept.
+#[inline(always)]
+fn reset_bucket(b: &mut StatsBucket, epoch: u64, full: bool) {
+    b.epoch = epoch;
+    b.offered_pkts = 0;
+    b.passed_pkts = 0;
+    b.syn_offered = 0;
+    b.syn_passed = 0;
+    b.fin_rst = 0;
+    b.rt_count = 0;
+    b.rt_sum_us = 0;
+    if full {
+        b.would_drop_pkts = 0;
+        b.offered_bytes = 0;
+        b.passed_bytes = 0;
+        let mut i = 0;
+        while i < b.dropped_pkts.len() {
+            b.dropped_pkts[i] = 0;
+            i += 1;
+        }
+    }
+}
+
+/// Sends about one in `every` matched packets' keys to the sampling ring
+/// (`top --keys`); called only while sampling is on. A global function,
+/// verified once on its own. It takes only the context and scalars and
+/// parses the sampled packet again: passing the parsed headers by pointer
+/// would keep every header field live to the end of every path, which
+/// stops the verifier's state pruning and nearly tripled its work.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32, code: u32) -> u32 {
+    let Some(global) = FLOWCTL_GLOBAL.get(0) else { return 0 };
+    let every = global.key_sample_every;
+    let r = unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() };
+    if r.checked_rem(every).unwrap_or(1) != 0 {
+        return 0;
+    }
+    let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return 0 };
+    let Ok(Some(meta)) = parse::parse(&XdpContext::new(ctx)) else { return 0 };
+    let meta = &meta;
+    let dropped = (code != 0) as u32;
+    if let Some(mut entry) = FLOWCTL_KEY_SAMPLES.reserve::<KeySample>(0) {
+        let s = entry.as_mut_ptr();
+        unsafe {
+            (*s).record = record;
+            (*s).len = meta.len;
+            (*s).dropped = dropped;
+            (*s).key = bucket_key(meta, rule);
+        }
+        entry.submit(0);
+        return 1;
+    }
+    0
+}
+
+#[inline(always)]
+fn run(ctx: &XdpContext) -> u64 {
     let Some(global) = FLOWCTL_GLOBAL.get(0) else {
-        return xdp_action::XDP_PASS;
+        return xdp_action::XDP_PASS as u64;
     };
+    let now = unsafe { bpf_ktime_get_ns() };
     let wire_len = (ctx.data_end() - ctx.data()) as u64;
     let meta = match parse::parse(ctx) {
         Ok(Some(m)) => m,
@@ -122,33 +314,32 @@ fn run(ctx: &XdpContext) -> u32 {
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.non_ip_pkts += 1;
             }
-            count(GLOBAL_COUNTER_INDEX, wire_len, Outcome::Pass);
-            return xdp_action::XDP_PASS;
+            return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now) as u64;
         }
         Err(()) => {
-            let verdict = global.malformed_verdict;
-            let outcome = if verdict == xdp_action::XDP_DROP {
-                Outcome::Drop(reason::MALFORMED)
-            } else {
-                Outcome::Pass
-            };
-            count(GLOBAL_COUNTER_INDEX, wire_len, outcome);
             // Counted whatever the verdict, so a pass policy still shows them.
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.malformed_pkts += 1;
             }
-            return if verdict == xdp_action::XDP_DROP { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS };
+            let d = Decision::unmatched(if global.malformed_verdict == xdp_action::XDP_DROP {
+                Outcome::Drop(reason::MALFORMED)
+            } else {
+                Outcome::Pass
+            });
+            return flowctl_account(d.record, outcome_code(d.outcome), wire_len, 0, now) as u64;
         }
     };
-    enforce(ctx, global, &meta)
+    let d = enforce(global, &meta, now);
+    let code = outcome_code(d.outcome);
+    let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
+    let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);
+    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0)
 }
 
 #[inline(always)]
-fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
+fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     let slot = global.active_slot & 1;
     let generation = global.generation as u32;
-    let now = unsafe { bpf_ktime_get_ns() };
-    let len = meta.len as u64;
 
     // 1. The source's class: from the per-source cache when it was computed
     // for this generation, else from the LPM trie.
@@ -161,13 +352,12 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta) };
     let Some(src_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + class) else {
         // NO_CLASS (no profile applied yet): nothing matches.
-        count(GLOBAL_COUNTER_INDEX, len, Outcome::Pass);
-        return xdp_action::XDP_PASS;
+        return Decision::unmatched(Outcome::Pass);
     };
 
     let proto_idx = slot * PROTO_INDICES as u32 + meta.proto as u32;
     let Some(proto_bits) = FLOWCTL_PROTO_BITS.get(proto_idx) else {
-        return xdp_action::XDP_PASS;
+        return Decision::unmatched(Outcome::Pass);
     };
     let port = if meta.frag == frag::LATER || (meta.proto != 6 && meta.proto != 17) {
         PORT_NONE
@@ -175,7 +365,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
         meta.dport as u32
     };
     let Some(port_bits) = FLOWCTL_PORT_BITS.get(slot * PORT_INDICES as u32 + port) else {
-        return xdp_action::XDP_PASS;
+        return Decision::unmatched(Outcome::Pass);
     };
     let Some(rule_idx) = matcher::first_match(src_bits, proto_bits, port_bits) else {
         // A non-first fragment that a port rule might have matched gets the
@@ -185,15 +375,13 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
                 c.fragment_pkts += 1;
             }
             if global.fragment_verdict == xdp_action::XDP_DROP {
-                count(GLOBAL_COUNTER_INDEX, len, Outcome::Drop(reason::FRAGMENT));
-                return xdp_action::XDP_DROP;
+                return Decision::unmatched(Outcome::Drop(reason::FRAGMENT));
             }
         }
-        count(GLOBAL_COUNTER_INDEX, len, Outcome::Pass);
-        return xdp_action::XDP_PASS;
+        return Decision::unmatched(Outcome::Pass);
     };
     let Some(rule) = FLOWCTL_RULES.get(slot * MAX_RULES as u32 + rule_idx) else {
-        return xdp_action::XDP_PASS;
+        return Decision::unmatched(Outcome::Pass);
     };
     let record = rule.record;
 
@@ -211,17 +399,15 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     }
 
     if rule.action == action::PASS {
-        count(record, len, Outcome::Pass);
-        return xdp_action::XDP_PASS;
+        return Decision::of(rule, Outcome::Pass);
     }
     // Only what the rule's unit counts spends tokens: for `connections`, a
     // TCP SYN without ACK; other packets of the rule pass.
     let cost = match rule.unit {
-        unit::BYTES => len,
+        unit::BYTES => meta.len as u64,
         unit::CONNECTIONS => {
             if meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) != tcp_flags::SYN {
-                count(record, len, Outcome::Pass);
-                return xdp_action::XDP_PASS;
+                return Decision::of(rule, Outcome::Pass);
             }
             1
         }
@@ -234,7 +420,7 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
             && agent_alive(global, now)
             && !admitted_by_ratio(global, meta, ctl)
         {
-            return verdict(rule, record, len, reason::ADMISSION);
+            return verdict(rule, reason::ADMISSION);
         }
     }
     // Stage 2 (BBR) is added by later work: check here, commit below.
@@ -244,13 +430,13 @@ fn enforce(_ctx: &XdpContext, global: &GlobalRecord, meta: &PacketMeta) -> u32 {
     // bucket's own compare-and-swap then refuses.
     if rule.quota_bucket_ns == 0 {
         // Most rules: the bucket alone, with the quota steps compiled away.
-        return bucket_stages(rule, meta, entry_ptr, record, len, cost, now, &mut NoQuota);
+        return bucket_stages(rule, meta, entry_ptr, record, cost, now, &mut NoQuota);
     }
     let mut quota = Quota::of(rule, meta, record, now);
     if !quota.has_room(cost) {
-        return verdict(rule, record, len, reason::QUOTA);
+        return verdict(rule, reason::QUOTA);
     }
-    bucket_stages(rule, meta, entry_ptr, record, len, cost, now, &mut quota)
+    bucket_stages(rule, meta, entry_ptr, record, cost, now, &mut quota)
 }
 
 /// What the bucket stage needs of the quota stage: commit after the bucket's
@@ -281,11 +467,10 @@ fn bucket_stages<Q: QuotaStage>(
     meta: &PacketMeta,
     entry_ptr: *mut SrcEntry,
     record: u32,
-    len: u64,
     cost: u64,
     now: u64,
     quota: &mut Q,
-) -> u32 {
+) -> Decision {
     // Stage 4, look: the bucket's verdict on a read, before anything commits.
     let inc = gcra::increment_ns(rule.interval_fp, cost);
     let mut tat_ptr: *mut u64 = core::ptr::null_mut();
@@ -295,7 +480,7 @@ fn bucket_stages<Q: QuotaStage>(
             BucketRef::Ptr(p) => {
                 let old = unsafe { core::ptr::read_volatile(p) };
                 if gcra::admit(old, now, inc, rule.burst_ns).is_none() {
-                    return refuse_rate(rule, meta, record, len, p, old);
+                    return refuse_rate(rule, meta, record, p, old);
                 }
                 tat_ptr = p;
             }
@@ -304,7 +489,7 @@ fn bucket_stages<Q: QuotaStage>(
                 let Some(first) = gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns) else {
                     // Costlier than the whole bucket, or still in debt:
                     // refused without creating state.
-                    return verdict(rule, record, len, reason::RATE);
+                    return verdict(rule, reason::RATE);
                 };
                 create = Some(unmarked(first));
             }
@@ -314,8 +499,8 @@ fn bucket_stages<Q: QuotaStage>(
     // Stage 3, commit: the quota (one compare-and-swap, exact).
     match quota.commit(cost) {
         QuotaCommit::Done => {}
-        QuotaCommit::Full => return verdict(rule, record, len, reason::QUOTA),
-        QuotaCommit::Contended => return verdict(rule, record, len, reason::CONTENDED),
+        QuotaCommit::Full => return verdict(rule, reason::QUOTA),
+        QuotaCommit::Contended => return verdict(rule, reason::CONTENDED),
     }
 
     // Stage 4, commit: create the bucket charged, or swap its TAT.
@@ -323,8 +508,7 @@ fn bucket_stages<Q: QuotaStage>(
         let key = bucket_key(meta, rule);
         // BPF_NOEXIST: if another CPU created the key first, use its bucket.
         if FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_ok() {
-            count(record, len, Outcome::Pass);
-            return xdp_action::XDP_PASS;
+            return Decision::of(rule, Outcome::Pass);
         }
         match FLOWCTL_KEYS.get_ptr_mut(&key) {
             Some(p) => tat_ptr = p,
@@ -338,8 +522,7 @@ fn bucket_stages<Q: QuotaStage>(
         }
     }
     if tat_ptr.is_null() {
-        count(record, len, Outcome::Pass);
-        return xdp_action::XDP_PASS;
+        return Decision::of(rule, Outcome::Pass);
     }
     let mut tries = 0;
     while tries < CAS_RETRIES {
@@ -347,7 +530,7 @@ fn bucket_stages<Q: QuotaStage>(
         let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
             // Another CPU took the last token between the look and the swap.
             quota.rollback(cost);
-            return refuse_rate(rule, meta, record, len, tat_ptr, old);
+            return refuse_rate(rule, meta, record, tat_ptr, old);
         };
         // Admitting moves the TAT: clear the mark by rounding up to even.
         let new = unmarked(new);
@@ -355,27 +538,26 @@ fn bucket_stages<Q: QuotaStage>(
             atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, new)
         };
         if ok {
-            count(record, len, Outcome::Pass);
-            return xdp_action::XDP_PASS;
+            return Decision::of(rule, Outcome::Pass);
         }
         tries += 1;
     }
     quota.rollback(cost);
-    verdict(rule, record, len, reason::CONTENDED)
+    verdict(rule, reason::CONTENDED)
 }
 
 /// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
 /// key that keeps being refused pays for the debt slot once, not per packet.
 /// The mark makes the TAT 1 ns later, never earlier.
 #[inline(always)]
-fn refuse_rate(rule: &RuleConfig, meta: &PacketMeta, record: u32, len: u64, tat_ptr: *mut u64, old: u64) -> u32 {
+fn refuse_rate(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat_ptr: *mut u64, old: u64) -> Decision {
     if old & DEBT_MARK == 0 {
         remember_debt(rule, meta, record, old);
         unsafe {
             let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, old | DEBT_MARK);
         }
     }
-    verdict(rule, record, len, reason::RATE)
+    verdict(rule, reason::RATE)
 }
 
 enum QuotaCommit {
@@ -504,14 +686,9 @@ impl QuotaStage for Quota {
 
 /// Drop (or, in dry-run, count a would-drop and pass) for `why`.
 #[inline(always)]
-fn verdict(rule: &RuleConfig, record: u32, len: u64, why: usize) -> u32 {
-    if rule.action == action::DRY_RUN {
-        count(record, len, Outcome::WouldDrop);
-        xdp_action::XDP_PASS
-    } else {
-        count(record, len, Outcome::Drop(why));
-        xdp_action::XDP_DROP
-    }
+fn verdict(rule: &RuleConfig, why: usize) -> Decision {
+    let outcome = if rule.action == action::DRY_RUN { Outcome::WouldDrop } else { Outcome::Drop(why) };
+    Decision::of(rule, outcome)
 }
 
 /// Adaptive stages fail open when the agent's heartbeat is older than the

@@ -116,6 +116,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
             key_table_entries: set.settings.key_table_entries,
             source_cache_entries: set.settings.source_cache_entries,
             quota_table_entries: set.settings.quota_table_entries,
+            stats: set.settings.stats,
         },
     };
     let mut maps = Maps::open(&id)?;
@@ -169,6 +170,13 @@ pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile:
     let s = &set.settings;
     if (s.key_table_entries, s.source_cache_entries, s.quota_table_entries) != (state.key_table_entries, state.source_cache_entries, state.quota_table_entries) {
         bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
+    }
+    if s.stats != state.stats {
+        bail!(
+            "the statistics settings ({} level, {} x {} ms) differ from the attached data plane's ({} level, {} x {} ms); they are fixed when the program loads and change only by re-attaching with --replace (nothing was applied)",
+            s.stats.level_name(), s.stats.buckets, s.stats.bucket_ns / 1_000_000,
+            state.stats.level_name(), state.stats.buckets, state.stats.bucket_ns / 1_000_000
+        );
     }
     dataplane::apply(maps, state, set)?;
     let abs = std::fs::canonicalize(path).unwrap_or(path.to_path_buf());

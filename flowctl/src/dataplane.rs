@@ -13,7 +13,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{
-    map_names as names, tables, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
+    globals, map_names as names, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
@@ -30,6 +30,7 @@ pub struct Maps {
     pub counters: PerCpuArray<MapData, RuleCounters>,
     pub control: Array<MapData, ControlRecord>,
     pub debt: Array<MapData, u64>,
+    pub stats: PerCpuArray<MapData, StatsBucket>,
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
@@ -49,6 +50,7 @@ impl Maps {
             counters: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::COUNTERS)?))?,
             control: Array::try_from(Map::Array(open(&d, names::CONTROL)?))?,
             debt: Array::try_from(Map::Array(open(&d, names::DEBT)?))?,
+            stats: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::STATS)?))?,
         })
     }
 
@@ -63,6 +65,23 @@ impl Maps {
             total.add(c);
         }
         Ok(total)
+    }
+
+    /// A record's statistics over the last `span` complete buckets before
+    /// `now_ns` (CLOCK_MONOTONIC), summed over CPUs. Reads only those
+    /// buckets, one lookup each; the kernel's writers never wait on it.
+    pub fn stats_span(&self, record: u32, shape: &crate::profile::StatsSettings, now_ns: u64, span: u32) -> Result<StatsSum> {
+        let epochs = stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span);
+        let mut sum = StatsSum::default();
+        for e in epochs {
+            let idx = stats::index(record, e, shape.buckets);
+            for b in self.stats.get(&idx, 0)?.iter() {
+                if b.epoch == e {
+                    sum.add(b);
+                }
+            }
+        }
+        Ok(sum)
     }
 
     /// The rule index the kernel would pick, read from the kernel's own active
@@ -143,7 +162,8 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             prefix_v6: r.prefix_v6,
             has_ports: r.spec.ports.is_some() as u8,
             has_bucket: (r.interval_fp != 0) as u8,
-            _pad: [0; 5],
+            _pad: 0,
+            at: slot * MAX_RULES as u32 + i as u32,
             quota_bucket_ns: r.quota_bucket_ns,
             quota_limit: r.quota_limit,
             quota_buckets: r.quota_buckets,
@@ -249,6 +269,10 @@ pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
         .map_max_entries(names::KEYS, settings.key_table_entries)
         .map_max_entries(names::QUOTAS, settings.quota_table_entries)
+        .map_max_entries(names::STATS, COUNTER_RECORDS as u32 * settings.stats.buckets)
+        .override_global(globals::STATS_LEVEL, &settings.stats.level, true)
+        .override_global(globals::STATS_BUCKET_NS, &settings.stats.bucket_ns, true)
+        .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
     let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing from object")?.try_into()?;

@@ -122,6 +122,9 @@ pub struct AttachState {
     /// Absent in state written before quotas existed: the default then.
     #[serde(default = "default_quota_entries")]
     pub quota_table_entries: u32,
+    /// Shape of the statistics rings the program was loaded with.
+    #[serde(default)]
+    pub stats: crate::profile::StatsSettings,
 }
 
 fn default_quota_entries() -> u32 {

@@ -6,8 +6,9 @@ use flowctl_common::{
     action, gcra, key_kind,
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
     tables::{Cidr, MatchSpec},
-    unit, BucketKey, QuotaRing, SrcEntry, SrcKey, DEFAULT_QUOTA_ENTRIES, DEFAULT_TABLE_ENTRIES,
-    MAX_QUOTA_BUCKETS, MAX_RULES, XDP_DROP, XDP_PASS,
+    stats, unit, BucketKey, QuotaRing, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS, DEFAULT_QUOTA_ENTRIES,
+    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, MAX_QUOTA_BUCKETS, MAX_RULES,
+    MAX_STATS_BUCKETS, XDP_DROP, XDP_PASS,
 };
 use serde::Deserialize;
 use std::{net::IpAddr, path::Path};
@@ -46,6 +47,9 @@ struct RawSettings {
     quota_table_entries: Option<Spanned<i64>>,
     memory_budget: Option<Spanned<String>>,
     grace_period: Option<Spanned<String>>,
+    statistics: Option<Spanned<String>>,
+    statistics_bucket: Option<Spanned<String>>,
+    statistics_buckets: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -91,6 +95,34 @@ pub struct Settings {
     pub quota_table_entries: u32,
     pub memory_budget: u64,
     pub grace_ns: u64,
+    pub stats: StatsSettings,
+}
+
+/// Shape of the statistics rings, fixed when the program is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StatsSettings {
+    /// `flowctl_common::stats::level::*`.
+    pub level: u8,
+    pub bucket_ns: u64,
+    pub buckets: u32,
+}
+
+impl Default for StatsSettings {
+    fn default() -> Self {
+        Self { level: stats::level::FULL, bucket_ns: DEFAULT_STATS_BUCKET_NS, buckets: DEFAULT_STATS_BUCKETS }
+    }
+}
+
+impl StatsSettings {
+    pub fn level_name(&self) -> &'static str {
+        if self.level == stats::level::FULL { "full" } else { "control" }
+    }
+
+    /// Kernel bytes of the rings: per CPU, every counter record's ring.
+    pub fn kernel_bytes(&self) -> u64 {
+        let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u64;
+        COUNTER_RECORDS as u64 * self.buckets as u64 * core::mem::size_of::<StatsBucket>() as u64 * ncpu
+    }
 }
 
 impl Default for Settings {
@@ -103,6 +135,7 @@ impl Default for Settings {
             quota_table_entries: DEFAULT_QUOTA_ENTRIES,
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
+            stats: StatsSettings::default(),
         }
     }
 }
@@ -237,7 +270,7 @@ impl Settings {
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
         let quotas = self.quota_table_entries as u64
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<QuotaRing>());
-        cache + keys + quotas + fixed_table_bytes()
+        cache + keys + quotas + fixed_table_bytes() + self.stats.kernel_bytes()
     }
 }
 
@@ -380,6 +413,27 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
     }
     if let Some(v) = &s.grace_period {
         out.grace_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad grace_period: {e}")))?;
+    }
+    if let Some(v) = &s.statistics {
+        out.stats.level = match v.get_ref().as_str() {
+            "full" => stats::level::FULL,
+            "control" => stats::level::CONTROL,
+            other => return Err(cx.err(v.span(), format!("unknown statistics level `{other}`: use \"full\" or \"control\" (only what the control loops read)"))),
+        };
+    }
+    if let Some(v) = &s.statistics_bucket {
+        let ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad statistics_bucket: {e}")))?;
+        if !(10_000_000..=10_000_000_000).contains(&ns) {
+            return Err(cx.err(v.span(), "statistics_bucket must be between 10ms and 10s"));
+        }
+        out.stats.bucket_ns = ns;
+    }
+    if let Some(v) = &s.statistics_buckets {
+        let n = *v.get_ref();
+        if !(10..=MAX_STATS_BUCKETS as i64).contains(&n) {
+            return Err(cx.err(v.span(), format!("statistics_buckets {n} out of range: 10 to {MAX_STATS_BUCKETS}")));
+        }
+        out.stats.buckets = n as u32;
     }
     Ok(out)
 }

@@ -45,6 +45,7 @@ impl TestPlane {
             key_table_entries: set.settings.key_table_entries,
             source_cache_entries: set.settings.source_cache_entries,
             quota_table_entries: set.settings.quota_table_entries,
+            stats: set.settings.stats,
         };
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
         Self { ebpf, id, maps, state }
