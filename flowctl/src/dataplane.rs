@@ -13,11 +13,39 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{
-    globals, map_names as names, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
+    globals, map_names as names, KeySample, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
 use std::{fs, path::Path};
+
+/// The consumer side of the key-sampling ring buffer (`top --keys`). A ring
+/// buffer has one consumer position, so only one process should drain it:
+/// the agent when it runs, else `top --keys` itself.
+pub struct KeySamples {
+    ring: aya::maps::RingBuf<MapData>,
+}
+
+impl KeySamples {
+    pub fn open(id: &AttachId) -> Result<Self> {
+        let ring = aya::maps::RingBuf::try_from(Map::RingBuf(open(&id.pin_dir(), names::KEY_SAMPLES)?))?;
+        Ok(Self { ring })
+    }
+
+    /// Takes up to `max` samples the kernel has written.
+    pub fn drain(&mut self, max: usize) -> Vec<KeySample> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(item) = self.ring.next() else { break };
+            if item.len() >= core::mem::size_of::<KeySample>() {
+                // The record is written by the kernel as a KeySample; read it
+                // unaligned, as the ring gives no alignment guarantee to Rust.
+                out.push(unsafe { core::ptr::read_unaligned(item.as_ptr() as *const KeySample) });
+            }
+        }
+        out
+    }
+}
 
 /// The pinned maps of one attachment, opened by path.
 pub struct Maps {
@@ -58,6 +86,15 @@ impl Maps {
         Ok(self.global.get(&0, 0)?)
     }
 
+    /// Turns key sampling for `top --keys` on (about one in `every` matched
+    /// packets) or off (0).
+    pub fn set_key_sampling(&mut self, every: u32) -> Result<()> {
+        let mut g = self.global()?;
+        g.key_sample_every = every;
+        self.global.set(0, g, 0)?;
+        Ok(())
+    }
+
     /// Sum of a record's per-CPU counters.
     pub fn counters(&self, record: u32) -> Result<RuleCounters> {
         let mut total = RuleCounters::default();
@@ -71,7 +108,11 @@ impl Maps {
     /// `now_ns` (CLOCK_MONOTONIC), summed over CPUs. Reads only those
     /// buckets, one lookup each; the kernel's writers never wait on it.
     pub fn stats_span(&self, record: u32, shape: &crate::profile::StatsSettings, now_ns: u64, span: u32) -> Result<StatsSum> {
-        let epochs = stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span);
+        self.stats_epochs(record, shape, stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span))
+    }
+
+    /// A record's statistics over the given bucket epochs, summed over CPUs.
+    pub fn stats_epochs(&self, record: u32, shape: &crate::profile::StatsSettings, epochs: std::ops::Range<u64>) -> Result<StatsSum> {
         let mut sum = StatsSum::default();
         for e in epochs {
             let idx = stats::index(record, e, shape.buckets);

@@ -83,6 +83,21 @@ impl TestPlane {
         self.maps.counters(GLOBAL_COUNTER_INDEX).unwrap()
     }
 
+    /// A rule's statistics ring summed over the last few buckets, the
+    /// current one included (tests run well inside one ring span).
+    pub fn ring(&self, rule: &str) -> flowctl_common::stats::StatsSum {
+        let rec = self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record;
+        let shape = self.state.stats;
+        let cur = flowctl_common::stats::epoch_of(flowctl::pins::monotonic_ns(), shape.bucket_ns);
+        let back = (shape.buckets as u64 - 1).min(cur - 1);
+        self.maps.stats_epochs(rec, &shape, cur - back..cur + 1).unwrap()
+    }
+
+    /// Every key sample the kernel has written since the last call.
+    pub fn key_samples(&self) -> Vec<flowctl_common::KeySample> {
+        dataplane::KeySamples::open(&self.id).unwrap().drain(usize::MAX)
+    }
+
     pub fn verified_insns(&self) -> u32 {
         self.prog().info().unwrap().verified_instruction_count().unwrap_or(0)
     }

@@ -483,3 +483,89 @@ fn quota_exact_under_concurrency() {
     assert_eq!(ring_total, c.passed_pkts, "the ring counted exactly the admitted packets");
     assert_eq!(c.passed_pkts, 150_000, "exactly N admitted");
 }
+
+#[test]
+fn statistics_ring_agrees_with_the_counters() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"web\"\nproto = \"tcp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
+    ));
+    let v = V4::new([10, 9, 0, 1]);
+    let syn = v.build(L4::Tcp { sport: 5, dport: 80, flags: 0x02 }, 0);
+    let fin = v.build(L4::Tcp { sport: 5, dport: 80, flags: 0x11 }, 20);
+    let rst = v.build(L4::Tcp { sport: 6, dport: 80, flags: 0x04 }, 0);
+    // 3 pass (the burst), then 5 refused: 4 SYNs (3 admitted), a FIN, a RST, ...
+    let frames = [&syn, &syn, &fin, &syn, &syn, &rst, &syn, &fin];
+    for f in frames {
+        p.run(f);
+    }
+    let c = p.counters("web");
+    let r = p.ring("web");
+    assert_eq!((r.offered_pkts, r.passed_pkts), (c.offered_pkts, c.passed_pkts));
+    assert_eq!((r.offered_pkts, r.passed_pkts), (8, 3));
+    assert_eq!((r.offered_bytes, r.passed_bytes), (c.offered_bytes, c.passed_bytes));
+    assert_eq!(r.dropped_pkts[reason::RATE], 5);
+    assert_eq!((r.syn_offered, r.syn_passed), (5, 2), "SYN, SYN admitted; the third admitted packet is the FIN");
+    assert_eq!(r.fin_rst, 3);
+}
+
+#[test]
+fn statistics_ring_sums_cpus_exactly() {
+    if not_root() {
+        return;
+    }
+    let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n")));
+    let f = V4::new([10, 9, 0, 2]).build(L4::Udp { sport: 1, dport: 2 }, 0);
+    flowctl_tests::testrun::hammer_on_two_cpus(&p, &f, 20, 1000);
+    let c = p.counters("all");
+    let r = p.ring("all");
+    assert_eq!(c.offered_pkts, 40_000);
+    assert_eq!((r.offered_pkts, r.passed_pkts), (c.offered_pkts, c.passed_pkts), "per-CPU copies neither lose nor double-count");
+}
+
+#[test]
+fn control_level_keeps_what_the_loops_read_and_prunes_the_rest() {
+    if not_root() {
+        return;
+    }
+    let full = TestPlane::new(&profile(STRICT_UDP_53));
+    let lean = TestPlane::new(&format!("{SMALL}statistics = \"control\"\n{STRICT_UDP_53}"));
+    let f = V4::new([10, 9, 0, 3]).build(L4::Udp { sport: 1, dport: 53 }, 10);
+    for p in [&full, &lean] {
+        p.run(&f);
+        p.run(&f);
+    }
+    let (a, b) = (full.ring("dns"), lean.ring("dns"));
+    assert_eq!((a.offered_pkts, a.passed_pkts, a.dropped_pkts[reason::RATE]), (2, 1, 1));
+    assert_eq!((b.offered_pkts, b.passed_pkts), (2, 1), "what BBR and KLimiter read stays");
+    assert_eq!((b.offered_bytes, b.dropped_total()), (0, 0), "display-only fields are not kept");
+    assert_eq!(lean.counters("dns").dropped_pkts[reason::RATE], 1, "drop-reason counters never depend on the level");
+    let (nf, nl) = (full.verified_insns(), lean.verified_insns());
+    println!("verifier: full {nf}, control {nl} processed instructions");
+    assert!(nl < nf, "the switched-off code is pruned at load");
+}
+
+#[test]
+fn sampled_keys_reach_the_ring_buffer() {
+    if not_root() {
+        return;
+    }
+    let mut p = TestPlane::new(&profile("[[rule]]\nname = \"per-src\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n"));
+    let f = V4::new([10, 9, 0, 4]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    p.run(&f);
+    assert!(p.key_samples().is_empty(), "sampling is off until someone asks");
+    p.maps.set_key_sampling(1).unwrap();
+    for _ in 0..3 {
+        p.run(&f);
+    }
+    let got = p.key_samples();
+    assert_eq!(got.len(), 3);
+    let rec = p.state.rules[0].record;
+    for s in &got {
+        assert_eq!(s.record, rec);
+        assert_eq!(s.key.src[0], u32::from_be_bytes([10, 9, 0, 4]));
+        assert_eq!(s.dropped, 1, "the bucket of one was spent by the first packet");
+    }
+}
