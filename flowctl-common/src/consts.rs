@@ -95,10 +95,11 @@ pub mod map_names {
     pub const QUOTAS: &str = "FLOWCTL_QUOTAS";
     pub const STATS: &str = "FLOWCTL_STATS";
     pub const KEY_SAMPLES: &str = "FLOWCTL_KEY_SAMPLES";
+    pub const AGENT: &str = "FLOWCTL_AGENT";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES,
+        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT,
     ];
 }
 

@@ -190,6 +190,32 @@ pub mod control_flags {
     pub const ADMISSION_PER_FLOW: u32 = 4;
 }
 
+/// What only the agent computes, for readers in other processes (`top`,
+/// metrics): pinned so it outlives any one reader, stamped so a stopped
+/// agent's numbers are shown as "agent not running", never as current.
+/// The XDP program never touches it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AgentRecord {
+    /// CLOCK_MONOTONIC ns of the last write (0: never).
+    pub updated_ns: u64,
+    /// CPU signal EMA in per-mille (`NO_CPU_SIGNAL`: none yet).
+    pub cpu_permille: u32,
+    /// `cpu_source::*` of the signal.
+    pub cpu_source: u32,
+    /// Entries the last walk found in the key table, source cache and quota
+    /// table, and when it ran (CLOCK_MONOTONIC ns; 0: never).
+    pub keys_walked: u64,
+    pub sources_walked: u64,
+    pub quotas_walked: u64,
+    pub walked_ns: u64,
+    /// The kernel's key-table and source-cache insert counts at that walk.
+    pub key_inserts_at_walk: u64,
+    pub source_inserts_at_walk: u64,
+}
+
+pub const NO_CPU_SIGNAL: u32 = u32::MAX;
+
 /// Per-CPU counters of one rule (or of unmatched traffic, at
 /// `GLOBAL_COUNTER_INDEX`).
 #[repr(C)]
@@ -203,6 +229,11 @@ pub struct RuleCounters {
     pub would_drop_bytes: u64,
     /// Key-table inserts the kernel refused (table full of non-evictable state).
     pub insert_failures: u64,
+    /// Buckets this rule created in the key table (with the agent's walks,
+    /// the occupancy estimate between walks).
+    pub key_inserts: u64,
+    /// Sources added to the per-source cache. Global only.
+    pub source_inserts: u64,
     /// Packets that were not IP (ARP, LLDP, ...): always passed. Global only.
     pub non_ip_pkts: u64,
     /// Truncated or malformed packets, whatever their verdict. Global only.
@@ -223,6 +254,8 @@ impl RuleCounters {
         self.would_drop_pkts += o.would_drop_pkts;
         self.would_drop_bytes += o.would_drop_bytes;
         self.insert_failures += o.insert_failures;
+        self.key_inserts += o.key_inserts;
+        self.source_inserts += o.source_inserts;
         self.non_ip_pkts += o.non_ip_pkts;
         self.malformed_pkts += o.malformed_pkts;
         self.fragment_pkts += o.fragment_pkts;
@@ -354,7 +387,8 @@ assert_layout!(GlobalRecord, 56, 8);
 assert_layout!(crate::StatsBucket, 96, 8);
 assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 32, 8);
-assert_layout!(RuleCounters, 208, 8);
+assert_layout!(RuleCounters, 224, 8);
+assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
 assert_layout!(SrcEntry, 24, 8);
 assert_layout!(BucketKey, 44, 4);
@@ -373,4 +407,5 @@ mod pod {
     unsafe impl aya::Pod for QuotaRing {}
     unsafe impl aya::Pod for crate::StatsBucket {}
     unsafe impl aya::Pod for KeySample {}
+    unsafe impl aya::Pod for AgentRecord {}
 }

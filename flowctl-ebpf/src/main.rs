@@ -27,7 +27,7 @@ use flowctl_common::{
     keys::{bucket_key, debt_slot},
     matcher, reason, stats, tcp_flags,
     window::{self, Window},
-    unit, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
+    unit, AgentRecord, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
     KEY_SAMPLE_RING_BYTES, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
@@ -70,6 +70,9 @@ static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
 #[map]
 static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
     PerCpuArray::pinned(COUNTER_RECORDS as u32 * DEFAULT_STATS_BUCKETS, 0);
+/// Agent-computed state for other readers (user space only; see AgentRecord).
+#[map]
+static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
 /// Sampled keys for `top --keys`, read by the agent.
 #[map]
 static FLOWCTL_KEY_SAMPLES: RingBuf = RingBuf::pinned(KEY_SAMPLE_RING_BYTES, 0);
@@ -389,6 +392,9 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     if entry_ptr.is_null() {
         let e = SrcEntry { tat: 0, generation, owner_state: 0, class, _pad: 0 };
         if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.source_inserts += 1;
+            }
             entry_ptr = FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
         }
     } else if !cached {
@@ -508,6 +514,9 @@ fn bucket_stages<Q: QuotaStage>(
         let key = bucket_key(meta, rule);
         // BPF_NOEXIST: if another CPU created the key first, use its bucket.
         if FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_ok() {
+            if let Some(c) = counters(record) {
+                c.key_inserts += 1;
+            }
             return Decision::of(rule, Outcome::Pass);
         }
         match FLOWCTL_KEYS.get_ptr_mut(&key) {

@@ -9,7 +9,7 @@ use crate::{
     profile,
 };
 use anyhow::{bail, Context, Result};
-use flowctl_common::{map_names, LAYOUT_VERSION};
+use flowctl_common::{map_names, AgentRecord, LAYOUT_VERSION, NO_CPU_SIGNAL};
 use std::{path::PathBuf, time::Duration};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -199,6 +199,16 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     let mut beat = tokio::time::interval(Duration::from_millis(500));
+    let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
+    let mut walk_tick = tokio::time::interval(crate::occupancy::WALK_PERIOD);
+    let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
+    let mut keys = match crate::heavy::KeyWatcher::open(id) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!("top --keys unavailable: {e:#}");
+            None
+        }
+    };
     // Connections are read on their own tasks, so a client that connects and
     // says nothing cannot hold up the heartbeat; requests are then handled
     // one at a time here, where the maps are.
@@ -211,9 +221,25 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
                 if let Err(e) = dataplane::heartbeat(maps) {
                     tracing::warn!("heartbeat failed: {e:#}");
                 }
+                published.updated_ns = pins::monotonic_ns();
+                if let Err(e) = maps.set_agent_record(&published) {
+                    tracing::warn!("publishing agent state failed: {e:#}");
+                }
+            }
+            _ = walk_tick.tick() => {
+                if let Err(e) = crate::occupancy::walk(id, maps, state, &mut published) {
+                    tracing::warn!("counting the key tables failed: {e:#}");
+                }
+            }
+            _ = keys_tick.tick() => {
+                if let Some(w) = keys.as_mut().filter(|w| w.active()) {
+                    if let Err(e) = w.poll(maps) {
+                        tracing::warn!("key sampling: {e:#}");
+                    }
+                }
             }
             Some((line, reply)) = rx.recv() => {
-                let _ = reply.send(handle(maps, state, &line));
+                let _ = reply.send(handle(maps, state, keys.as_mut(), &line));
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
@@ -241,10 +267,15 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
         }
     }
     let _ = std::fs::remove_file(&sock);
+    if let Some(w) = keys.as_mut() {
+        let _ = w.stop(maps);
+    }
+    // Readers show "agent not running" at once, not after the grace period.
+    let _ = maps.set_agent_record(&AgentRecord::default());
     Ok(())
 }
 
-fn handle(maps: &mut Maps, state: &mut AttachState, line: &str) -> Response {
+fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::heavy::KeyWatcher>, line: &str) -> Response {
     let req: Request = match serde_json::from_str(line) {
         Ok(r) => r,
         Err(e) => return Response::err(format!("bad request: {e}")),
@@ -258,6 +289,14 @@ fn handle(maps: &mut Maps, state: &mut AttachState, line: &str) -> Response {
             };
             match apply_and_record(maps, state, &set, &path) {
                 Ok(()) => Response::ok(format!("applied {} rules (generation {})", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0))),
+                Err(e) => Response::err(format!("{e:#}")),
+            }
+        }
+        Request::Keys { rule, top } => {
+            let Some(w) = keys else { return Response::err("key sampling is unavailable in this agent (see its log)") };
+            let report = w.ask(maps).and_then(|()| crate::heavy::rule_report(w, maps, state, &rule, top));
+            match report.and_then(|r| Ok(serde_json::to_value(r)?)) {
+                Ok(v) => Response { ok: true, message: String::new(), data: Some(v) },
                 Err(e) => Response::err(format!("{e:#}")),
             }
         }

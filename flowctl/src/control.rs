@@ -15,20 +15,26 @@ use std::{
 #[serde(rename_all = "snake_case")]
 pub enum Request {
     Apply { profile: String },
+    /// The heaviest keys of a rule (`top --keys`); starts key sampling,
+    /// which stops again when nobody has asked for 10 s.
+    Keys { rule: String, top: usize },
 }
 
 #[derive(Serialize, Deserialize, Debug)]
 pub struct Response {
     pub ok: bool,
     pub message: String,
+    /// A structured answer, when the request has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
 }
 
 impl Response {
     pub fn ok(m: impl Into<String>) -> Self {
-        Self { ok: true, message: m.into() }
+        Self { ok: true, message: m.into(), data: None }
     }
     pub fn err(m: impl Into<String>) -> Self {
-        Self { ok: false, message: m.into() }
+        Self { ok: false, message: m.into(), data: None }
     }
 }
 

@@ -13,7 +13,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{
-    globals, map_names as names, KeySample, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
+    globals, map_names as names, AgentRecord, KeySample, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
@@ -47,6 +47,57 @@ impl KeySamples {
     }
 }
 
+/// Counts the entries of a pinned hash map without reading it element by
+/// element: BPF_MAP_LOOKUP_BATCH (kernel 5.6+) returns whole buckets, a few
+/// thousand entries per system call (aya 0.14 has no batch operations, so
+/// this is the raw syscall). A snapshot: entries the kernel adds or evicts
+/// meanwhile may or may not be counted.
+pub fn count_entries(id: &AttachId, name: &str, key_size: usize, value_size: usize) -> Result<u64> {
+    use std::os::fd::{AsFd, AsRawFd};
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 4096;
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    let map = open(&id.pin_dir(), name)?;
+    let fd = map.fd().as_fd().as_raw_fd();
+    let mut keys = vec![0u8; key_size * CHUNK];
+    let mut values = vec![0u8; value_size.next_multiple_of(8) * CHUNK];
+    // The hash map's batch token is a bucket index (4 bytes); room to spare.
+    let (mut tok_in, mut tok_out) = ([0u8; 64], [0u8; 64]);
+    let mut total = 0u64;
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { tok_in.as_ptr() as u64 },
+            out_batch: tok_out.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, core::mem::size_of::<BatchAttr>()) };
+        let err = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };
+        match err {
+            None => total += attr.count as u64,
+            Some(libc::ENOENT) => return Ok(total + attr.count as u64),
+            Some(e) => bail!("counting {name}: {}", std::io::Error::from_raw_os_error(e)),
+        }
+        tok_in = tok_out;
+        first = false;
+    }
+}
+
 /// The pinned maps of one attachment, opened by path.
 pub struct Maps {
     pub global: Array<MapData, GlobalRecord>,
@@ -59,6 +110,7 @@ pub struct Maps {
     pub control: Array<MapData, ControlRecord>,
     pub debt: Array<MapData, u64>,
     pub stats: PerCpuArray<MapData, StatsBucket>,
+    pub agent: Array<MapData, AgentRecord>,
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
@@ -79,11 +131,28 @@ impl Maps {
             control: Array::try_from(Map::Array(open(&d, names::CONTROL)?))?,
             debt: Array::try_from(Map::Array(open(&d, names::DEBT)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::STATS)?))?,
+            agent: Array::try_from(Map::Array(open(&d, names::AGENT)?))?,
         })
     }
 
     pub fn global(&self) -> Result<GlobalRecord> {
         Ok(self.global.get(&0, 0)?)
+    }
+
+    /// What the agent last published (see `AgentRecord`).
+    pub fn agent_record(&self) -> Result<AgentRecord> {
+        Ok(self.agent.get(&0, 0)?)
+    }
+
+    pub fn set_agent_record(&mut self, r: &AgentRecord) -> Result<()> {
+        self.agent.set(0, *r, 0)?;
+        Ok(())
+    }
+
+    /// The active slot's configuration of rule `index` (profile order).
+    pub fn active_rule(&self, index: usize) -> Result<RuleConfig> {
+        let slot = self.global()?.active_slot & 1;
+        Ok(self.rules.get(&(slot * MAX_RULES as u32 + index as u32), 0)?)
     }
 
     /// Turns key sampling for `top --keys` on (about one in `every` matched

@@ -69,6 +69,13 @@ enum Cmd {
         /// With --once: JSON (schema in docs/top.md).
         #[arg(long, requires = "once")]
         json: bool,
+        /// The heaviest keys of this rule instead (sampled; see docs/top.md
+        /// for the error bound).
+        #[arg(long, value_name = "RULE")]
+        keys: Option<String>,
+        /// With --keys: how many keys.
+        #[arg(long, default_value_t = 20, requires = "keys")]
+        count: usize,
     },
     /// Validate a profile without touching the kernel (for CI pipelines).
     Check { profile: PathBuf },
@@ -99,9 +106,15 @@ fn main() {
         Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
-        Cmd::Top { iface, interval, once, json } => {
+        Cmd::Top { iface, interval, once, json, keys, count } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
-            if once {
+            if let Some(rule) = keys {
+                if once {
+                    flowctl::top::keys::once(interval, iface.as_deref(), &rule, count, json)
+                } else {
+                    flowctl::top::keys::run(interval, iface.as_deref(), &rule, count)
+                }
+            } else if once {
                 flowctl::top::once(interval, iface.as_deref(), json)
             } else {
                 flowctl::top::run(interval, iface.as_deref())

@@ -40,6 +40,11 @@ struct KindLabel {
     kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TableLabel {
+    table: String,
+}
+
 /// The exposition text for one attachment, read from its pins now.
 pub fn render(id: &AttachId) -> Result<String> {
     let maps = Maps::open(id)?;
@@ -50,6 +55,7 @@ pub fn render(id: &AttachId) -> Result<String> {
     let packets = Family::<VerdictLabels, Counter>::default();
     let bytes = Family::<VerdictLabels, Counter>::default();
     let insert_failures = Family::<RuleLabel, Counter>::default();
+    let key_inserts = Family::<RuleLabel, Counter>::default();
     let ratio = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
     let unmatched = Family::<KindLabel, Counter>::default();
     for r in &state.rules {
@@ -58,6 +64,7 @@ pub fn render(id: &AttachId) -> Result<String> {
         offered.get_or_create(&rule).inc_by(c.offered_pkts);
         offered_bytes.get_or_create(&rule).inc_by(c.offered_bytes);
         insert_failures.get_or_create(&rule).inc_by(c.insert_failures);
+        key_inserts.get_or_create(&rule).inc_by(c.key_inserts);
         let l = |verdict: &str, reason: &str| VerdictLabels { rule: r.name.clone(), verdict: verdict.into(), reason: reason.into() };
         packets.get_or_create(&l("passed", "")).inc_by(c.passed_pkts);
         bytes.get_or_create(&l("passed", "")).inc_by(c.passed_bytes);
@@ -81,11 +88,41 @@ pub fn render(id: &AttachId) -> Result<String> {
     let rules = Gauge::<i64>::default();
     rules.set(state.rules.len() as i64);
 
+    // Agent-computed values only while the agent's record is fresh: a
+    // stopped agent's last numbers are left out, not exported as current.
+    let agent_up = Gauge::<i64>::default();
+    agent_up.set(crate::occupancy::agent_fresh(&maps) as i64);
+    reg.register("flowctl_agent_up", "1 while the agent publishes its state (heartbeat within the grace period)", agent_up);
+    if let Some(fills) = crate::occupancy::estimate(&maps, &state) {
+        let entries = Family::<TableLabel, Gauge<i64>>::default();
+        let capacity = Family::<TableLabel, Gauge<i64>>::default();
+        for f in fills {
+            let l = TableLabel { table: f.table.into() };
+            entries.get_or_create(&l).set(f.entries as i64);
+            capacity.get_or_create(&l).set(f.capacity as i64);
+        }
+        reg.register(
+            "flowctl_key_table_entries",
+            "Approximate entries per table: the agent's last walk plus inserts since, evictions not counted, capped at capacity",
+            entries,
+        );
+        reg.register("flowctl_key_table_capacity", "Entries each table can hold", capacity);
+    }
+    if crate::occupancy::agent_fresh(&maps) {
+        if let Ok(r) = maps.agent_record() {
+            if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL {
+                let cpu = Gauge::<i64>::default();
+                cpu.set(r.cpu_permille as i64);
+                reg.register("flowctl_cpu_permille", "The agent's CPU signal (EMA), per mille", cpu);
+            }
+        }
+    }
     reg.register("flowctl_offered_packets", "Packets that matched the rule", offered);
     reg.register("flowctl_offered_bytes", "Bytes that matched the rule", offered_bytes);
     reg.register("flowctl_packets", "Packets by rule, verdict and drop reason", packets);
     reg.register("flowctl_bytes", "Bytes by rule, verdict and drop reason", bytes);
     reg.register("flowctl_key_insert_failures", "Bucket inserts the kernel refused", insert_failures);
+    reg.register("flowctl_key_inserts", "Buckets the rule created in the key table", key_inserts);
     reg.register("flowctl_admission_ratio", "Share of new flows the rule admits (1 = all)", ratio);
     reg.register("flowctl_unmatched_packets", "Packets no rule matched, by kind (all = every one)", unmatched);
     reg.register("flowctl_kernel_memory_bytes", "Kernel memory the pinned maps lock", memory);
@@ -132,6 +169,8 @@ mod tests {
             "flowctl_offered_packets_total", "flowctl_offered_bytes_total", "flowctl_packets_total", "flowctl_bytes_total",
             "flowctl_key_insert_failures_total", "flowctl_admission_ratio", "flowctl_unmatched_packets_total",
             "flowctl_kernel_memory_bytes", "flowctl_profile_generation", "flowctl_rules",
+            "flowctl_key_table_entries", "flowctl_key_table_capacity", "flowctl_agent_up", "flowctl_key_inserts_total",
+            "flowctl_cpu_permille",
         ];
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
         let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");

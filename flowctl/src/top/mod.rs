@@ -1,6 +1,7 @@
 //! `flowctl top`: a live view of every attachment's rules, read-only, from
 //! the pinned maps (works against a running agent and a kept data plane).
 
+pub mod keys;
 pub mod state;
 pub mod view;
 
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 /// Restores the terminal however `top` ends (ratatui's init also installs a
 /// panic hook that restores first).
-struct TerminalGuard;
+pub(crate) struct TerminalGuard;
 
 impl Drop for TerminalGuard {
     fn drop(&mut self) {

@@ -30,9 +30,14 @@ pub struct Attachment {
     pub mode: String,
     pub uptime_s: u64,
     pub agent_running: bool,
-    /// Fields only the agent computes (CPU signal, control loops). Until
-    /// those exist, "n/a"; without an agent, "agent not running".
+    /// Fields only the agent computes (CPU signal, control loops), from its
+    /// pinned record: "n/a" while it has no CPU signal, "agent not running"
+    /// when its record is older than the grace period, never a stale value.
     pub cpu: String,
+    /// Approximate key-table occupancy (last walk + inserts since, capped;
+    /// see `key_tables_note`); absent without a running agent.
+    pub key_tables: Option<Vec<crate::occupancy::TableFill>>,
+    pub key_tables_note: String,
     pub rules: Vec<RuleRow>,
 }
 
@@ -51,6 +56,12 @@ pub struct RuleRow {
     /// Dropped / offered over the interval, 0 to 100.
     pub drop_pct: f64,
     pub admission_ratio: f64,
+    /// New TCP connections (SYN without ACK) offered and admitted per
+    /// second, and FIN/RST segments per second, over the last complete
+    /// second of the kernel's statistics ring.
+    pub syn_offered_ps: f64,
+    pub syn_passed_ps: f64,
+    pub fin_rst_ps: f64,
     /// The reason with most drops over the interval ("" when none).
     pub top_reason: String,
     /// Totals since attach, for cross-checks.
@@ -108,6 +119,7 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         let offered_n = b.offered_pkts.saturating_sub(a.offered_pkts);
         let top_reason = dropped.iter().enumerate().filter(|(_, n)| **n > 0).max_by_key(|(_, n)| **n).map(|(i, _)| reason::NAMES[i].to_string()).unwrap_or_default();
         let ctl = maps.control.get(&r.record, 0).unwrap_or_default();
+        let (second, secs) = ring_second(&maps, state, r.record);
         let rule = set.as_ref().and_then(|s| s.rules.iter().find(|x| x.name == r.name));
         rules.push(RuleRow {
             rule: r.name.clone(),
@@ -121,6 +133,9 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
             dropped_pps: dropped_n as f64 / dt,
             drop_pct: if offered_n == 0 { 0.0 } else { 100.0 * dropped_n as f64 / offered_n as f64 },
             admission_ratio: ctl.admission_ratio(),
+            syn_offered_ps: second.syn_offered as f64 / secs,
+            syn_passed_ps: second.syn_passed as f64 / secs,
+            fin_rst_ps: second.fin_rst as f64 / secs,
             top_reason,
             offered_total: b.offered_pkts,
             passed_total: b.passed_pkts,
@@ -133,9 +148,32 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         mode: state.mode.clone(),
         uptime_s: now_unix.saturating_sub(state.attached_at_unix),
         agent_running: agent,
-        cpu: if agent { "n/a".into() } else { "agent not running".into() },
+        cpu: cpu_text(&maps),
+        key_tables: crate::occupancy::estimate(&maps, state),
+        key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
     })
+}
+
+/// The CPU signal as the agent last published it, or why there is none.
+pub fn cpu_text(maps: &Maps) -> String {
+    if !crate::occupancy::agent_fresh(maps) {
+        return "agent not running".into();
+    }
+    match maps.agent_record() {
+        Ok(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => format!("{:.1}%", r.cpu_permille as f64 / 10.0),
+        _ => "n/a".into(),
+    }
+}
+
+/// A rule's statistics over the complete buckets of the last second of its
+/// ring (zero if the ring cannot be read), and the seconds they span.
+fn ring_second(maps: &Maps, state: &AttachState, record: u32) -> (flowctl_common::stats::StatsSum, f64) {
+    let shape = state.stats;
+    let span = (1_000_000_000u64.div_ceil(shape.bucket_ns.max(1))) as u32;
+    let span = span.min(shape.buckets.saturating_sub(1)).max(1);
+    let sum = maps.stats_span(record, &shape, pins::monotonic_ns(), span).unwrap_or_default();
+    (sum, span as f64 * shape.bucket_ns as f64 / 1e9)
 }
 
 /// Sort orders the view offers (the `s` key cycles them).

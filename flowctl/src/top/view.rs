@@ -46,15 +46,16 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
     }
     for (i, a) in top.attachments.iter().enumerate() {
         let title = format!(
-            " {}{} | {} mode | up {}s | CPU {} | agent {} ",
+            " {}{} | {} mode | up {}s | CPU {} | agent {} | {} ",
             a.iface,
             a.netns.as_ref().map(|n| format!(" (netns {n})")).unwrap_or_default(),
             a.mode,
             a.uptime_s,
             a.cpu,
-            if a.agent_running { "running" } else { "not running" }
+            if a.agent_running { "running" } else { "not running" },
+            key_tables_text(a)
         );
-        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "top reason"])
+        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "SYN/s", "top reason"])
             .style(Style::default().add_modifier(Modifier::BOLD));
         let mut rows = a.rules.clone();
         sort.apply(&mut rows);
@@ -71,16 +72,26 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
                 Cell::from(si(r.dropped_pps)),
                 Cell::from(format!("{:.1}", r.drop_pct)),
                 Cell::from(format!("{:.3}", r.admission_ratio)),
+                Cell::from(si(r.syn_offered_ps)),
                 Cell::from(r.top_reason.clone()),
             ])
         });
         let widths = [
             Constraint::Length(16), Constraint::Min(20), Constraint::Length(10), Constraint::Min(16),
             Constraint::Length(11), Constraint::Length(11), Constraint::Length(10), Constraint::Length(10),
-            Constraint::Length(11), Constraint::Length(6), Constraint::Length(6), Constraint::Length(10),
+            Constraint::Length(11), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7),
+            Constraint::Length(10),
         ];
         let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[i + 1]);
+    }
+}
+
+/// The key table's fill for the title, marked approximate ("~").
+pub fn key_tables_text(a: &super::state::Attachment) -> String {
+    match a.key_tables.as_ref().and_then(|t| t.iter().find(|f| f.table == "keys")) {
+        Some(f) => format!("keys ~{}/{} (walked {:.0}s ago)", si(f.entries as f64), si(f.capacity as f64), f.walked_s_ago),
+        None => "keys: agent not running".into(),
     }
 }
 
@@ -103,6 +114,9 @@ mod tests {
             dropped_pps: dropped,
             drop_pct: if offered > 0.0 { 100.0 * dropped / offered } else { 0.0 },
             admission_ratio: 1.0,
+            syn_offered_ps: 0.0,
+            syn_passed_ps: 0.0,
+            fin_rst_ps: 0.0,
             top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
             offered_total: 0,
             passed_total: 0,
@@ -121,13 +135,15 @@ mod tests {
                 uptime_s: 42,
                 agent_running: agent,
                 cpu: if agent { "n/a".into() } else { "agent not running".into() },
+                key_tables: agent.then(|| vec![crate::occupancy::TableFill { table: "keys", entries: 12_345, capacity: 1 << 20, walked_s_ago: 3.0 }]),
+                key_tables_note: String::new(),
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
             }],
         }
     }
 
     fn render(top: &Top, sort: SortBy, paused: bool) -> String {
-        let mut t = Terminal::new(TestBackend::new(200, 12)).unwrap();
+        let mut t = Terminal::new(TestBackend::new(220, 12)).unwrap();
         t.draw(|f| draw(f, top, sort, paused)).unwrap();
         let buf = t.backend().buffer().clone();
         (0..buf.area.height)
@@ -139,7 +155,7 @@ mod tests {
     #[test]
     fn header_rows_and_units() {
         let s = render(&fixture(true), SortBy::Profile, false);
-        assert!(s.contains("veth0 (netns lab) | native mode | up 42s | CPU n/a | agent running"), "{s}");
+        assert!(s.contains("veth0 (netns lab) | native mode | up 42s | CPU n/a | agent running | keys ~12.35k/1.05M (walked 3s ago)"), "{s}");
         assert!(s.contains("offered pps") && s.contains("drop %"));
         assert!(s.contains("5.00k") && s.contains("80.0") && s.contains("rate"), "{s}");
         assert!(s.find("quiet").unwrap() < s.find("noisy").unwrap(), "profile order");
@@ -155,7 +171,7 @@ mod tests {
     #[test]
     fn agent_only_fields_say_so_without_an_agent() {
         let s = render(&fixture(false), SortBy::Profile, false);
-        assert!(s.contains("CPU agent not running") && s.contains("agent not running"), "{s}");
+        assert!(s.contains("CPU agent not running") && s.contains("keys: agent not running"), "{s}");
     }
 
     #[test]

@@ -1,0 +1,79 @@
+//! How full the key tables are, approximately: the agent counts each table
+//! now and then with batched lookups (a 1M-entry table costs about
+//! `WALK_PERIOD`'s share of a core far below 1%; see docs/benchmarks.md), and
+//! between walks adds the kernel's insert counters. LRU evictions are not
+//! counted, so between walks the estimate can only run high, and it is
+//! capped at the table's capacity. Every place that shows it says so.
+
+use crate::{
+    dataplane::{self, Maps},
+    pins::{monotonic_ns, AttachId, AttachState},
+};
+use anyhow::Result;
+use flowctl_common::{map_names, AgentRecord, BucketKey, QuotaRing, SrcEntry, SrcKey, GLOBAL_COUNTER_INDEX};
+use serde::Serialize;
+use std::time::Duration;
+
+/// How often the agent walks the tables.
+pub const WALK_PERIOD: Duration = Duration::from_secs(30);
+
+/// Key-table inserts by every rule of the attachment, and source-cache inserts.
+fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
+    let keys = state.rules.iter().filter_map(|r| maps.counters(r.record).ok()).map(|c| c.key_inserts).sum();
+    let sources = maps.counters(GLOBAL_COUNTER_INDEX).map(|c| c.source_inserts).unwrap_or(0);
+    (keys, sources)
+}
+
+/// Counts every table into `rec` (the agent, every `WALK_PERIOD`).
+pub fn walk(id: &AttachId, maps: &Maps, state: &AttachState, rec: &mut AgentRecord) -> Result<()> {
+    use core::mem::size_of;
+    let (ki, si) = inserts(maps, state);
+    rec.keys_walked = dataplane::count_entries(id, map_names::KEYS, size_of::<BucketKey>(), size_of::<u64>())?;
+    rec.sources_walked = dataplane::count_entries(id, map_names::SRC_CACHE, size_of::<SrcKey>(), size_of::<SrcEntry>())?;
+    rec.quotas_walked = dataplane::count_entries(id, map_names::QUOTAS, size_of::<BucketKey>(), size_of::<QuotaRing>())?;
+    rec.key_inserts_at_walk = ki;
+    rec.source_inserts_at_walk = si;
+    rec.walked_ns = monotonic_ns();
+    Ok(())
+}
+
+/// One table's approximate occupancy.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TableFill {
+    pub table: &'static str,
+    /// Entries at the last walk plus inserts since, capped at `capacity`.
+    pub entries: u64,
+    pub capacity: u64,
+    /// Seconds since the walk the estimate starts from.
+    pub walked_s_ago: f64,
+}
+
+/// The estimate from a fresh agent record; `None` when the agent is not
+/// running (its record is older than the grace period) or has not walked yet.
+pub fn estimate(maps: &Maps, state: &AttachState) -> Option<Vec<TableFill>> {
+    let rec = maps.agent_record().ok()?;
+    let now = monotonic_ns();
+    let grace = maps.global().ok()?.grace_ns.max(1_000_000_000);
+    if rec.updated_ns == 0 || now.saturating_sub(rec.updated_ns) > grace || rec.walked_ns == 0 {
+        return None;
+    }
+    let (ki, si) = inserts(maps, state);
+    let ago = now.saturating_sub(rec.walked_ns) as f64 / 1e9;
+    let fill = |table, walked: u64, since: u64, cap: u32| TableFill {
+        table,
+        entries: walked.saturating_add(since).min(cap as u64),
+        capacity: cap as u64,
+        walked_s_ago: ago,
+    };
+    Some(vec![
+        fill("keys", rec.keys_walked, ki.saturating_sub(rec.key_inserts_at_walk), state.key_table_entries),
+        fill("sources", rec.sources_walked, si.saturating_sub(rec.source_inserts_at_walk), state.source_cache_entries),
+        fill("quotas", rec.quotas_walked, 0, state.quota_table_entries),
+    ])
+}
+
+/// Whether a reader should trust the agent's record now.
+pub fn agent_fresh(maps: &Maps) -> bool {
+    let (Ok(rec), Ok(g)) = (maps.agent_record(), maps.global()) else { return false };
+    rec.updated_ns != 0 && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000)
+}
