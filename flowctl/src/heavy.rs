@@ -141,14 +141,17 @@ impl Watch {
         Self { capacity, sketches: HashMap::new(), decay_per_s: 0.5, age_s: 0.0 }
     }
 
-    /// Adds samples taken at one in `every`.
-    pub fn feed(&mut self, samples: &[KeySample], every: u32) {
+    /// Adds samples taken at one in `every`, spread over the last `dt_s`
+    /// seconds (after `tick(dt_s)`): they count as taken mid-interval, so
+    /// they are decayed by half the interval, as continuous decay would.
+    pub fn feed(&mut self, samples: &[KeySample], every: u32, dt_s: f64) {
+        let w = every as f64 * self.decay_per_s.powf(dt_s / 2.0);
         for s in samples {
             let cap = self.capacity;
             self.sketches
                 .entry(s.record)
                 .or_insert_with(|| SpaceSaving::new(cap))
-                .add(s.key, every as f64, s.dropped != 0, s.len as f64);
+                .add(s.key, w, s.dropped != 0, s.len as f64);
         }
     }
 
@@ -344,7 +347,7 @@ impl KeyWatcher {
         self.last_poll = now;
         let samples = self.ring.drain(MAX_DRAIN);
         self.watch.tick(dt);
-        self.watch.feed(&samples, self.every);
+        self.watch.feed(&samples, self.every, dt);
         if asked.elapsed() > IDLE_OFF {
             self.stop(maps)?;
             return Ok(());

@@ -530,6 +530,11 @@ fn top_once_json_agrees_with_traffic() {
     assert!(passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75, "passed {passed} pps against a 100/s limit");
     assert_eq!(r["top_reason"], "rate");
     assert_eq!(a["cpu"], "n/a");
+    // One client source: the source cache holds exactly one entry (the
+    // agent walked the empty table at start, the insert counter adds it).
+    let sources = a["key_tables"].as_array().expect("key tables with a running agent").iter().find(|t| t["table"] == "sources").unwrap().clone();
+    assert_eq!(sources["entries"], 1, "{sources}");
+    assert!(a["key_tables_note"].as_str().unwrap().starts_with("approximate"));
     // After the traffic: totals agree with status exactly.
     let out = flowctl(&["top", "--once", "--json", "--interval", "0.2", &lab.veth_srv]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -539,6 +544,71 @@ fn top_once_json_agrees_with_traffic() {
     assert_eq!(r2["offered_total"].as_u64().unwrap(), sent);
     assert_eq!(r2["offered_pps"].as_f64().unwrap(), 0.0);
     agent.stop();
+}
+
+/// Sends UDP from `src` (an address of the client namespace) at about `pps`
+/// for `secs`; returns the packets sent.
+fn blast_from(lab: &Lab, src: &str, dport: u16, pps: u64, secs: f64) -> u64 {
+    let (src, dst) = (src.to_string(), format!("{}:{dport}", lab.ip_srv));
+    Lab::in_ns(&lab.ns_cli, move || {
+        let s = UdpSocket::bind(format!("{src}:0")).unwrap();
+        let gap = Duration::from_secs_f64(1.0 / pps as f64);
+        let first = Instant::now();
+        let mut n = 0u32;
+        while first.elapsed().as_secs_f64() < secs {
+            let _ = s.send_to(b"flowctl-e2e", &dst);
+            n += 1;
+            if let Some(d) = (first + gap * n).checked_duration_since(Instant::now()) {
+                std::thread::sleep(d);
+            }
+        }
+        n as u64
+    })
+}
+
+/// `top --keys` names the heaviest sources in order with rates near what
+/// was sent, through the agent and, with the agent gone (--keep), by
+/// sampling itself.
+#[test]
+fn top_keys_finds_the_heaviest_sources() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fkey", 222);
+    let srcs = ["10.201.222.10", "10.201.222.11", "10.201.222.12"];
+    for a in srcs {
+        flowctl_tests::lab::sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{a}/24"), "dev", &lab.veth_cli]);
+    }
+    let prof = profile_file(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let run_phase = |label: &str| {
+        let (v, sent) = std::thread::scope(|scope| {
+            let lab = &lab;
+            let senders: Vec<_> = srcs.iter().zip([600u64, 200, 50]).map(|(a, pps)| scope.spawn(move || blast_from(lab, a, 7000, pps, 3.5))).collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let out = flowctl(&["top", &lab.veth_srv, "--keys", "udp", "--once", "--json", "--interval", "2.5", "--count", "5"]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            let sent: Vec<u64> = senders.into_iter().map(|h| h.join().unwrap()).collect();
+            (v, sent)
+        });
+        println!("{label}: sent {sent:?} over 3.5 s; top --keys: {v}");
+        let keys = v["keys"].as_array().unwrap();
+        assert!(keys.len() >= 3, "{v}");
+        for (i, (addr, pps)) in srcs.iter().zip([600.0, 200.0]).enumerate() {
+            assert_eq!(keys[i]["key"], *addr, "{label}: rank {i}");
+            let est = keys[i]["pps"].as_f64().unwrap();
+            assert!(est > 0.6 * pps && est < 1.4 * pps, "{label}: {addr} estimated {est} pps, sent {pps}");
+        }
+        assert!(v["bound_pps"].as_f64().unwrap() >= 0.0 && v["sample_every"].as_u64().unwrap() >= 1);
+    };
+    run_phase("through the agent");
+    agent.stop();
+    run_phase("without an agent");
+    let g = flowctl(&["status", "--json"]);
+    assert!(g.status.success());
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A real run in a terminal (tmux): the view draws, the sort key works, and
