@@ -45,6 +45,9 @@ pub mod level {
     pub const CONTROL: u8 = 0;
     /// Also bytes, drops by reason and would-drops, for `top` and metrics.
     pub const FULL: u8 = 1;
+    /// No rings at all. For `cargo xtask bench` only, to measure what the
+    /// rings cost; profiles cannot select it (the control loops need them).
+    pub const OFF: u8 = 2;
 }
 
 /// The bucket epoch of a monotonic time (never 0).

@@ -208,7 +208,12 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
             }
         }
     }
-    let full = FLOWCTL_STATS_LEVEL.load() == stats::level::FULL;
+    let action = if dropped { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS };
+    let level = FLOWCTL_STATS_LEVEL.load();
+    if level == stats::level::OFF {
+        return action;
+    }
+    let full = level == stats::level::FULL;
     let epoch = stats::epoch_of(now, FLOWCTL_STATS_BUCKET_NS.load());
     if let Some(b) = FLOWCTL_STATS.get_ptr_mut(stats::index(record, epoch, FLOWCTL_STATS_BUCKETS.load())) {
         // Per-CPU: only this CPU writes this copy, so plain stores are exact.
@@ -243,7 +248,7 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
             }
         }
     }
-    if dropped { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS }
+    action
 }
 
 /// Zeroes a stale bucket field by field (a struct-wide zero fill becomes a

@@ -200,7 +200,7 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
-    let mut walk_tick = tokio::time::interval(crate::occupancy::WALK_PERIOD);
+    let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
         Ok(w) => Some(w),
@@ -226,10 +226,12 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
                     tracing::warn!("publishing agent state failed: {e:#}");
                 }
             }
-            _ = walk_tick.tick() => {
+            _ = tokio::time::sleep_until(next_walk) => {
+                let started = std::time::Instant::now();
                 if let Err(e) = crate::occupancy::walk(id, maps, state, &mut published) {
                     tracing::warn!("counting the key tables failed: {e:#}");
                 }
+                next_walk = tokio::time::Instant::now() + crate::occupancy::next_walk_after(started.elapsed());
             }
             _ = keys_tick.tick() => {
                 if let Some(w) = keys.as_mut().filter(|w| w.active()) {

@@ -1,7 +1,9 @@
 //! How full the key tables are, approximately: the agent counts each table
-//! now and then with batched lookups (a 1M-entry table costs about
-//! `WALK_PERIOD`'s share of a core far below 1%; see docs/benchmarks.md), and
-//! between walks adds the kernel's insert counters. LRU evictions are not
+//! now and then with batched lookups, and between walks adds the kernel's
+//! insert counters. A walk of a 1M-entry table takes about 0.3 s of CPU
+//! here (docs/benchmarks.md), so walks are spaced to spend at most
+//! `WALK_CPU_SHARE` of one core: every 30 s on small tables, every couple
+//! of minutes on two full 1M-entry tables. LRU evictions are not
 //! counted, so between walks the estimate can only run high, and it is
 //! capped at the table's capacity. Every place that shows it says so.
 
@@ -14,8 +16,15 @@ use flowctl_common::{map_names, AgentRecord, BucketKey, QuotaRing, SrcEntry, Src
 use serde::Serialize;
 use std::time::Duration;
 
-/// How often the agent walks the tables.
-pub const WALK_PERIOD: Duration = Duration::from_secs(30);
+/// Walks are at least this far apart.
+pub const MIN_WALK_PERIOD: Duration = Duration::from_secs(30);
+/// Share of one core the walks may take.
+pub const WALK_CPU_SHARE: f64 = 0.005;
+
+/// When to walk again after a walk that took `took`.
+pub fn next_walk_after(took: Duration) -> Duration {
+    MIN_WALK_PERIOD.max(took.div_f64(WALK_CPU_SHARE))
+}
 
 /// Key-table inserts by every rule of the attachment, and source-cache inserts.
 fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
@@ -24,7 +33,7 @@ fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
     (keys, sources)
 }
 
-/// Counts every table into `rec` (the agent, every `WALK_PERIOD`).
+/// Counts every table into `rec` (the agent, spaced by `next_walk_after`).
 pub fn walk(id: &AttachId, maps: &Maps, state: &AttachState, rec: &mut AgentRecord) -> Result<()> {
     use core::mem::size_of;
     let (ki, si) = inserts(maps, state);
@@ -76,4 +85,15 @@ pub fn estimate(maps: &Maps, state: &AttachState) -> Option<Vec<TableFill>> {
 pub fn agent_fresh(maps: &Maps) -> bool {
     let (Ok(rec), Ok(g)) = (maps.agent_record(), maps.global()) else { return false };
     rec.updated_ns != 0 && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn walks_are_spaced_by_their_cost() {
+        assert_eq!(next_walk_after(Duration::from_millis(10)), MIN_WALK_PERIOD);
+        assert_eq!(next_walk_after(Duration::from_millis(650)), Duration::from_secs(130));
+    }
 }

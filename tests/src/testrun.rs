@@ -23,9 +23,16 @@ pub struct TestPlane {
 impl TestPlane {
     /// Loads the program and applies `profile_text` (panics with context).
     pub fn new(profile_text: &str) -> Self {
+        Self::new_with(profile_text, |_| {})
+    }
+
+    /// As `new`, with the parsed settings changed by `tweak` before loading
+    /// (for what profiles cannot say, like the benchmarks' statistics off).
+    pub fn new_with(profile_text: &str, tweak: impl FnOnce(&mut profile::Settings)) -> Self {
         flowctl::pins::ensure_bpffs().expect("bpffs");
         remove_orphaned_test_pins();
-        let set = profile::parse("test.toml", profile_text).expect("test profile");
+        let mut set = profile::parse("test.toml", profile_text).expect("test profile");
+        tweak(&mut set.settings);
         // netns inode 1 never exists, so these pins cannot collide with a real attachment.
         let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
         let id = AttachId { netns_ino: 1, ifindex };

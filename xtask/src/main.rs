@@ -116,9 +116,13 @@ fn main() -> Result<()> {
             if !is_root() {
                 bail!("the benchmarks load XDP programs and make veth labs: run `sudo -E cargo xtask bench`");
             }
+            // The agent benchmark runs the real release binary.
+            run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
+            let bin = std::env::current_dir()?.join("target/release/flowctl");
             run(Command::new("cargo")
                 .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-bench", "--"])
-                .args(args))
+                .args(args)
+                .env("FLOWCTL_BIN", bin))
         }
     }
 }

@@ -15,6 +15,10 @@
 //!    link re-pointed every 0.5 s, the XDP_DROP ceiling, the bare reference
 //!    and flowctl (all refusing after each key's first packet), then XDP_PASS
 //!    with the nftables netdev-ingress meter of bench/nftables.nft.
+//! 5. The agent's own CPU use: the real agent (`FLOWCTL_BIN`) on a veth lab
+//!    with 1M keys in its key table and 1M sources in its source cache,
+//!    while `flowctl top --once` runs and the metrics endpoint is scraped
+//!    every second, over a minute (15 s with `quick`): CPU time / wall time.
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -125,6 +129,11 @@ fn main() {
         std::process::exit(2);
     }
     let quick = std::env::args().any(|a| a == "quick");
+    if std::env::args().any(|a| a == "agent") {
+        println!("5. The agent's CPU with 1M keys while top and the metrics refresh every second");
+        agent_cpu(if quick { 15 } else { 60 });
+        return;
+    }
     // One CPU for the measuring thread: BPF_PROG_TEST_RUN runs on the caller's CPU.
     flowctl_tests::testrun::pin_to_cpu(0);
     let profile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml")).expect("bench/profile.toml");
@@ -171,6 +180,17 @@ fn main() {
     println!("  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x", qm[0], qm[1], qm[1] / qm[0]);
     drop(with_quota);
 
+    println!("\n1c. Statistics rings: flowctl's admitted path with statistics off, \"control\" and \"full\" (10k keys)");
+    let lean = TestPlane::new(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
+    let off = TestPlane::new_with(&profile, |s| s.stats.level = flowctl_common::stats::level::OFF);
+    assert_eq!(lean.state.stats.level, flowctl_common::stats::level::CONTROL);
+    let (sm, _) = refs.interleaved(&[xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)], &frame, 10_000, repeat);
+    println!(
+        "  off: {:.1} ns/packet   control: {:.1} ({:.2}x)   full: {:.1} ({:.2}x)   target: full within 1.15x of off",
+        sm[0], sm[1], sm[1] / sm[0], sm[2], sm[2] / sm[0]
+    );
+    drop((lean, off));
+
     println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
     refs.set_keys(10_000);
     let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, TestPlane::new(&rules_profile(n)))).collect();
@@ -198,6 +218,105 @@ fn main() {
     }
     println!("\n4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
     veth_drop_rates(&mut refs, &drop_profile, if quick { &[10_000] } else { &[10_000, 1_000_000] }, quick);
+
+    println!("\n5. The agent's CPU with 1M keys while top and the metrics refresh every second");
+    agent_cpu(if quick { 15 } else { 60 });
+}
+
+/// CPU seconds (user + system) a process has used, from /proc/PID/stat.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the whole line.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (t(11) + t(12)) / ticks
+}
+
+fn agent_cpu(seconds: u64) {
+    use flowctl::{dataplane::count_entries, pins::AttachId};
+    use flowctl_common::{map_names, BucketKey, SrcEntry, SrcKey};
+    use std::time::Instant;
+    let Some(bin) = std::env::var_os("FLOWCTL_BIN") else {
+        println!("  skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)");
+        return;
+    };
+    for l in sh(&["ip", "netns", "list"]).lines() {
+        if let Some(name) = l.split_whitespace().next().filter(|n| n.starts_with("fagent")) {
+            let _ = std::process::Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+    let lab = flowctl_tests::lab::Lab::new("fagent", 231);
+    let prof = std::env::temp_dir().join(format!("flowctl-bench-agent-{}.toml", std::process::id()));
+    std::fs::write(&prof, "[settings]\nkey_table_entries = 1048576\nsource_cache_entries = 1048576\n\
+[[rule]]\nname = \"per-src\"\nproto = \"udp\"\nrate = \"100/s\"\nkey = \"src\"\n\
+[[rule]]\nname = \"per-port\"\nproto = \"tcp\"\nrate = \"100/s\"\nkey = \"src_dport\"\n").unwrap();
+    let mut agent = std::process::Command::new(&bin)
+        .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
+        .arg(&prof)
+        .args(["--metrics", "127.0.0.1:9464"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the agent");
+    let id = flowctl_tests::lab::Lab::in_ns(&lab.ns_srv, {
+        let dev = lab.veth_srv.clone();
+        move || AttachId::of(&dev).unwrap()
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The control socket exists once the agent has attached and serves.
+    while !flowctl::control::socket_path(&id).exists() {
+        assert!(Instant::now() < deadline, "the agent did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A million keys in each table, written from here (as traffic from a
+    // million sources would leave them).
+    let fill = Instant::now();
+    let mut keys: aya::maps::HashMap<_, BucketKey, u64> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(id.pin_dir().join(map_names::KEYS)).unwrap())).unwrap();
+    let mut srcs: aya::maps::HashMap<_, SrcKey, SrcEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(id.pin_dir().join(map_names::SRC_CACHE)).unwrap())).unwrap();
+    for i in 0..1_000_000u32 {
+        let k = BucketKey { state_id: 2, family: 4, dport: 443, src: [0x0a00_0000 | i, 0, 0, 0], ..Default::default() };
+        keys.insert(k, 0, 0).unwrap();
+        srcs.insert(SrcKey { addr: [0, 0, 0xffff, 0x0a00_0000 | i] }, SrcEntry::default(), 0).unwrap();
+    }
+    let t = Instant::now();
+    let n = count_entries(&id, map_names::KEYS, core::mem::size_of::<BucketKey>(), 8).unwrap();
+    println!("  filled 1M keys and 1M sources in {:.1}s; one batched count of the key table: {n} entries in {:.0} ms", fill.elapsed().as_secs_f64(), t.elapsed().as_secs_f64() * 1e3);
+
+    let pid = agent.id();
+    let (c0, w0) = (cpu_seconds(pid), Instant::now());
+    let mut scrape_ok = 0;
+    for _ in 0..seconds {
+        let tick = Instant::now();
+        let top = std::process::Command::new(&bin).args(["top", "--once", "--json", "--interval", "0.1", &lab.veth_srv]).output().unwrap();
+        assert!(top.status.success());
+        let body = flowctl_tests::lab::Lab::in_ns(&lab.ns_srv, || {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect("127.0.0.1:9464").ok()?;
+            s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            Some(out)
+        });
+        if body.is_some_and(|b| b.contains("flowctl_key_table_entries")) {
+            scrape_ok += 1;
+        }
+        if let Some(d) = Duration::from_secs(1).checked_sub(tick.elapsed()) {
+            std::thread::sleep(d);
+        }
+    }
+    let (cpu, wall) = (cpu_seconds(pid) - c0, w0.elapsed().as_secs_f64());
+    println!(
+        "  agent: {:.2}s CPU over {:.0}s wall = {:.2}% of one core ({} of {} scrapes carried the key-table estimate); target: under 2%",
+        cpu, wall, 100.0 * cpu / wall, scrape_ok, seconds
+    );
+    unsafe { libc::kill(pid as i32, libc::SIGINT) };
+    let _ = agent.wait();
+    let _ = std::fs::remove_file(&prof);
 }
 
 fn sh(args: &[&str]) -> String {
