@@ -166,7 +166,7 @@ fn udp_limit_holds_within_bounds_then_detaches() {
 
 fn map_ids(iface: &str) -> Vec<u32> {
     let a = attachment(iface).unwrap();
-    let dir = format!("/sys/fs/bpf/flowctl/v1/ifaces/{}-{}", a["netns_inode"], a["ifindex"]);
+    let dir = format!("{}/v{}/ifaces/{}-{}", flowctl_common::PIN_ROOT, flowctl_common::LAYOUT_VERSION, a["netns_inode"], a["ifindex"]);
     flowctl_common::map_names::ALL
         .iter()
         .map(|n| aya::maps::MapData::from_pin(format!("{dir}/{n}")).unwrap().info().unwrap().id())
@@ -425,7 +425,7 @@ fn one_agent_per_attachment_and_layout_versions_are_checked() {
     agent.kill9();
     // Pretend the pins were written by a future flowctl.
     let a = attachment(&lab.veth_srv).unwrap();
-    let dir = format!("/sys/fs/bpf/flowctl/v1/ifaces/{}-{}", a["netns_inode"], a["ifindex"]);
+    let dir = format!("{}/v{}/ifaces/{}-{}", flowctl_common::PIN_ROOT, flowctl_common::LAYOUT_VERSION, a["netns_inode"], a["ifindex"]);
     let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> = aya::maps::Array::try_from(aya::maps::Map::Array(
         aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL)).unwrap(),
     ))
