@@ -57,6 +57,9 @@ type Signals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
 fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
     let set = profile::load(&args.profile)?;
     require_root()?;
+    // The CPU source is checked before anything touches the kernel.
+    let cpu = crate::cpu::CpuSignal::new(set.settings.cpu_source.clone())
+        .with_context(|| format!("{}: the cpu source", args.profile.display()))?;
     if let Some(ns) = &args.netns {
         pins::enter_netns(ns)?;
     }
@@ -140,7 +143,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
     let local = tokio::task::LocalSet::new();
-    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, signals));
+    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, cpu, signals));
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
     } else {
@@ -193,13 +196,15 @@ fn now_unix() -> u64 {
 /// A request read by a connection task, with the channel for its answer.
 type Pending = (String, tokio::sync::oneshot::Sender<Response>);
 
-async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals: Signals) -> Result<()> {
+async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu: crate::cpu::CpuSignal, signals: Signals) -> Result<()> {
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
+    let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
+    let mut cpu_failing = false;
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
@@ -233,6 +238,21 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
                 }
                 next_walk = tokio::time::Instant::now() + crate::occupancy::next_walk_after(started.elapsed());
             }
+            _ = cpu_tick.tick() => {
+                match cpu.tick() {
+                    Ok(v) => {
+                        cpu_failing = false;
+                        published.cpu_permille = v.map(|v| v.round() as u32).unwrap_or(NO_CPU_SIGNAL);
+                        published.cpu_source = cpu.source().code();
+                    }
+                    // Hold the last value; say so once per failure episode.
+                    Err(e) if !cpu_failing => {
+                        cpu_failing = true;
+                        tracing::warn!("CPU signal: {e:#} (holding the last value)");
+                    }
+                    Err(_) => {}
+                }
+            }
             _ = keys_tick.tick() => {
                 if let Some(w) = keys.as_mut().filter(|w| w.active()) {
                     if let Err(e) = w.poll(maps) {
@@ -241,7 +261,7 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
                 }
             }
             Some((line, reply)) = rx.recv() => {
-                let _ = reply.send(handle(maps, state, keys.as_mut(), &line));
+                let _ = reply.send(handle(maps, state, keys.as_mut(), &mut cpu, &line));
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
@@ -277,7 +297,7 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, signals:
     Ok(())
 }
 
-fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::heavy::KeyWatcher>, line: &str) -> Response {
+fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::heavy::KeyWatcher>, cpu: &mut crate::cpu::CpuSignal, line: &str) -> Response {
     let req: Request = match serde_json::from_str(line) {
         Ok(r) => r,
         Err(e) => return Response::err(format!("bad request: {e}")),
@@ -289,7 +309,20 @@ fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::hea
                 Ok(s) => s,
                 Err(e) => return Response::err(e.to_string()),
             };
+            // A new CPU source must work before anything is applied.
+            let new_cpu = if &set.settings.cpu_source != cpu.source() {
+                match crate::cpu::CpuSignal::new(set.settings.cpu_source.clone()) {
+                    Ok(c) => Some(c),
+                    Err(e) => return Response::err(format!("{}: the cpu source: {e:#} (nothing was applied)", path.display())),
+                }
+            } else {
+                None
+            };
             match apply_and_record(maps, state, &set, &path) {
+                Ok(()) if new_cpu.is_some() => {
+                    *cpu = new_cpu.expect("checked");
+                    Response::ok(format!("applied {} rules (generation {}); CPU signal now from {:?}", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0), cpu.source()))
+                }
                 Ok(()) => Response::ok(format!("applied {} rules (generation {})", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0))),
                 Err(e) => Response::err(format!("{e:#}")),
             }

@@ -5,7 +5,7 @@
 //! state and socket protocol), thiserror/anyhow (errors in library/binary),
 //! tokio (the agent's event loop: signals, timers, control socket), tracing
 //! (logs), libc (setns, flock, if_nametoindex, capabilities),
-//! prometheus-client (metric encoding), tiny_http (the metrics endpoint) and
+//! prometheus-client (metric encoding), procfs (`/proc/stat` for the CPU signal), tiny_http (the metrics endpoint) and
 //! ratatui (the `top` view, over its crossterm backend).
 
 /// `println!` that returns the write error (through `?`) instead of
@@ -21,6 +21,7 @@ macro_rules! out {
 pub mod agent;
 pub mod commands;
 pub mod control;
+pub mod cpu;
 pub mod dataplane;
 pub mod heavy;
 pub mod metrics;

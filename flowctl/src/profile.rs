@@ -50,6 +50,7 @@ struct RawSettings {
     statistics: Option<Spanned<String>>,
     statistics_bucket: Option<Spanned<String>>,
     statistics_buckets: Option<Spanned<i64>>,
+    cpu: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -96,6 +97,8 @@ pub struct Settings {
     pub memory_budget: u64,
     pub grace_ns: u64,
     pub stats: StatsSettings,
+    /// Where the CPU signal comes from (`crate::cpu`).
+    pub cpu_source: crate::cpu::CpuSource,
 }
 
 /// Shape of the statistics rings, fixed when the program is loaded.
@@ -136,6 +139,7 @@ impl Default for Settings {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
+            cpu_source: crate::cpu::CpuSource::Host,
         }
     }
 }
@@ -420,6 +424,9 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
             "control" => stats::level::CONTROL,
             other => return Err(cx.err(v.span(), format!("unknown statistics level `{other}`: use \"full\" or \"control\" (only what the control loops read)"))),
         };
+    }
+    if let Some(v) = &s.cpu {
+        out.cpu_source = crate::cpu::CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
     }
     if let Some(v) = &s.statistics_bucket {
         let ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad statistics_bucket: {e}")))?;

@@ -529,7 +529,11 @@ fn top_once_json_agrees_with_traffic() {
     let passed = r["passed_pps"].as_f64().unwrap();
     assert!(passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75, "passed {passed} pps against a 100/s limit");
     assert_eq!(r["top_reason"], "rate");
-    assert_eq!(a["cpu"], "n/a");
+    // The agent's CPU signal (host source by default), from its record.
+    let cpu = a["cpu"].as_str().unwrap();
+    assert!(cpu.ends_with("% (host)"), "{cpu}");
+    let permille = a["cpu_permille"].as_u64().expect("cpu_permille with a running agent");
+    assert!(permille <= 1000);
     // One client source: the source cache holds exactly one entry (the
     // agent walked the empty table at start, the insert counter adds it).
     let sources = a["key_tables"].as_array().expect("key tables with a running agent").iter().find(|t| t["table"] == "sources").unwrap().clone();
@@ -604,6 +608,12 @@ fn top_keys_finds_the_heaviest_sources() {
     };
     run_phase("through the agent");
     agent.stop();
+    // Agent-computed fields say so at once, never the stopped agent's values.
+    let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let a = &v["attachments"][0];
+    assert_eq!((a["agent_running"].clone(), a["cpu"].clone()), (Value::Bool(false), Value::from("agent not running")));
+    assert!(a["cpu_permille"].is_null() && a["key_tables"].is_null(), "{a}");
     run_phase("without an agent");
     let g = flowctl(&["status", "--json"]);
     assert!(g.status.success());

@@ -34,6 +34,8 @@ pub struct Attachment {
     /// pinned record: "n/a" while it has no CPU signal, "agent not running"
     /// when its record is older than the grace period, never a stale value.
     pub cpu: String,
+    /// The CPU EMA in per-mille, when the agent publishes one.
+    pub cpu_permille: Option<u32>,
     /// Approximate key-table occupancy (last walk + inserts since, capped;
     /// see `key_tables_note`); absent without a running agent.
     pub key_tables: Option<Vec<crate::occupancy::TableFill>>,
@@ -149,6 +151,11 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         uptime_s: now_unix.saturating_sub(state.attached_at_unix),
         agent_running: agent,
         cpu: cpu_text(&maps),
+        cpu_permille: crate::occupancy::agent_fresh(&maps)
+            .then(|| maps.agent_record().ok())
+            .flatten()
+            .map(|r| r.cpu_permille)
+            .filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
         key_tables: crate::occupancy::estimate(&maps, state),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
@@ -161,7 +168,9 @@ pub fn cpu_text(maps: &Maps) -> String {
         return "agent not running".into();
     }
     match maps.agent_record() {
-        Ok(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => format!("{:.1}%", r.cpu_permille as f64 / 10.0),
+        Ok(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => {
+            format!("{:.1}% ({})", r.cpu_permille as f64 / 10.0, crate::cpu::CpuSource::name_of(r.cpu_source))
+        }
         _ => "n/a".into(),
     }
 }

@@ -135,6 +135,7 @@ mod tests {
                 uptime_s: 42,
                 agent_running: agent,
                 cpu: if agent { "n/a".into() } else { "agent not running".into() },
+                cpu_permille: None,
                 key_tables: agent.then(|| vec![crate::occupancy::TableFill { table: "keys", entries: 12_345, capacity: 1 << 20, walked_s_ago: 3.0 }]),
                 key_tables_note: String::new(),
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
