@@ -6,6 +6,9 @@
 //! parsing and the profile-to-table compiler.
 #![cfg_attr(target_arch = "bpf", no_std)]
 
+/// Agent-side only (128-bit arithmetic the BPF target does not need).
+#[cfg(not(target_arch = "bpf"))]
+pub mod bbr;
 pub mod consts;
 pub mod gcra;
 pub mod keys;

@@ -1,0 +1,217 @@
+//! The BBR adaptive limiter's decision (algorithms.md section 4; Kratos and
+//! its port aegis), pure: the agent evaluates it over the statistics rings
+//! and writes the result into the rule's control record; host tests run the
+//! golden vectors.
+//!
+//! Over a window of full buckets (the bucket being filled is skipped):
+//! - `maxPass` = the most completions in one bucket (at least 1);
+//! - `minRT` = ceil(min over buckets of the mean round trip in ms) (at least 1);
+//! - `maxInFlight = maxPass * minRT * bucketsPerSecond / 1000`;
+//! - a new arrival is refused when `cpu >= threshold` and
+//!   `inFlight > 1 && inFlight > maxInFlight`; after an overload the in-flight
+//!   test stays on for a cool-down (1 s) even when the CPU is below threshold.
+//!
+//! Three defects of the original are fixed by default, each behind a named
+//! `Compat` switch that restores it:
+//! - `floor_max_inflight`: aegis floors `maxInFlight`, so a capacity of 5.9
+//!   admits 5. flowctl rounds up: never fewer than measured.
+//! - `empty_window_zero`: with no completed buckets the estimate is 0, so under
+//!   high CPU every second concurrent arrival is refused although nothing is
+//!   known. flowctl does not limit until the window has data.
+//! - `cooldown_from_first_drop`: Kratos anchors the cool-down at the first
+//!   drop of an episode, so after a long overload it has already expired when
+//!   the CPU falls. flowctl anchors it at the last drop.
+
+/// One full bucket of the window: completions and round-trip totals.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BbrBucket {
+    pub completed: u64,
+    pub rt_sum_ms: u64,
+    pub rt_count: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Compat {
+    pub floor_max_inflight: bool,
+    pub empty_window_zero: bool,
+    pub cooldown_from_first_drop: bool,
+}
+
+impl Compat {
+    /// Kratos' behaviour in every respect.
+    pub const KRATOS: Self = Self { floor_max_inflight: true, empty_window_zero: true, cooldown_from_first_drop: true };
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BbrConfig {
+    /// CPU EMA in per-mille at or above which the limiter is active.
+    pub cpu_threshold: u32,
+    /// Buckets per second of the window (10 for 100 ms buckets).
+    pub buckets_per_second: u64,
+    pub cooldown_ns: u64,
+    pub compat: Compat,
+}
+
+impl Default for BbrConfig {
+    fn default() -> Self {
+        Self { cpu_threshold: 800, buckets_per_second: 10, cooldown_ns: 1_000_000_000, compat: Compat::default() }
+    }
+}
+
+/// `maxInFlight` over the full buckets of the window; `None` means "no
+/// limit" (an empty window, unless `empty_window_zero`).
+pub fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
+    let max_pass = window.iter().map(|b| b.completed).max().unwrap_or(0);
+    // Mean RT per bucket, in ms, as a rational: min over buckets of sum/count.
+    let min_rt = window
+        .iter()
+        .filter(|b| b.rt_count > 0)
+        .map(|b| (b.rt_sum_ms, b.rt_count))
+        .min_by(|a, b| (a.0 as u128 * b.1 as u128).cmp(&(b.0 as u128 * a.1 as u128)));
+    if max_pass == 0 || min_rt.is_none() {
+        if cfg.compat.empty_window_zero {
+            return Some(0);
+        }
+        return None;
+    }
+    let (s, c) = min_rt.expect("checked");
+    let min_rt_ms = s.div_ceil(c).max(1);
+    let product = max_pass.max(1) as u128 * min_rt_ms as u128 * cfg.buckets_per_second as u128;
+    let v = if cfg.compat.floor_max_inflight { product / 1000 } else { product.div_ceil(1000) };
+    Some(v.min(u64::MAX as u128) as u64)
+}
+
+/// The limiter's memory between decisions: when the cool-down started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BbrState {
+    /// Time (ns) the cool-down counts from; 0: not cooling down.
+    pub drop_anchor_ns: u64,
+}
+
+/// Whether a new arrival is refused now, and the state after it.
+pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u64, max: Option<u64>, now_ns: u64) -> bool {
+    let over = |max: Option<u64>| in_flight > 1 && max.is_some_and(|m| in_flight > m);
+    if cpu < cfg.cpu_threshold {
+        if state.drop_anchor_ns == 0 {
+            return false;
+        }
+        if now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns {
+            let drop = over(max);
+            if drop && !cfg.compat.cooldown_from_first_drop {
+                state.drop_anchor_ns = now_ns;
+            }
+            return drop;
+        }
+        state.drop_anchor_ns = 0;
+        return false;
+    }
+    let drop = over(max);
+    if drop && (state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
+        state.drop_anchor_ns = now_ns;
+    }
+    drop
+}
+
+/// Whether the in-flight test is on at all now (CPU over threshold, or
+/// cooling down): what the agent tells the kernel.
+pub fn active(state: &BbrState, cfg: &BbrConfig, cpu: u32, now_ns: u64) -> bool {
+    cpu >= cfg.cpu_threshold || (state.drop_anchor_ns != 0 && now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    /// aegis' fixture: a 1 s window of 10 buckets; bucket i completed
+    /// `pass(i)` requests with RTs i*10+1 ..= i*10+10 ms. The last bucket is
+    /// the one being filled and is skipped.
+    fn aegis_window(pass: impl Fn(u64) -> u64) -> Vec<BbrBucket> {
+        (0..9u64)
+            .map(|i| BbrBucket { completed: pass(i), rt_sum_ms: (i * 10 + 1..=i * 10 + 10).sum(), rt_count: 10 })
+            .collect()
+    }
+
+    #[test]
+    fn golden_max_in_flight() {
+        let cfg = BbrConfig::default();
+        assert_eq!(max_in_flight(&aegis_window(|i| (i + 2) * 100), &cfg), Some(60));
+        assert_eq!(max_in_flight(&aegis_window(|i| (i + 1) * 100), &cfg), Some(54));
+        let kratos = BbrConfig { compat: Compat::KRATOS, ..cfg };
+        assert_eq!(max_in_flight(&aegis_window(|i| (i + 2) * 100), &kratos), Some(60));
+        assert_eq!(max_in_flight(&aegis_window(|i| (i + 1) * 100), &kratos), Some(54));
+    }
+
+    #[test]
+    fn golden_drop_sequence_in_both_modes() {
+        for compat in [Compat::default(), Compat::KRATOS] {
+            let cfg = BbrConfig { compat, ..Default::default() };
+            let max = max_in_flight(&aegis_window(|i| (i + 1) * 100), &cfg);
+            assert_eq!(max, Some(54));
+            let mut st = BbrState::default();
+            let t0 = 100 * S;
+            assert!(!should_drop(&mut st, &cfg, 800, 50, max, t0), "cpu 800, in flight 50: admit");
+            assert!(should_drop(&mut st, &cfg, 800, 80, max, t0), "cpu 800, in flight 80: drop");
+            assert!(should_drop(&mut st, &cfg, 700, 80, max, t0 + S / 2), "cpu 700 within 1 s of the drop: drop");
+            assert!(!should_drop(&mut st, &cfg, 700, 80, max, t0 + 2 * S + S / 2), "2 s later: admit");
+        }
+    }
+
+    #[test]
+    fn rounding_up_by_default_floor_in_compat() {
+        // maxPass 590, minRT 1 ms, 10 buckets/s: 5.9 in flight.
+        let w = [BbrBucket { completed: 590, rt_sum_ms: 1, rt_count: 1 }];
+        assert_eq!(max_in_flight(&w, &BbrConfig::default()), Some(6));
+        let floor = BbrConfig { compat: Compat { floor_max_inflight: true, ..Default::default() }, ..Default::default() };
+        assert_eq!(max_in_flight(&w, &floor), Some(5));
+    }
+
+    #[test]
+    fn empty_window_does_not_limit_by_default() {
+        let cfg = BbrConfig::default();
+        assert_eq!(max_in_flight(&[], &cfg), None);
+        assert_eq!(max_in_flight(&[BbrBucket::default(); 9], &cfg), None);
+        let mut st = BbrState::default();
+        assert!(!should_drop(&mut st, &cfg, 1000, 2, None, S), "nothing known: admit");
+        let zero = BbrConfig { compat: Compat { empty_window_zero: true, ..Default::default() }, ..Default::default() };
+        let max = max_in_flight(&[], &zero);
+        assert_eq!(max, Some(0));
+        assert!(should_drop(&mut st, &zero, 1000, 2, max, S), "the defect: 2 in flight over a limit of 0");
+    }
+
+    #[test]
+    fn cooldown_counts_from_the_last_drop_by_default() {
+        // Overloaded from t=0 to t=3 s, dropping throughout; the CPU falls at
+        // 3.2 s; an arrival at 3.5 s with too many in flight.
+        let max = Some(10);
+        let run = |compat| {
+            let cfg = BbrConfig { compat, ..Default::default() };
+            let mut st = BbrState::default();
+            for t in 0..=30u64 {
+                assert!(should_drop(&mut st, &cfg, 900, 20, max, t * S / 10));
+            }
+            should_drop(&mut st, &cfg, 500, 20, max, 3 * S + S / 2)
+        };
+        assert!(run(Compat::default()), "0.5 s after the last drop: still cooling down");
+        assert!(!run(Compat { cooldown_from_first_drop: true, ..Default::default() }), "Kratos: 3.5 s after the first drop, expired");
+    }
+
+    #[test]
+    fn one_in_flight_is_never_refused() {
+        let cfg = BbrConfig::default();
+        let mut st = BbrState::default();
+        assert!(!should_drop(&mut st, &cfg, 1000, 1, Some(0), S));
+    }
+
+    #[test]
+    fn activity_follows_cpu_and_cooldown() {
+        let cfg = BbrConfig::default();
+        let mut st = BbrState::default();
+        assert!(!active(&st, &cfg, 700, S));
+        assert!(active(&st, &cfg, 800, S));
+        should_drop(&mut st, &cfg, 900, 100, Some(10), S);
+        assert!(active(&st, &cfg, 100, S + S / 2));
+        assert!(!active(&st, &cfg, 100, 3 * S));
+    }
+}
