@@ -38,6 +38,18 @@ pub struct StatsBucket {
     pub dropped_pkts: [u32; reason::COUNT],
 }
 
+/// A CPU's current bucket: its epoch, ring slot and time span, so the
+/// kernel divides once per bucket width, not per packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatsClock {
+    pub epoch: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub slot: u32,
+    pub _pad: u32,
+}
+
 /// How much the kernel keeps in the rings, fixed at load.
 pub mod level {
     /// Only what quotas, BBR and KLimiter read: packets offered and admitted,

@@ -27,7 +27,7 @@ use flowctl_common::{
     keys::{bucket_key, debt_slot},
     matcher, reason, stats, tcp_flags,
     window::{self, Window},
-    unit, AgentRecord, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
+    stats::StatsClock, unit, AgentRecord, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
     KEY_SAMPLE_RING_BYTES, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
@@ -73,6 +73,9 @@ static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
 /// Agent-computed state for other readers (user space only; see AgentRecord).
 #[map]
 static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
+/// Each CPU's current statistics bucket (see `account`).
+#[map]
+static FLOWCTL_STATS_CLOCK: PerCpuArray<StatsClock> = PerCpuArray::with_max_entries(1, 0);
 /// Sampled keys for `top --keys`, read by the agent.
 #[map]
 static FLOWCTL_KEY_SAMPLES: RingBuf = RingBuf::pinned(KEY_SAMPLE_RING_BYTES, 0);
@@ -214,8 +217,21 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
         return action;
     }
     let full = level == stats::level::FULL;
-    let epoch = stats::epoch_of(now, FLOWCTL_STATS_BUCKET_NS.load());
-    if let Some(b) = FLOWCTL_STATS.get_ptr_mut(stats::index(record, epoch, FLOWCTL_STATS_BUCKETS.load())) {
+    let Some(clock) = FLOWCTL_STATS_CLOCK.get_ptr_mut(0) else { return action };
+    let clock = unsafe { &mut *clock };
+    // Two 64-bit divisions per packet cost more than the rest of the ring
+    // update: each CPU divides once per bucket and keeps the answer.
+    if now >= clock.end_ns || now < clock.start_ns {
+        let width = FLOWCTL_STATS_BUCKET_NS.load();
+        let epoch = stats::epoch_of(now, width);
+        clock.epoch = epoch;
+        clock.slot = stats::index(0, epoch, FLOWCTL_STATS_BUCKETS.load());
+        clock.start_ns = (epoch - 1).wrapping_mul(width);
+        clock.end_ns = clock.start_ns.wrapping_add(width);
+    }
+    let epoch = clock.epoch;
+    let index = record.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
+    if let Some(b) = FLOWCTL_STATS.get_ptr_mut(index) {
         // Per-CPU: only this CPU writes this copy, so plain stores are exact.
         let b = unsafe { &mut *b };
         if b.epoch != epoch {
