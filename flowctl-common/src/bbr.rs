@@ -26,7 +26,8 @@
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BbrBucket {
     pub completed: u64,
-    pub rt_sum_ms: u64,
+    /// Round trips in the bucket, in microseconds (the kernel's resolution).
+    pub rt_sum_us: u64,
     pub rt_count: u64,
 }
 
@@ -61,24 +62,29 @@ impl Default for BbrConfig {
 /// `maxInFlight` over the full buckets of the window; `None` means "no
 /// limit" (an empty window, unless `empty_window_zero`).
 pub fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
-    let max_pass = window.iter().map(|b| b.completed).max().unwrap_or(0);
-    // Mean RT per bucket, in ms, as a rational: min over buckets of sum/count.
-    let min_rt = window
-        .iter()
-        .filter(|b| b.rt_count > 0)
-        .map(|b| (b.rt_sum_ms, b.rt_count))
-        .min_by(|a, b| (a.0 as u128 * b.1 as u128).cmp(&(b.0 as u128 * a.1 as u128)));
-    if max_pass == 0 || min_rt.is_none() {
-        if cfg.compat.empty_window_zero {
-            return Some(0);
-        }
-        return None;
-    }
-    let (s, c) = min_rt.expect("checked");
-    let min_rt_ms = s.div_ceil(c).max(1);
-    let product = max_pass.max(1) as u128 * min_rt_ms as u128 * cfg.buckets_per_second as u128;
+    let pass = max_pass(window);
+    let Some(rt) = min_rt_ms(window).filter(|_| pass > 0) else {
+        return cfg.compat.empty_window_zero.then_some(0);
+    };
+    let product = pass as u128 * rt as u128 * cfg.buckets_per_second as u128;
     let v = if cfg.compat.floor_max_inflight { product / 1000 } else { product.div_ceil(1000) };
     Some(v.min(u64::MAX as u128) as u64)
+}
+
+/// `minRT`: ceil(min over buckets of the mean round trip, in ms), at least
+/// 1; `None` without round trips.
+pub fn min_rt_ms(window: &[BbrBucket]) -> Option<u64> {
+    let (s, c) = window
+        .iter()
+        .filter(|b| b.rt_count > 0)
+        .map(|b| (b.rt_sum_us, b.rt_count))
+        .min_by(|a, b| (a.0 as u128 * b.1 as u128).cmp(&(b.0 as u128 * a.1 as u128)))?;
+    Some((s as u128).div_ceil(c as u128 * 1000).max(1) as u64)
+}
+
+/// `maxPass`: the most completions in one full bucket (0 when empty).
+pub fn max_pass(window: &[BbrBucket]) -> u64 {
+    window.iter().map(|b| b.completed).max().unwrap_or(0)
 }
 
 /// The limiter's memory between decisions: when the cool-down started.
@@ -129,7 +135,7 @@ mod tests {
     /// the one being filled and is skipped.
     fn aegis_window(pass: impl Fn(u64) -> u64) -> Vec<BbrBucket> {
         (0..9u64)
-            .map(|i| BbrBucket { completed: pass(i), rt_sum_ms: (i * 10 + 1..=i * 10 + 10).sum(), rt_count: 10 })
+            .map(|i| BbrBucket { completed: pass(i), rt_sum_us: (i * 10 + 1..=i * 10 + 10).sum::<u64>() * 1000, rt_count: 10 })
             .collect()
     }
 
@@ -161,7 +167,7 @@ mod tests {
     #[test]
     fn rounding_up_by_default_floor_in_compat() {
         // maxPass 590, minRT 1 ms, 10 buckets/s: 5.9 in flight.
-        let w = [BbrBucket { completed: 590, rt_sum_ms: 1, rt_count: 1 }];
+        let w = [BbrBucket { completed: 590, rt_sum_us: 1000, rt_count: 1 }];
         assert_eq!(max_in_flight(&w, &BbrConfig::default()), Some(6));
         let floor = BbrConfig { compat: Compat { floor_max_inflight: true, ..Default::default() }, ..Default::default() };
         assert_eq!(max_in_flight(&w, &floor), Some(5));

@@ -51,6 +51,16 @@ pub const DEFAULT_STATS_BUCKET_NS: u64 = 100_000_000;
 pub const DEFAULT_STATS_BUCKETS: u32 = 100;
 pub const MAX_STATS_BUCKETS: u32 = 1000;
 
+/// Open-connection ring of BBR rules: connections established per epoch of
+/// `OPEN_BUCKET_NS`, minus those that completed; a rule's in-flight count is
+/// the sum over the epochs within its idle timeout, so connections that went
+/// silent (or whose FIN was lost, or whose entry was evicted) stop counting
+/// after the timeout instead of drifting.
+pub const OPEN_BUCKET_NS: u64 = 1_000_000_000;
+pub const OPEN_BUCKETS: usize = 64;
+/// Default entries of the connection table (BBR rules' tracked connections).
+pub const DEFAULT_CONN_ENTRIES: u32 = 1 << 18;
+
 /// Bytes of the key-sampling ring buffer (`top --keys`); a power of two
 /// multiple of the page size, as the kernel requires.
 pub const KEY_SAMPLE_RING_BYTES: u32 = 1 << 20;
@@ -96,10 +106,12 @@ pub mod map_names {
     pub const STATS: &str = "FLOWCTL_STATS";
     pub const KEY_SAMPLES: &str = "FLOWCTL_KEY_SAMPLES";
     pub const AGENT: &str = "FLOWCTL_AGENT";
+    pub const CONNS: &str = "FLOWCTL_CONNS";
+    pub const OPEN: &str = "FLOWCTL_OPEN";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 17] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT,
+        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT, CONNS, OPEN,
     ];
 }
 

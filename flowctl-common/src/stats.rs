@@ -11,8 +11,8 @@
 
 use crate::reason;
 
-/// One bucket of one CPU's copy of a rule's ring. 96 bytes: with 100
-/// buckets, 9.6 KB per rule record per CPU.
+/// One bucket of one CPU's copy of a rule's ring. 112 bytes: with 100
+/// buckets, 11.2 KB per rule record per CPU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatsBucket {
@@ -27,7 +27,13 @@ pub struct StatsBucket {
     pub syn_passed: u32,
     /// TCP segments with FIN or RST (completions).
     pub fin_rst: u32,
-    /// Round trips measured by the kernel (filled by the connection stage).
+    /// Connections of a BBR rule whose handshake completed (the client's
+    /// ACK), and tracked connections that completed (FIN/RST), with their
+    /// lifetimes as round trips.
+    pub established: u32,
+    pub completed: u32,
+    /// First admitted SYNs of tracked connections (retransmissions once).
+    pub arrivals: u32,
     pub rt_count: u32,
     pub rt_sum_us: u64,
     // Display-only from here on: pruned when statistics = "control".
@@ -85,6 +91,9 @@ pub struct StatsSum {
     pub syn_offered: u64,
     pub syn_passed: u64,
     pub fin_rst: u64,
+    pub established: u64,
+    pub completed: u64,
+    pub arrivals: u64,
     pub rt_count: u64,
     pub rt_sum_us: u64,
     pub would_drop_pkts: u64,
@@ -100,6 +109,9 @@ impl StatsSum {
         self.syn_offered += b.syn_offered as u64;
         self.syn_passed += b.syn_passed as u64;
         self.fin_rst += b.fin_rst as u64;
+        self.established += b.established as u64;
+        self.completed += b.completed as u64;
+        self.arrivals += b.arrivals as u64;
         self.rt_count += b.rt_count as u64;
         self.rt_sum_us += b.rt_sum_us;
         self.would_drop_pkts += b.would_drop_pkts as u64;

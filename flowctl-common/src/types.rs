@@ -114,7 +114,8 @@ pub struct RuleConfig {
     pub has_ports: u8,
     /// 1 when the rule has a token bucket (0: quota only).
     pub has_bucket: u8,
-    pub _pad: u8,
+    /// `bbr_flags::*`: the BBR stage and connection tracking.
+    pub bbr: u8,
     /// This rule's own index in the rules array (slot * MAX_RULES + index).
     pub at: u32,
     /// Quota bucket length L in ns (0: no quota).
@@ -163,11 +164,20 @@ pub struct ControlRecord {
     /// Admitted share of new flows in parts per million, when
     /// `ADMISSION_ACTIVE` is set.
     pub admission_ppm: u32,
+    /// BBR: the limit on connections in flight (u32::MAX: no limit yet).
     pub bbr_max_inflight: u32,
+    /// BBR: 1 while the in-flight test is on (CPU over threshold or cooling
+    /// down).
     pub bbr_overloaded: u32,
-    pub _pad: u32,
+    /// BBR: established connections not yet completed, as the agent last
+    /// summed them from the open-connection ring.
+    pub bbr_inflight: u32,
     /// CLOCK_MONOTONIC ns of the last write.
     pub updated_ns: u64,
+    /// BBR, for display: the window's most completions in one bucket and its
+    /// smallest mean round trip (ms; 0: no data).
+    pub bbr_max_pass: u32,
+    pub bbr_min_rt_ms: u32,
 }
 
 impl ControlRecord {
@@ -180,6 +190,13 @@ impl ControlRecord {
             1.0
         }
     }
+}
+
+pub mod bbr_flags {
+    /// The rule tracks its TCP connections and runs the BBR stage.
+    pub const ON: u8 = 1;
+    /// Refused SYNs are answered with a TCP RST (XDP_TX) instead of dropped.
+    pub const RESET: u8 = 2;
 }
 
 pub mod control_flags {
@@ -323,6 +340,24 @@ pub struct BucketKey {
     pub dst: [u32; 4],
 }
 
+/// A tracked TCP connection of a BBR rule (key: `BucketKey` with the 5-tuple
+/// and `state_id` = the rule's record).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnEntry {
+    /// When the first admitted SYN was seen (CLOCK_MONOTONIC ns).
+    pub syn_ns: u64,
+    /// Open-ring epoch the handshake completed in (valid when established).
+    pub open_epoch: u32,
+    /// `conn_state::*`.
+    pub state: u32,
+}
+
+pub mod conn_state {
+    pub const SYN_SEEN: u32 = 1;
+    pub const ESTABLISHED: u32 = 2;
+}
+
 /// One key's quota window ring: K + 1 slots, each (epoch << 32 | count)
 /// updated by compare-and-swap (see `window`).
 #[repr(C)]
@@ -365,6 +400,9 @@ pub struct PacketMeta {
     pub tcp_flags: u8,
     /// `frag::*`.
     pub frag: u8,
+    /// Offsets of the IP and L4 headers from the frame's start (for replies).
+    pub l3_off: u16,
+    pub l4_off: u16,
 }
 
 pub mod tcp_flags {
@@ -384,9 +422,10 @@ assert_layout!(RuleBitmap, 32, 8);
 assert_layout!(RuleConfig, 56, 8);
 assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
 assert_layout!(GlobalRecord, 56, 8);
-assert_layout!(crate::StatsBucket, 96, 8);
+assert_layout!(crate::StatsBucket, 112, 8);
 assert_layout!(KeySample, 56, 4);
-assert_layout!(ControlRecord, 32, 8);
+assert_layout!(ControlRecord, 40, 8);
+assert_layout!(ConnEntry, 16, 8);
 assert_layout!(RuleCounters, 224, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
@@ -408,4 +447,5 @@ mod pod {
     unsafe impl aya::Pod for crate::StatsBucket {}
     unsafe impl aya::Pod for KeySample {}
     unsafe impl aya::Pod for AgentRecord {}
+    unsafe impl aya::Pod for ConnEntry {}
 }

@@ -27,7 +27,7 @@ use flowctl_common::{
     keys::{bucket_key, debt_slot},
     matcher, reason, stats, tcp_flags,
     window::{self, Window},
-    stats::StatsClock, unit, AgentRecord, BucketKey, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
+    stats::StatsClock, unit, conn_state, AgentRecord, BucketKey, ConnEntry, DEFAULT_CONN_ENTRIES, OPEN_BUCKETS, OPEN_BUCKET_NS, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
     KEY_SAMPLE_RING_BYTES, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
@@ -73,6 +73,13 @@ static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
 /// Agent-computed state for other readers (user space only; see AgentRecord).
 #[map]
 static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
+/// Tracked TCP connections of BBR rules (key: 5-tuple, `state_id` = record).
+#[map]
+static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> = LruHashMap::pinned(DEFAULT_CONN_ENTRIES, 0);
+/// BBR rules' open-connection rings: per record, `OPEN_BUCKETS` words of
+/// (epoch << 32 | established-and-not-completed), updated by compare-and-swap.
+#[map]
+static FLOWCTL_OPEN: Array<u64> = Array::pinned((MAX_RULE_RECORDS * OPEN_BUCKETS) as u32, 0);
 /// Each CPU's current statistics bucket (see `account`).
 #[map]
 static FLOWCTL_STATS_CLOCK: PerCpuArray<StatsClock> = PerCpuArray::with_max_entries(1, 0);
@@ -98,14 +105,26 @@ pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
     if v & packed::SAMPLE != 0 {
         flowctl_sample_key(ctx.ctx, packed::rule_at(v), packed::record(v), packed::code(v));
     }
+    if v & packed::BBR_ON != 0 {
+        let reply = v & packed::BBR_RESET != 0 && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
+        let r = flowctl_connection(ctx.ctx, packed::record(v), packed::code(v), reply as u32);
+        if reply {
+            return r;
+        }
+    }
     packed::action(v)
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
 /// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
-/// table index (32-47, 0xffff: none) and "sample this packet" (63).
+/// table index (32-47, 0xffff: none), the rule's BBR flags (61-62) and
+/// "sample this packet" (63).
 mod packed {
     pub const SAMPLE: u64 = 1 << 63;
+    /// The deciding rule's `bbr_flags` sit in bits 61 (ON: track its
+    /// connections) and 62 (RESET: answer its refused SYNs with a RST).
+    pub const BBR_ON: u64 = (flowctl_common::bbr_flags::ON as u64) << 61;
+    pub const BBR_RESET: u64 = (flowctl_common::bbr_flags::RESET as u64) << 61;
 
     #[inline(always)]
     pub fn pack(action: u32, code: u32, record: u32, rule_at: u32, sample: bool) -> u64 {
@@ -152,17 +171,19 @@ struct Decision {
     outcome: Outcome,
     /// Index of the deciding rule in `FLOWCTL_RULES` (u32::MAX: none).
     rule_at: u32,
+    /// The deciding rule's `bbr_flags` (0: none).
+    bbr: u8,
 }
 
 impl Decision {
     #[inline(always)]
     fn unmatched(outcome: Outcome) -> Self {
-        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX }
+        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX, bbr: 0 }
     }
 
     #[inline(always)]
     fn of(rule: &RuleConfig, outcome: Outcome) -> Self {
-        Self { record: rule.record, outcome, rule_at: rule.at }
+        Self { record: rule.record, outcome, rule_at: rule.at, bbr: rule.bbr }
     }
 }
 
@@ -217,26 +238,10 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
         return action;
     }
     let full = level == stats::level::FULL;
-    let Some(clock) = FLOWCTL_STATS_CLOCK.get_ptr_mut(0) else { return action };
-    let clock = unsafe { &mut *clock };
-    // Two 64-bit divisions per packet cost more than the rest of the ring
-    // update: each CPU divides once per bucket and keeps the answer.
-    if now >= clock.end_ns || now < clock.start_ns {
-        let width = FLOWCTL_STATS_BUCKET_NS.load();
-        let epoch = stats::epoch_of(now, width);
-        clock.epoch = epoch;
-        clock.slot = stats::index(0, epoch, FLOWCTL_STATS_BUCKETS.load());
-        clock.start_ns = (epoch - 1).wrapping_mul(width);
-        clock.end_ns = clock.start_ns.wrapping_add(width);
-    }
-    let epoch = clock.epoch;
-    let index = record.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
-    if let Some(b) = FLOWCTL_STATS.get_ptr_mut(index) {
-        // Per-CPU: only this CPU writes this copy, so plain stores are exact.
-        let b = unsafe { &mut *b };
-        if b.epoch != epoch {
-            reset_bucket(b, epoch, full);
-        }
+    // Per-CPU: only this CPU writes its copy, so plain stores are exact.
+    // (Two 64-bit divisions per packet cost more than the rest of the ring
+    // update: `current_stats` divides once per bucket and keeps the answer.)
+    if let Some(b) = current_stats(record, now) {
         b.offered_pkts += 1;
         if !dropped {
             b.passed_pkts += 1;
@@ -277,6 +282,9 @@ fn reset_bucket(b: &mut StatsBucket, epoch: u64, full: bool) {
     b.syn_offered = 0;
     b.syn_passed = 0;
     b.fin_rst = 0;
+    b.established = 0;
+    b.completed = 0;
+    b.arrivals = 0;
     b.rt_count = 0;
     b.rt_sum_us = 0;
     if full {
@@ -324,6 +332,168 @@ pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32
     0
 }
 
+/// Kratos' test for one new connection, with the in-flight count the agent
+/// last summed: refuse while the agent says the rule is overloaded and more
+/// than max(1, maxInFlight) connections are in flight. Open (0) when the
+/// agent is not alive.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
+    let Some(ctl) = FLOWCTL_CONTROL.get(record) else { return 0 };
+    (alive != 0
+        && ctl.flags & control_flags::BBR_ACTIVE != 0
+        && ctl.bbr_overloaded != 0
+        && ctl.bbr_inflight > 1
+        && ctl.bbr_inflight > ctl.bbr_max_inflight) as u32
+}
+
+/// Connection work for a BBR rule's TCP packet: the RST reply to a refused
+/// SYN (`reply`; returns the XDP action), else tracking. A global function
+/// that parses the packet again rather than take the headers by pointer (see
+/// `flowctl_sample_key`); one function for both, so the parse is verified
+/// once (separate functions cost 37k and 41k verified instructions).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_connection(ctx: *mut xdp_md, record: u32, code: u32, reply: u32) -> u32 {
+    let c = XdpContext::new(ctx);
+    let Ok(Some(meta)) = parse::parse(&c) else { return xdp_action::XDP_DROP };
+    if meta.proto != 6 {
+        return xdp_action::XDP_DROP;
+    }
+    if reply != 0 {
+        return reset(&c, &meta);
+    }
+    track(&meta, record, code);
+    xdp_action::XDP_PASS
+}
+
+/// Follows the TCP connections of BBR rules (algorithms.md section 4, at
+/// L4): the first admitted SYN of a tuple is an arrival (retransmissions are
+/// not), the client's handshake-completing ACK establishes (counted in the
+/// open ring's current epoch and the statistics ring), FIN or RST completes
+/// (taken off the epoch it was established in, counted with its lifetime as
+/// the round trip).
+#[inline(always)]
+fn track(meta: &PacketMeta, record: u32, code: u32) {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = conn_key(meta, record);
+    let flags = meta.tcp_flags;
+    let syn = flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
+    let entry = FLOWCTL_CONNS.get_ptr_mut(&key);
+    if syn {
+        if code == 0 && entry.is_none() {
+            let e = ConnEntry { syn_ns: now, open_epoch: 0, state: conn_state::SYN_SEEN };
+            if FLOWCTL_CONNS.insert(&key, &e, 1 /* BPF_NOEXIST */).is_ok() {
+                if let Some(b) = current_stats(record, now) {
+                    b.arrivals += 1;
+                }
+            }
+        }
+        return;
+    }
+    let Some(e) = entry else { return };
+    let e = unsafe { &mut *e };
+    if flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
+        if e.state == conn_state::ESTABLISHED {
+            open_add(record, e.open_epoch as u64, false);
+            if let Some(b) = current_stats(record, now) {
+                b.completed += 1;
+                b.rt_count += 1;
+                b.rt_sum_us += now.saturating_sub(e.syn_ns) / 1000;
+            }
+        }
+        let _ = FLOWCTL_CONNS.remove(&key);
+        return;
+    }
+    if flags & tcp_flags::ACK != 0 && e.state == conn_state::SYN_SEEN {
+        let epoch = now / OPEN_BUCKET_NS;
+        e.state = conn_state::ESTABLISHED;
+        e.open_epoch = epoch as u32;
+        open_add(record, epoch, true);
+        if let Some(b) = current_stats(record, now) {
+            b.established += 1;
+        }
+    }
+}
+
+/// The connection key: the 5-tuple, kept apart per rule record.
+#[inline(always)]
+fn conn_key(m: &PacketMeta, record: u32) -> BucketKey {
+    BucketKey {
+        state_id: record,
+        family: m.family,
+        proto: m.proto,
+        sport: m.sport,
+        dport: m.dport,
+        _pad: 0,
+        src: m.src,
+        dst: m.dst,
+    }
+}
+
+/// Adds one establishment to (or takes one completion off) `epoch` of a
+/// record's open ring. A completion whose epoch has left the ring (or was
+/// overwritten) changes nothing: that connection no longer counts anyway.
+#[inline(always)]
+fn open_add(record: u32, epoch: u64, add: bool) {
+    let idx = record.wrapping_mul(OPEN_BUCKETS as u32).wrapping_add((epoch % OPEN_BUCKETS as u64) as u32);
+    let Some(p) = FLOWCTL_OPEN.get_ptr_mut(idx) else { return };
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(p) };
+        let (e, c) = window::unpack(old);
+        let new = if add {
+            window::bumped(old, epoch, 1)
+        } else if e == epoch as u32 {
+            window::pack(epoch, c.wrapping_sub(1))
+        } else {
+            return;
+        };
+        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, new) };
+        if ok {
+            return;
+        }
+        tries += 1;
+    }
+}
+
+/// This CPU's current bucket of a record's statistics ring, reset when stale.
+#[inline(always)]
+fn current_stats(record: u32, now: u64) -> Option<&'static mut StatsBucket> {
+    let clock = unsafe { &mut *FLOWCTL_STATS_CLOCK.get_ptr_mut(0)? };
+    if now >= clock.end_ns || now < clock.start_ns {
+        let width = FLOWCTL_STATS_BUCKET_NS.load();
+        let epoch = stats::epoch_of(now, width);
+        clock.epoch = epoch;
+        clock.slot = stats::index(0, epoch, FLOWCTL_STATS_BUCKETS.load());
+        clock.start_ns = (epoch - 1).wrapping_mul(width);
+        clock.end_ns = clock.start_ns.wrapping_add(width);
+    }
+    let index = record.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
+    let b = unsafe { &mut *FLOWCTL_STATS.get_ptr_mut(index)? };
+    if b.epoch != clock.epoch {
+        reset_bucket(b, clock.epoch, FLOWCTL_STATS_LEVEL.load() == stats::level::FULL);
+    }
+    Some(b)
+}
+
+/// Turns a refused SYN into the RST|ACK a closed port would send, in place,
+/// to go back out of the interface (XDP_TX). Anything it cannot answer
+/// exactly (IP options, IPv6 extension headers) is dropped instead.
+#[inline(always)]
+fn reset(c: &XdpContext, meta: &PacketMeta) -> u32 {
+    if parse::rst_reply(c, meta).is_err() {
+        return xdp_action::XDP_DROP;
+    }
+    // Cut the frame after the 20-byte TCP header (the SYN's options go).
+    let want = meta.l4_off as i64 + 20;
+    let have = (c.data_end() - c.data()) as i64;
+    if have > want && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(c.ctx, (want - have) as i32) } != 0 {
+        return xdp_action::XDP_DROP;
+    }
+    xdp_action::XDP_TX
+}
+
 #[inline(always)]
 fn run(ctx: &XdpContext) -> u64 {
     let Some(global) = FLOWCTL_GLOBAL.get(0) else {
@@ -357,7 +527,9 @@ fn run(ctx: &XdpContext) -> u64 {
     let code = outcome_code(d.outcome);
     let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
     let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);
-    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0)
+    // The rule's BBR flags go along as they are (no branch here: every
+    // branch at the end of the decision is walked once per path into it).
+    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0) | (d.bbr as u64 & 3) << 61
 }
 
 #[inline(always)]
@@ -450,7 +622,12 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
             return verdict(rule, reason::ADMISSION);
         }
     }
-    // Stage 2 (BBR) is added by later work: check here, commit below.
+    // Stage 2: BBR, on new connections (a BBR rule's unit is `connections`,
+    // so only SYNs get here). A global function: inline, its branches
+    // multiplied the verifier's work on every later stage by a third.
+    if rule.bbr != 0 && flowctl_bbr_refuses(record, agent_alive(global, now) as u32) != 0 {
+        return verdict(rule, reason::BBR);
+    }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)
     // only once the bucket has admitted on a read, and rolled back if the

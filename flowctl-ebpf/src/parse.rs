@@ -72,6 +72,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Option<PacketMeta>, ()> {
             off += VLAN_LEN;
         }
     }
+    meta.l3_off = off as u16;
     match ether_type {
         ETH_P_IP => parse_ipv4(ctx, off, &mut meta)?,
         ETH_P_IPV6 => parse_ipv6(ctx, off, &mut meta)?,
@@ -174,6 +175,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(),
 
 #[inline(always)]
 fn parse_l4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
+    meta.l4_off = off as u16;
     match meta.proto {
         IPPROTO_TCP => {
             let t = bytes::<{ TcpHdr::LEN }>(ctx, off)?;
@@ -194,6 +196,127 @@ fn parse_l4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), (
             ptr_at::<[u8; 4]>(ctx, off)?;
         }
         _ => {}
+    }
+    Ok(())
+}
+
+/// Folds a 32-bit one's-complement sum into the 16-bit checksum.
+#[inline(always)]
+fn fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
+/// Adds the big-endian 16-bit words of `b` to a one's-complement sum.
+#[inline(always)]
+fn sum_words<const N: usize>(b: &[u8; N], mut sum: u32) -> u32 {
+    let mut i = 0;
+    while i + 1 < N {
+        sum += be16(b, i) as u32;
+        i += 2;
+    }
+    sum
+}
+
+/// Rewrites a TCP SYN, in place, into the RST|ACK a closed port answers
+/// with (RFC 9293 3.10.7.1: SEQ 0, ACK = the SYN's SEQ + 1): MACs, addresses
+/// and ports swapped, TTL/hop limit 64, TCP header cut to 20 bytes (the
+/// caller trims the frame), checksums recomputed. IPv4 options are kept;
+/// IPv6 extension headers are not handled (Err: the caller drops).
+#[inline(always)]
+pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
+    let l3 = meta.l3_off as usize;
+    let l4 = meta.l4_off as usize;
+    let eth = ptr_at::<[u8; 12]>(ctx, 0)? as *mut [u8; 12];
+    let mut e = unsafe { core::ptr::read_unaligned(eth) };
+    let mut i = 0;
+    while i < 6 {
+        e.swap(i, i + 6);
+        i += 1;
+    }
+    let tcp = ptr_at::<[u8; 20]>(ctx, l4)? as *mut [u8; 20];
+    let mut t = unsafe { core::ptr::read_unaligned(tcp) };
+    let ack = be32(&t, 4).wrapping_add(1).to_be_bytes();
+    let mut r = [0u8; 20];
+    r[0] = t[2];
+    r[1] = t[3];
+    r[2] = t[0];
+    r[3] = t[1];
+    r[8] = ack[0];
+    r[9] = ack[1];
+    r[10] = ack[2];
+    r[11] = ack[3];
+    r[12] = 5 << 4;
+    r[13] = 0x14; // RST | ACK
+    t = r;
+    let mut pseudo: u32;
+    if meta.family == 4 {
+        let ip = ptr_at::<[u8; 20]>(ctx, l3)? as *mut [u8; 20];
+        let mut h = unsafe { core::ptr::read_unaligned(ip) };
+        let ihl = ((h[0] & 0x0f) as usize) * 4;
+        if ihl != 20 || l4 != l3 + 20 {
+            // Options would need the checksum over a variable length; rare
+            // on SYNs, and a drop is still a refusal.
+            return Err(());
+        }
+        let mut k = 0;
+        while k < 4 {
+            h.swap(12 + k, 16 + k);
+            k += 1;
+        }
+        let total = (20u16 + 20).to_be_bytes();
+        h[2] = total[0];
+        h[3] = total[1];
+        h[4] = 0;
+        h[5] = 0;
+        h[6] = 0x40; // don't fragment
+        h[7] = 0;
+        h[8] = 64;
+        h[10] = 0;
+        h[11] = 0;
+        let c = fold(sum_words(&h, 0)).to_be_bytes();
+        h[10] = c[0];
+        h[11] = c[1];
+        unsafe { core::ptr::write_unaligned(ip, h) };
+        // Pseudo header: addresses (as now swapped), protocol, TCP length.
+        let mut a = [0u8; 8];
+        let mut k = 0;
+        while k < 8 {
+            a[k] = h[12 + k];
+            k += 1;
+        }
+        pseudo = sum_words(&a, 6 + 20);
+    } else {
+        if l4 != l3 + 40 {
+            return Err(());
+        }
+        let ip = ptr_at::<[u8; 40]>(ctx, l3)? as *mut [u8; 40];
+        let mut h = unsafe { core::ptr::read_unaligned(ip) };
+        let mut k = 0;
+        while k < 16 {
+            h.swap(8 + k, 24 + k);
+            k += 1;
+        }
+        h[4] = 0;
+        h[5] = 20;
+        h[7] = 64;
+        unsafe { core::ptr::write_unaligned(ip, h) };
+        let mut a = [0u8; 32];
+        let mut k = 0;
+        while k < 32 {
+            a[k] = h[8 + k];
+            k += 1;
+        }
+        pseudo = sum_words(&a, 6 + 20);
+    }
+    pseudo = sum_words(&t, pseudo);
+    let c = fold(pseudo).to_be_bytes();
+    t[16] = c[0];
+    t[17] = c[1];
+    unsafe {
+        core::ptr::write_unaligned(tcp, t);
+        core::ptr::write_unaligned(eth, e);
     }
     Ok(())
 }

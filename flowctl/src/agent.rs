@@ -84,7 +84,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
                 other
             ),
         }
-        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries), (map_names::QUOTAS, set.settings.quota_table_entries)] {
+        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries), (map_names::QUOTAS, set.settings.quota_table_entries), (map_names::CONNS, set.settings.connection_table_entries)] {
             if let Some(have) = dataplane::pinned_max_entries(&id, name) {
                 if have != want {
                     bail!("the pinned {name} has {have} entries but the profile asks for {want}; table sizes can only change with --replace (which resets bucket state)");
@@ -120,6 +120,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
             source_cache_entries: set.settings.source_cache_entries,
             quota_table_entries: set.settings.quota_table_entries,
             stats: set.settings.stats,
+            connection_table_entries: set.settings.connection_table_entries,
         },
     };
     let mut maps = Maps::open(&id)?;
@@ -143,7 +144,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
     let local = tokio::task::LocalSet::new();
-    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, cpu, signals));
+    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals));
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
     } else {
@@ -171,7 +172,9 @@ fn load_and_attach(id: &AttachId, set: &profile::RuleSet, args: &AttachArgs, ado
 /// Both the agent and an agent-less `apply` come through here.
 pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
     let s = &set.settings;
-    if (s.key_table_entries, s.source_cache_entries, s.quota_table_entries) != (state.key_table_entries, state.source_cache_entries, state.quota_table_entries) {
+    if (s.key_table_entries, s.source_cache_entries, s.quota_table_entries, s.connection_table_entries)
+        != (state.key_table_entries, state.source_cache_entries, state.quota_table_entries, state.connection_table_entries)
+    {
         bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
     }
     if s.stats != state.stats {
@@ -196,7 +199,7 @@ fn now_unix() -> u64 {
 /// A request read by a connection task, with the channel for its answer.
 type Pending = (String, tokio::sync::oneshot::Sender<Response>);
 
-async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu: crate::cpu::CpuSignal, signals: Signals) -> Result<()> {
+async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set: profile::RuleSet, mut cpu: crate::cpu::CpuSignal, signals: Signals) -> Result<()> {
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
@@ -205,6 +208,10 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu:
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
     let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
     let mut cpu_failing = false;
+    // The BBR loop runs once per statistics bucket.
+    let mut bbr_tick = tokio::time::interval(Duration::from_nanos(state.stats.bucket_ns));
+    bbr_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut bbr = crate::adaptive::BbrLoop::default();
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
@@ -253,6 +260,11 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu:
                     Err(_) => {}
                 }
             }
+            _ = bbr_tick.tick(), if set.rules.iter().any(|r| r.bbr.is_some()) => {
+                if let Err(e) = bbr.tick(maps, state, &set, published.cpu_permille, pins::monotonic_ns()) {
+                    tracing::warn!("BBR loop: {e:#}");
+                }
+            }
             _ = keys_tick.tick() => {
                 if let Some(w) = keys.as_mut().filter(|w| w.active()) {
                     if let Err(e) = w.poll(maps) {
@@ -261,7 +273,7 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu:
                 }
             }
             Some((line, reply)) = rx.recv() => {
-                let _ = reply.send(handle(maps, state, keys.as_mut(), &mut cpu, &line));
+                let _ = reply.send(handle(maps, state, &mut set, keys.as_mut(), &mut cpu, &line));
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
@@ -297,7 +309,14 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut cpu:
     Ok(())
 }
 
-fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::heavy::KeyWatcher>, cpu: &mut crate::cpu::CpuSignal, line: &str) -> Response {
+fn handle(
+    maps: &mut Maps,
+    state: &mut AttachState,
+    active: &mut profile::RuleSet,
+    keys: Option<&mut crate::heavy::KeyWatcher>,
+    cpu: &mut crate::cpu::CpuSignal,
+    line: &str,
+) -> Response {
     let req: Request = match serde_json::from_str(line) {
         Ok(r) => r,
         Err(e) => return Response::err(format!("bad request: {e}")),
@@ -318,12 +337,17 @@ fn handle(maps: &mut Maps, state: &mut AttachState, keys: Option<&mut crate::hea
             } else {
                 None
             };
-            match apply_and_record(maps, state, &set, &path) {
+            let result = apply_and_record(maps, state, &set, &path);
+            let n = set.rules.len();
+            if result.is_ok() {
+                *active = set;
+            }
+            match result {
                 Ok(()) if new_cpu.is_some() => {
                     *cpu = new_cpu.expect("checked");
-                    Response::ok(format!("applied {} rules (generation {}); CPU signal now from {:?}", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0), cpu.source()))
+                    Response::ok(format!("applied {n} rules (generation {}); CPU signal now from {:?}", maps.global().map(|g| g.generation).unwrap_or(0), cpu.source()))
                 }
-                Ok(()) => Response::ok(format!("applied {} rules (generation {})", set.rules.len(), maps.global().map(|g| g.generation).unwrap_or(0))),
+                Ok(()) => Response::ok(format!("applied {n} rules (generation {})", maps.global().map(|g| g.generation).unwrap_or(0))),
                 Err(e) => Response::err(format!("{e:#}")),
             }
         }

@@ -13,7 +13,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{
-    globals, map_names as names, AgentRecord, KeySample, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
+    control_flags, globals, map_names as names, AgentRecord, KeySample, OPEN_BUCKETS, OPEN_BUCKET_NS, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
     PROTO_INDICES, XDP_PROGRAM,
 };
@@ -111,6 +111,8 @@ pub struct Maps {
     pub debt: Array<MapData, u64>,
     pub stats: PerCpuArray<MapData, StatsBucket>,
     pub agent: Array<MapData, AgentRecord>,
+    /// BBR rules' open-connection rings (see `OPEN_BUCKETS`).
+    pub open: Array<MapData, u64>,
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
@@ -132,11 +134,30 @@ impl Maps {
             debt: Array::try_from(Map::Array(open(&d, names::DEBT)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::STATS)?))?,
             agent: Array::try_from(Map::Array(open(&d, names::AGENT)?))?,
+            open: Array::try_from(Map::Array(open(&d, names::OPEN)?))?,
         })
     }
 
     pub fn global(&self) -> Result<GlobalRecord> {
         Ok(self.global.get(&0, 0)?)
+    }
+
+    /// Established, not yet completed connections of a BBR rule: the open
+    /// ring's counts over the epochs within `idle_timeout_ns` of `now_ns`.
+    pub fn in_flight(&self, record: u32, idle_timeout_ns: u64, now_ns: u64) -> Result<u64> {
+        let cur = now_ns / OPEN_BUCKET_NS;
+        let span = (idle_timeout_ns / OPEN_BUCKET_NS).clamp(1, OPEN_BUCKETS as u64 - 1);
+        let mut n = 0u64;
+        for e in cur.saturating_sub(span - 1)..=cur {
+            let w = self.open.get(&(record * OPEN_BUCKETS as u32 + (e % OPEN_BUCKETS as u64) as u32), 0)?;
+            let (epoch, count) = flowctl_common::window::unpack(w);
+            if epoch == e as u32 {
+                // A count is a u32 that completions may have taken below the
+                // establishments they match (a CPU race): never below zero.
+                n += (count as i32).max(0) as u64;
+            }
+        }
+        Ok(n)
     }
 
     /// What the agent last published (see `AgentRecord`).
@@ -272,7 +293,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             prefix_v6: r.prefix_v6,
             has_ports: r.spec.ports.is_some() as u8,
             has_bucket: (r.interval_fp != 0) as u8,
-            _pad: 0,
+            bbr: r.bbr.as_ref().map(|b| b.kernel_flags()).unwrap_or(0),
             at: slot * MAX_RULES as u32 + i as u32,
             quota_bucket_ns: r.quota_bucket_ns,
             quota_limit: r.quota_limit,
@@ -318,6 +339,36 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
                 if maps.debt.get(&(base + i), 0)? != 0 {
                     maps.debt.set(base + i, 0, 0)?;
                 }
+            }
+            // Nor its statistics or open connections.
+            let buckets = state.stats.buckets;
+            for i in 0..buckets {
+                let idx = s.record * buckets + i;
+                if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
+                    maps.stats.set(idx, PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?, 0)?;
+                }
+            }
+            for i in 0..OPEN_BUCKETS as u32 {
+                let idx = s.record * OPEN_BUCKETS as u32 + i;
+                if maps.open.get(&idx, 0)? != 0 {
+                    maps.open.set(idx, 0, 0)?;
+                }
+            }
+        }
+    }
+    // Rules without BBR (any more) leave nothing of it in their control record.
+    for (r, s) in set.rules.iter().zip(&planned) {
+        if r.bbr.is_none() {
+            let mut c = maps.control.get(&s.record, 0)?;
+            if c.flags & control_flags::BBR_ACTIVE != 0 {
+                c.flags &= !control_flags::BBR_ACTIVE;
+                c.bbr_max_inflight = 0;
+                c.bbr_overloaded = 0;
+                c.bbr_inflight = 0;
+                c.bbr_max_pass = 0;
+                c.bbr_min_rt_ms = 0;
+                c.version = c.version.wrapping_add(1);
+                maps.control.set(s.record, c, 0)?;
             }
         }
     }
@@ -379,6 +430,7 @@ pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
         .map_max_entries(names::KEYS, settings.key_table_entries)
         .map_max_entries(names::QUOTAS, settings.quota_table_entries)
+        .map_max_entries(names::CONNS, settings.connection_table_entries)
         .map_max_entries(names::STATS, COUNTER_RECORDS as u32 * settings.stats.buckets)
         .override_global(globals::STATS_LEVEL, &settings.stats.level, true)
         .override_global(globals::STATS_BUCKET_NS, &settings.stats.bucket_ns, true)

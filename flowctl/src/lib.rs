@@ -18,6 +18,7 @@ macro_rules! out {
     }};
 }
 
+pub mod adaptive;
 pub mod agent;
 pub mod commands;
 pub mod control;

@@ -125,6 +125,12 @@ pub struct AttachState {
     /// Shape of the statistics rings the program was loaded with.
     #[serde(default)]
     pub stats: crate::profile::StatsSettings,
+    #[serde(default = "default_conn_entries")]
+    pub connection_table_entries: u32,
+}
+
+fn default_conn_entries() -> u32 {
+    flowctl_common::DEFAULT_CONN_ENTRIES
 }
 
 fn default_quota_entries() -> u32 {

@@ -6,9 +6,9 @@ use flowctl_common::{
     action, gcra, key_kind,
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
     tables::{Cidr, MatchSpec},
-    stats, unit, BucketKey, QuotaRing, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS, DEFAULT_QUOTA_ENTRIES,
+    stats, unit, BucketKey, QuotaRing, DEFAULT_CONN_ENTRIES, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS, DEFAULT_QUOTA_ENTRIES,
     DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, MAX_QUOTA_BUCKETS, MAX_RULES,
-    MAX_STATS_BUCKETS, XDP_DROP, XDP_PASS,
+    MAX_STATS_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS, XDP_DROP, XDP_PASS,
 };
 use serde::Deserialize;
 use std::{net::IpAddr, path::Path};
@@ -45,6 +45,7 @@ struct RawSettings {
     key_table_entries: Option<Spanned<i64>>,
     source_cache_entries: Option<Spanned<i64>>,
     quota_table_entries: Option<Spanned<i64>>,
+    connection_table_entries: Option<Spanned<i64>>,
     memory_budget: Option<Spanned<String>>,
     grace_period: Option<Spanned<String>>,
     statistics: Option<Spanned<String>>,
@@ -84,6 +85,48 @@ struct RawRule {
     quota: Option<Spanned<RawAmount>>,
     quota_window: Option<Spanned<String>>,
     quota_buckets: Option<Spanned<i64>>,
+    bbr: Option<Spanned<RawBbr>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBbr {
+    cpu_threshold: Option<Spanned<i64>>,
+    window: Option<Spanned<String>>,
+    buckets: Option<Spanned<i64>>,
+    idle_timeout: Option<Spanned<String>>,
+    reject: Option<Spanned<String>>,
+    #[serde(default)]
+    compat: Vec<Spanned<String>>,
+}
+
+/// A rule's BBR limiter, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BbrRule {
+    /// CPU EMA (per-mille) at or above which the in-flight test is on.
+    pub cpu_threshold: u32,
+    pub window_ns: u64,
+    pub buckets: u32,
+    /// Established connections silent this long stop counting as in flight.
+    pub idle_timeout_ns: u64,
+    /// Answer refused SYNs with a TCP RST instead of dropping them.
+    pub reset: bool,
+    pub compat: flowctl_common::bbr::Compat,
+}
+
+impl BbrRule {
+    pub fn config(&self) -> flowctl_common::bbr::BbrConfig {
+        flowctl_common::bbr::BbrConfig {
+            cpu_threshold: self.cpu_threshold,
+            buckets_per_second: (1_000_000_000 / (self.window_ns / self.buckets as u64).max(1)).max(1),
+            cooldown_ns: 1_000_000_000,
+            compat: self.compat,
+        }
+    }
+
+    pub fn kernel_flags(&self) -> u8 {
+        flowctl_common::bbr_flags::ON | if self.reset { flowctl_common::bbr_flags::RESET } else { 0 }
+    }
 }
 
 /// Profile-wide settings, validated.
@@ -94,6 +137,8 @@ pub struct Settings {
     pub key_table_entries: u32,
     pub source_cache_entries: u32,
     pub quota_table_entries: u32,
+    /// Tracked TCP connections of BBR rules.
+    pub connection_table_entries: u32,
     pub memory_budget: u64,
     pub grace_ns: u64,
     pub stats: StatsSettings,
@@ -136,6 +181,7 @@ impl Default for Settings {
             key_table_entries: DEFAULT_TABLE_ENTRIES,
             source_cache_entries: DEFAULT_TABLE_ENTRIES,
             quota_table_entries: DEFAULT_QUOTA_ENTRIES,
+            connection_table_entries: DEFAULT_CONN_ENTRIES,
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
@@ -164,6 +210,9 @@ pub struct Rule {
     pub quota_limit: u32,
     pub quota_bucket_ns: u64,
     pub quota_buckets: u32,
+    pub bbr: Option<BbrRule>,
+    /// Where `bbr` was written (for errors that need the settings).
+    pub bbr_span: Option<std::ops::Range<usize>>,
 }
 
 /// Default quota buckets K: the effective window is at most W + W/K.
@@ -259,7 +308,8 @@ pub fn fixed_table_bytes() -> u64 {
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * core::mem::size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>()
-        + DEBT_SLOTS * core::mem::size_of::<u64>();
+        + DEBT_SLOTS * core::mem::size_of::<u64>()
+        + MAX_RULE_RECORDS * OPEN_BUCKETS * core::mem::size_of::<u64>();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let counters = COUNTER_RECORDS * core::mem::size_of::<RuleCounters>() * ncpu;
     (arrays + counters) as u64
@@ -274,7 +324,9 @@ impl Settings {
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
         let quotas = self.quota_table_entries as u64
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<QuotaRing>());
-        cache + keys + quotas + fixed_table_bytes() + self.stats.kernel_bytes()
+        let conns = self.connection_table_entries as u64
+            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<flowctl_common::ConnEntry>());
+        cache + keys + quotas + conns + fixed_table_bytes() + self.stats.kernel_bytes()
     }
 }
 
@@ -348,6 +400,26 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         if rules.iter().any(|o| o.name == rule.name) {
             return Err(cx.err(span, format!("duplicate rule name `{}`", rule.name)));
         }
+        // BBR reads its window from the statistics ring: one BBR bucket per
+        // ring bucket, and the window inside the ring (one bucket is the
+        // one being filled).
+        if let (Some(b), Some(bs)) = (&rule.bbr, &rule.bbr_span) {
+            let width = b.window_ns / b.buckets as u64;
+            let st = &settings.stats;
+            if width != st.bucket_ns || b.window_ns % b.buckets as u64 != 0 {
+                return Err(cx.err(
+                    bs.clone(),
+                    format!(
+                        "bbr window / buckets is {} ms, but the statistics ring's buckets are {} ms: make them equal (e.g. window = \"10s\", buckets = 100 with the default statistics_bucket = \"100ms\")",
+                        width as f64 / 1e6,
+                        st.bucket_ns as f64 / 1e6
+                    ),
+                ));
+            }
+            if b.buckets > st.buckets {
+                return Err(cx.err(bs.clone(), format!("bbr buckets ({}) must not exceed statistics_buckets ({}): the window is read from the ring", b.buckets, st.buckets)));
+            }
+        }
         rules.push(rule);
     }
     let set = RuleSet { settings, rules };
@@ -408,6 +480,9 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
     if let Some(v) = &s.quota_table_entries {
         out.quota_table_entries = table_size(cx, v)?;
     }
+    if let Some(v) = &s.connection_table_entries {
+        out.connection_table_entries = table_size(cx, v)?;
+    }
     if let Some(v) = &s.memory_budget {
         out.memory_budget = match parse_amount(v.get_ref()) {
             Ok((n, Dimension::Bytes)) => n,
@@ -441,6 +516,64 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
             return Err(cx.err(v.span(), format!("statistics_buckets {n} out of range: 10 to {MAX_STATS_BUCKETS}")));
         }
         out.stats.buckets = n as u32;
+    }
+    Ok(out)
+}
+
+fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
+    let mut out = BbrRule {
+        cpu_threshold: 800,
+        window_ns: 10_000_000_000,
+        buckets: 100,
+        idle_timeout_ns: 30_000_000_000,
+        reset: false,
+        compat: flowctl_common::bbr::Compat::default(),
+    };
+    if let Some(v) = &b.cpu_threshold {
+        let n = *v.get_ref();
+        if !(1..=1000).contains(&n) {
+            return Err(cx.err(v.span(), format!("cpu_threshold {n} out of range: 1 to 1000 (per mille of the CPU signal)")));
+        }
+        out.cpu_threshold = n as u32;
+    }
+    if let Some(v) = &b.window {
+        out.window_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad bbr window: {e}")))?;
+    }
+    if let Some(v) = &b.buckets {
+        let n = *v.get_ref();
+        if !(2..=1000).contains(&n) {
+            return Err(cx.err(v.span(), format!("bbr buckets {n} out of range: 2 to 1000")));
+        }
+        out.buckets = n as u32;
+    }
+    if let Some(v) = &b.idle_timeout {
+        let ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad idle_timeout: {e}")))?;
+        let max = (OPEN_BUCKETS as u64 - 1) * OPEN_BUCKET_NS;
+        if !(OPEN_BUCKET_NS..=max).contains(&ns) {
+            return Err(cx.err(v.span(), format!("idle_timeout must be between 1s and {}s (the open-connection ring's span)", max / 1_000_000_000)));
+        }
+        out.idle_timeout_ns = ns;
+    }
+    if let Some(v) = &b.reject {
+        out.reset = match v.get_ref().as_str() {
+            "drop" => false,
+            "reset" => true,
+            other => return Err(cx.err(v.span(), format!("unknown reject `{other}`: use \"drop\" or \"reset\" (answer refused SYNs with a TCP RST)"))),
+        };
+    }
+    for c in &b.compat {
+        match c.get_ref().as_str() {
+            "floor_max_inflight" => out.compat.floor_max_inflight = true,
+            "empty_window_zero" => out.compat.empty_window_zero = true,
+            "cooldown_from_first_drop" => out.compat.cooldown_from_first_drop = true,
+            "kratos" => out.compat = flowctl_common::bbr::Compat::KRATOS,
+            other => {
+                return Err(cx.err(
+                    c.span(),
+                    format!("unknown compat switch `{other}`: floor_max_inflight, empty_window_zero, cooldown_from_first_drop or kratos (all three)"),
+                ))
+            }
+        }
     }
     Ok(out)
 }
@@ -556,6 +689,8 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         quota_limit: 0,
         quota_bucket_ns: 0,
         quota_buckets: 0,
+        bbr: None,
+        bbr_span: None,
     };
     if action_v == action::PASS {
         for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span())), ("quota", r.quota.as_ref().map(|x| x.span()))] {
@@ -677,6 +812,13 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
     }
     if rule.interval_fp != 0 {
         rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+    }
+    if let Some(b) = &r.bbr {
+        if rule.unit != unit::CONNECTIONS || rule.spec.proto != Some(6) {
+            return Err(cx.err(b.span(), "bbr needs proto = \"tcp\" and unit = \"connections\" (its requests are TCP connections)"));
+        }
+        rule.bbr = Some(bbr(cx, b.get_ref())?);
+        rule.bbr_span = Some(b.span());
     }
     if let Some(k) = &r.key {
         rule.key_kind = match k.get_ref().as_str() {

@@ -53,6 +53,7 @@ impl TestPlane {
             source_cache_entries: set.settings.source_cache_entries,
             quota_table_entries: set.settings.quota_table_entries,
             stats: set.settings.stats,
+            connection_table_entries: set.settings.connection_table_entries,
         };
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
         Self { ebpf, id, maps, state }

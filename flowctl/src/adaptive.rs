@@ -1,0 +1,116 @@
+//! The agent's BBR loop: every statistics bucket (100 ms by default) it
+//! reads each BBR rule's window from the kernel's rings, evaluates the pure
+//! decision (`flowctl_common::bbr`) and writes the result into the rule's
+//! control record, where the XDP program applies it to each SYN.
+//!
+//! What the kernel measures (docs/design.md, "BBR at L4"): an arrival is the
+//! first admitted SYN of a tuple; a connection is in flight from the
+//! client's handshake-completing ACK until FIN/RST, or until it has been
+//! silent for the rule's idle timeout (the open ring stops counting it);
+//! a completion is a FIN/RST of an established connection, and its round
+//! trip is the connection's lifetime from the SYN. `maxPass` counts
+//! completions per bucket, so connections that only time out add nothing
+//! to it (they have no round trip either).
+//!
+//! The in-flight count the kernel compares is the one summed here, so it
+//! lags by at most one tick; the kernel refuses SYNs only while this loop
+//! says the rule is overloaded, and not at all when the agent's heartbeat is
+//! older than the grace period.
+
+use crate::{dataplane::Maps, pins::AttachState, profile::RuleSet};
+use anyhow::Result;
+use flowctl_common::{
+    bbr::{self, BbrBucket, BbrState},
+    control_flags, reason, stats, NO_CPU_SIGNAL,
+};
+use std::collections::{BTreeMap, HashMap};
+
+/// One rule's loop state.
+#[derive(Default)]
+struct RuleLoop {
+    record: u32,
+    /// Complete buckets already read (complete buckets no longer change).
+    buckets: BTreeMap<u64, BbrBucket>,
+    state: BbrState,
+    /// BBR drops counted by the kernel at the last tick.
+    drops_seen: u64,
+}
+
+/// What one tick decided for a rule (also what `top` and the tests read).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BbrView {
+    pub max_pass: u64,
+    pub min_rt_ms: u64,
+    pub max_in_flight: Option<u64>,
+    pub in_flight: u64,
+    pub overloaded: bool,
+}
+
+#[derive(Default)]
+pub struct BbrLoop {
+    rules: HashMap<String, RuleLoop>,
+}
+
+impl BbrLoop {
+    /// Evaluates every BBR rule of `set` at `now_ns` with CPU signal `cpu`
+    /// (per-mille; `NO_CPU_SIGNAL` reads as idle) and writes the control
+    /// records.
+    pub fn tick(&mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet, cpu: u32, now_ns: u64) -> Result<()> {
+        let cpu = if cpu == NO_CPU_SIGNAL { 0 } else { cpu };
+        let shape = state.stats;
+        self.rules.retain(|name, _| set.rules.iter().any(|r| &r.name == name && r.bbr.is_some()));
+        for (rule, rs) in set.rules.iter().zip(&state.rules) {
+            let Some(b) = &rule.bbr else { continue };
+            let cfg = b.config();
+            let l = self.rules.entry(rule.name.clone()).or_default();
+            if l.record != rs.record {
+                *l = RuleLoop { record: rs.record, ..Default::default() };
+                l.drops_seen = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
+            }
+            // The window: the buckets before the one being filled.
+            let epochs = stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, b.buckets.saturating_sub(1));
+            l.buckets.retain(|e, _| epochs.contains(e));
+            for e in epochs.clone() {
+                if !l.buckets.contains_key(&e) {
+                    let s = maps.stats_epochs(rs.record, &shape, e..e + 1)?;
+                    l.buckets.insert(e, BbrBucket { completed: s.completed, rt_sum_us: s.rt_sum_us, rt_count: s.rt_count });
+                }
+            }
+            let window: Vec<BbrBucket> = l.buckets.values().copied().collect();
+            let max = bbr::max_in_flight(&window, &cfg);
+            let in_flight = maps.in_flight(rs.record, b.idle_timeout_ns, now_ns)?;
+            // The kernel drops; the cool-down anchor follows its drops.
+            let drops = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
+            if drops > l.drops_seen && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
+                l.state.drop_anchor_ns = now_ns;
+            }
+            l.drops_seen = drops;
+            if !bbr::active(&l.state, &cfg, cpu, now_ns) {
+                l.state.drop_anchor_ns = 0;
+            }
+            let view = BbrView {
+                max_pass: bbr::max_pass(&window),
+                min_rt_ms: bbr::min_rt_ms(&window).unwrap_or(0),
+                max_in_flight: max,
+                in_flight,
+                overloaded: bbr::active(&l.state, &cfg, cpu, now_ns),
+            };
+            write_control(maps, rs.record, &view, now_ns)?;
+        }
+        Ok(())
+    }
+}
+
+fn write_control(maps: &mut Maps, record: u32, v: &BbrView, now_ns: u64) -> Result<()> {
+    let mut c = maps.control.get(&record, 0)?;
+    c.flags |= control_flags::BBR_ACTIVE;
+    c.bbr_max_inflight = v.max_in_flight.map(|m| m.min(u32::MAX as u64) as u32).unwrap_or(u32::MAX);
+    c.bbr_overloaded = v.overloaded as u32;
+    c.bbr_inflight = v.in_flight.min(u32::MAX as u64) as u32;
+    c.bbr_max_pass = v.max_pass.min(u32::MAX as u64) as u32;
+    c.bbr_min_rt_ms = v.min_rt_ms.min(u32::MAX as u64) as u32;
+    c.updated_ns = now_ns;
+    c.version = c.version.wrapping_add(1);
+    maps.control.set(record, c, 0)?;
+    Ok(())
+}
