@@ -82,6 +82,31 @@ impl TestPlane {
         (r.return_value, r.duration)
     }
 
+    /// The program's verdict and the frame as it left (XDP_TX replies).
+    pub fn run_out(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        let mut out = vec![0u8; frame.len() + 256];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.data_out = Some(&mut out);
+        opts.repeat = 1;
+        let r = self.prog().test_run(opts).expect("BPF_PROG_TEST_RUN");
+        out.truncate(r.data_size_out as usize);
+        (r.return_value, out)
+    }
+
+    /// The record of rule `name`.
+    pub fn record(&self, rule: &str) -> u32 {
+        self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record
+    }
+
+    /// Makes the kernel see a live agent (fresh heartbeat) or a dead one.
+    pub fn set_heartbeat(&mut self, alive: bool) {
+        let mut g = self.maps.global().unwrap();
+        g.heartbeat_ns = if alive { flowctl::pins::monotonic_ns() } else { 1 };
+        g.grace_ns = 3_000_000_000;
+        self.maps.global.set(0, g, 0).unwrap();
+    }
+
     pub fn counters(&self, rule: &str) -> RuleCounters {
         let rec = self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record;
         self.maps.counters(rec).unwrap()

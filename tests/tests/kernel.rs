@@ -571,3 +571,122 @@ fn sampled_keys_reach_the_ring_buffer() {
         assert_eq!(s.dropped, 1, "the bucket of one was spent by the first packet");
     }
 }
+
+const BBR_RULE: &str = "[[rule]]\nname = \"web\"\nproto = \"tcp\"\ndport = 80\nunit = \"connections\"\nrate = \"1000000/s\"\nbbr = { cpu_threshold = 800 }\n";
+
+/// A TCP segment from 10.8.0.<host>:<sport> to port 80 with `flags` and
+/// sequence number `seq`.
+fn tcp(host: u8, sport: u16, flags: u8, seq: u32, payload: usize) -> Vec<u8> {
+    let mut f = V4::new([10, 8, 0, host]).build(L4::Tcp { sport, dport: 80, flags }, payload);
+    f[14 + 20 + 4..14 + 20 + 8].copy_from_slice(&seq.to_be_bytes());
+    f
+}
+
+fn set_bbr(p: &mut TestPlane, rule: &str, overloaded: bool, inflight: u32, max: u32) {
+    let rec = p.record(rule);
+    let mut c = p.maps.control.get(&rec, 0).unwrap();
+    c.flags |= flowctl_common::control_flags::BBR_ACTIVE;
+    c.bbr_overloaded = overloaded as u32;
+    c.bbr_inflight = inflight;
+    c.bbr_max_inflight = max;
+    p.maps.control.set(rec, c, 0).unwrap();
+}
+
+#[test]
+fn bbr_stage_refuses_new_connections_only_while_overloaded() {
+    if not_root() {
+        return;
+    }
+    let mut p = TestPlane::new(&profile(BBR_RULE));
+    p.set_heartbeat(true);
+    let syn = tcp(1, 1000, 0x02, 7, 0);
+    let ack = tcp(1, 1000, 0x10, 8, 10);
+    set_bbr(&mut p, "web", true, 10, 5);
+    assert_eq!(p.run(&syn), XDP_DROP, "overloaded, 10 in flight over a limit of 5");
+    assert_eq!(p.run(&ack), XDP_PASS, "established traffic is never refused");
+    set_bbr(&mut p, "web", true, 5, 5);
+    assert_eq!(p.run(&syn), XDP_PASS, "at the limit: admitted");
+    set_bbr(&mut p, "web", true, 1, 0);
+    assert_eq!(p.run(&syn), XDP_PASS, "one in flight is never refused");
+    set_bbr(&mut p, "web", false, 10, 5);
+    assert_eq!(p.run(&syn), XDP_PASS, "not overloaded");
+    set_bbr(&mut p, "web", true, 10, 5);
+    p.set_heartbeat(false);
+    assert_eq!(p.run(&syn), XDP_PASS, "the agent's heartbeat is stale: BBR fails open");
+    assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1);
+}
+
+#[test]
+fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
+    if not_root() {
+        return;
+    }
+    let mut p = TestPlane::new(&profile(&BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\"")));
+    p.set_heartbeat(true);
+    set_bbr(&mut p, "web", true, 10, 5);
+    // A SYN with 12 bytes after its header (as options would be).
+    let syn = tcp(3, 4321, 0x02, 0x1234_5678, 12);
+    let (verdict, out) = p.run_out(&syn);
+    assert_eq!(verdict, 3, "XDP_TX");
+    assert_eq!(out.len(), 14 + 20 + 20, "trimmed to the IP and a bare TCP header");
+    assert_eq!(&out[0..6], &syn[6..12], "back to the sender's MAC");
+    assert_eq!(&out[26..30], &syn[30..34], "source and destination swapped");
+    assert_eq!(&out[30..34], &syn[26..30]);
+    let t = &out[34..54];
+    assert_eq!(u16::from_be_bytes([t[0], t[1]]), 80);
+    assert_eq!(u16::from_be_bytes([t[2], t[3]]), 4321);
+    assert_eq!(&t[4..8], &[0, 0, 0, 0], "SEQ 0");
+    assert_eq!(u32::from_be_bytes([t[8], t[9], t[10], t[11]]), 0x1234_5679, "ACK = the SYN's SEQ + 1");
+    assert_eq!((t[12], t[13]), (0x50, 0x14), "a 20-byte header with RST|ACK");
+    // Checksums: the one's-complement sum over each covered range is 0xffff.
+    let sum = |b: &[u8], init: u32| {
+        let mut s = init;
+        for w in b.chunks(2) {
+            s += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+        }
+        while s > 0xffff {
+            s = (s & 0xffff) + (s >> 16);
+        }
+        s
+    };
+    assert_eq!(sum(&out[14..34], 0), 0xffff, "IPv4 header checksum");
+    assert_eq!(u16::from_be_bytes([out[16], out[17]]), 40, "IPv4 total length");
+    let pseudo = sum(&out[26..34], 6 + 20);
+    assert_eq!(sum(t, pseudo), 0xffff, "TCP checksum with the pseudo header");
+    assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
+}
+
+#[test]
+fn connections_are_tracked_from_syn_to_fin() {
+    if not_root() {
+        return;
+    }
+    let p = TestPlane::new(&profile(BBR_RULE));
+    let rec = p.record("web");
+    let now = || flowctl::pins::monotonic_ns();
+    // Connection A: SYN (retransmitted), handshake ACK, data, FIN.
+    assert_eq!(p.run(&tcp(5, 2000, 0x02, 100, 0)), XDP_PASS);
+    assert_eq!(p.run(&tcp(5, 2000, 0x02, 100, 0)), XDP_PASS);
+    assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 0, "a SYN is not in flight");
+    p.run(&tcp(5, 2000, 0x10, 101, 0));
+    p.run(&tcp(5, 2000, 0x18, 101, 100));
+    // Connection B: SYN and handshake only.
+    p.run(&tcp(6, 2001, 0x02, 1, 0));
+    p.run(&tcp(6, 2001, 0x10, 2, 0));
+    assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 2);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    p.run(&tcp(5, 2000, 0x11, 201, 0));
+    assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 1, "A completed");
+    // Connection C: refused before it is established (RST): not in flight.
+    p.run(&tcp(7, 2002, 0x02, 1, 0));
+    p.run(&tcp(7, 2002, 0x04, 2, 0));
+    let r = p.ring("web");
+    assert_eq!((r.arrivals, r.established, r.completed), (3, 2, 1), "retransmitted SYNs arrive once");
+    assert_eq!(r.rt_count, 1);
+    assert!(r.rt_sum_us >= 20_000, "A lived at least 20 ms: {} us", r.rt_sum_us);
+    assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 1);
+    // An ACK of an untracked connection (evicted, or older than the agent)
+    // establishes nothing.
+    p.run(&tcp(9, 2003, 0x10, 5, 0));
+    assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 1);
+}
