@@ -57,6 +57,12 @@ pub fn render(id: &AttachId) -> Result<String> {
     let insert_failures = Family::<RuleLabel, Counter>::default();
     let key_inserts = Family::<RuleLabel, Counter>::default();
     let ratio = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
+    let bbr_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
+    let bbr_max_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
+    let bbr_max_pass = Family::<RuleLabel, Gauge<i64>>::default();
+    let bbr_min_rt = Family::<RuleLabel, Gauge<i64>>::default();
+    let bbr_overloaded = Family::<RuleLabel, Gauge<i64>>::default();
+    let agent_fresh = crate::occupancy::agent_fresh(&maps);
     let unmatched = Family::<KindLabel, Counter>::default();
     for r in &state.rules {
         let c = maps.counters(r.record)?;
@@ -76,6 +82,16 @@ pub fn render(id: &AttachId) -> Result<String> {
         }
         let ctl = maps.control.get(&r.record, 0)?;
         ratio.get_or_create(&rule).set(ctl.admission_ratio());
+        // BBR's numbers are the agent's: only while it runs.
+        if agent_fresh && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0 {
+            bbr_in_flight.get_or_create(&rule).set(ctl.bbr_inflight as i64);
+            if ctl.bbr_max_inflight != u32::MAX {
+                bbr_max_in_flight.get_or_create(&rule).set(ctl.bbr_max_inflight as i64);
+            }
+            bbr_max_pass.get_or_create(&rule).set(ctl.bbr_max_pass as i64);
+            bbr_min_rt.get_or_create(&rule).set(ctl.bbr_min_rt_ms as i64);
+            bbr_overloaded.get_or_create(&rule).set(ctl.bbr_overloaded as i64);
+        }
     }
     let g = maps.counters(GLOBAL_COUNTER_INDEX)?;
     for (kind, v) in [("non_ip", g.non_ip_pkts), ("malformed", g.malformed_pkts), ("fragment", g.fragment_pkts), ("all", g.offered_pkts)] {
@@ -123,6 +139,11 @@ pub fn render(id: &AttachId) -> Result<String> {
     reg.register("flowctl_bytes", "Bytes by rule, verdict and drop reason", bytes);
     reg.register("flowctl_key_insert_failures", "Bucket inserts the kernel refused", insert_failures);
     reg.register("flowctl_key_inserts", "Buckets the rule created in the key table", key_inserts);
+    reg.register("flowctl_bbr_in_flight", "BBR: established connections not yet completed", bbr_in_flight);
+    reg.register("flowctl_bbr_max_in_flight", "BBR: the in-flight limit (absent until the window has data)", bbr_max_in_flight);
+    reg.register("flowctl_bbr_max_pass", "BBR: most completions in one bucket of the window", bbr_max_pass);
+    reg.register("flowctl_bbr_min_rt_milliseconds", "BBR: smallest mean connection lifetime of a bucket", bbr_min_rt);
+    reg.register("flowctl_bbr_overloaded", "BBR: 1 while the in-flight test is on", bbr_overloaded);
     reg.register("flowctl_admission_ratio", "Share of new flows the rule admits (1 = all)", ratio);
     reg.register("flowctl_unmatched_packets", "Packets no rule matched, by kind (all = every one)", unmatched);
     reg.register("flowctl_kernel_memory_bytes", "Kernel memory the pinned maps lock", memory);
@@ -170,7 +191,8 @@ mod tests {
             "flowctl_key_insert_failures_total", "flowctl_admission_ratio", "flowctl_unmatched_packets_total",
             "flowctl_kernel_memory_bytes", "flowctl_profile_generation", "flowctl_rules",
             "flowctl_key_table_entries", "flowctl_key_table_capacity", "flowctl_agent_up", "flowctl_key_inserts_total",
-            "flowctl_cpu_permille",
+            "flowctl_cpu_permille", "flowctl_bbr_in_flight", "flowctl_bbr_max_in_flight", "flowctl_bbr_max_pass",
+            "flowctl_bbr_min_rt_milliseconds", "flowctl_bbr_overloaded",
         ];
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
         let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");

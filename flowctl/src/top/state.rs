@@ -64,12 +64,29 @@ pub struct RuleRow {
     pub syn_offered_ps: f64,
     pub syn_passed_ps: f64,
     pub fin_rst_ps: f64,
+    /// The BBR limiter of a rule that has one, as the agent last decided
+    /// (absent for rules without BBR, and without a running agent).
+    pub bbr: Option<BbrRow>,
     /// The reason with most drops over the interval ("" when none).
     pub top_reason: String,
     /// Totals since attach, for cross-checks.
     pub offered_total: u64,
     pub passed_total: u64,
     pub dropped_total: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct BbrRow {
+    /// Most completions in one bucket of the window.
+    pub max_pass: u32,
+    /// Smallest mean round trip of a bucket, ms (0: no data yet).
+    pub min_rt_ms: u32,
+    /// Established connections not yet completed.
+    pub in_flight: u32,
+    /// The limit (null: no data yet, so no limit).
+    pub max_in_flight: Option<u32>,
+    /// The in-flight test is on (CPU over threshold, or cooling down).
+    pub overloaded: bool,
 }
 
 /// One read of every attachment's counters.
@@ -123,6 +140,14 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         let ctl = maps.control.get(&r.record, 0).unwrap_or_default();
         let (second, secs) = ring_second(&maps, state, r.record);
         let rule = set.as_ref().and_then(|s| s.rules.iter().find(|x| x.name == r.name));
+        let bbr = (rule.is_some_and(|x| x.bbr.is_some()) && crate::occupancy::agent_fresh(&maps) && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0)
+            .then(|| BbrRow {
+                max_pass: ctl.bbr_max_pass,
+                min_rt_ms: ctl.bbr_min_rt_ms,
+                in_flight: ctl.bbr_inflight,
+                max_in_flight: (ctl.bbr_max_inflight != u32::MAX).then_some(ctl.bbr_max_inflight),
+                overloaded: ctl.bbr_overloaded != 0,
+            });
         rules.push(RuleRow {
             rule: r.name.clone(),
             match_: rule.map(|x| x.match_text()).unwrap_or_default(),
@@ -138,6 +163,7 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
             syn_offered_ps: second.syn_offered as f64 / secs,
             syn_passed_ps: second.syn_passed as f64 / secs,
             fin_rst_ps: second.fin_rst as f64 / secs,
+            bbr,
             top_reason,
             offered_total: b.offered_pkts,
             passed_total: b.passed_pkts,

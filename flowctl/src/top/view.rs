@@ -117,6 +117,7 @@ mod tests {
             syn_offered_ps: 0.0,
             syn_passed_ps: 0.0,
             fin_rst_ps: 0.0,
+            bbr: None,
             top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
             offered_total: 0,
             passed_total: 0,
