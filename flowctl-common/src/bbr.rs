@@ -20,7 +20,10 @@
 //!   known. flowctl does not limit until the window has data.
 //! - `cooldown_from_first_drop`: Kratos anchors the cool-down at the first
 //!   drop of an episode, so after a long overload it has already expired when
-//!   the CPU falls. flowctl anchors it at the last drop.
+//!   the CPU falls. flowctl anchors it at the last overload: the last drop
+//!   made while the CPU was over threshold. (Not at any last drop: drops in
+//!   the cool-down would then extend it for as long as connections stay
+//!   open, with the CPU long back to normal; the end-to-end test caught it.)
 
 /// One full bucket of the window: completions and round-trip totals.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -102,11 +105,8 @@ pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u
             return false;
         }
         if now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns {
-            let drop = over(max);
-            if drop && !cfg.compat.cooldown_from_first_drop {
-                state.drop_anchor_ns = now_ns;
-            }
-            return drop;
+            // Drops in the cool-down do not extend it.
+            return over(max);
         }
         state.drop_anchor_ns = 0;
         return false;
@@ -187,7 +187,7 @@ mod tests {
     }
 
     #[test]
-    fn cooldown_counts_from_the_last_drop_by_default() {
+    fn cooldown_counts_from_the_last_overload_by_default() {
         // Overloaded from t=0 to t=3 s, dropping throughout; the CPU falls at
         // 3.2 s; an arrival at 3.5 s with too many in flight.
         let max = Some(10);
@@ -199,8 +199,21 @@ mod tests {
             }
             should_drop(&mut st, &cfg, 500, 20, max, 3 * S + S / 2)
         };
-        assert!(run(Compat::default()), "0.5 s after the last drop: still cooling down");
+        assert!(run(Compat::default()), "0.5 s after the last overload: still cooling down");
         assert!(!run(Compat { cooldown_from_first_drop: true, ..Default::default() }), "Kratos: 3.5 s after the first drop, expired");
+    }
+
+    #[test]
+    fn drops_in_the_cooldown_do_not_extend_it() {
+        let cfg = BbrConfig::default();
+        let mut st = BbrState::default();
+        assert!(should_drop(&mut st, &cfg, 900, 20, Some(10), S));
+        // CPU low from here on; connections stay open, arrivals keep coming.
+        for t in 1..=9u64 {
+            assert!(should_drop(&mut st, &cfg, 100, 20, Some(10), S + t * S / 10), "cooling down");
+        }
+        assert!(!should_drop(&mut st, &cfg, 100, 20, Some(10), S + S + S / 10), "1 s after the overload: open");
+        assert!(!active(&st, &cfg, 100, 3 * S));
     }
 
     #[test]

@@ -79,9 +79,10 @@ impl BbrLoop {
             let window: Vec<BbrBucket> = l.buckets.values().copied().collect();
             let max = bbr::max_in_flight(&window, &cfg);
             let in_flight = maps.in_flight(rs.record, b.idle_timeout_ns, now_ns)?;
-            // The kernel drops; the cool-down anchor follows its drops.
+            // The kernel drops; the cool-down is anchored at drops made while
+            // the CPU is over threshold (`bbr::should_drop`'s rule).
             let drops = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
-            if drops > l.drops_seen && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
+            if drops > l.drops_seen && cpu >= cfg.cpu_threshold && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
                 l.state.drop_anchor_ns = now_ns;
             }
             l.drops_seen = drops;
@@ -95,6 +96,7 @@ impl BbrLoop {
                 in_flight,
                 overloaded: bbr::active(&l.state, &cfg, cpu, now_ns),
             };
+            tracing::debug!(rule = %rule.name, cpu, drops, anchor = l.state.drop_anchor_ns, ?view, "bbr tick");
             write_control(maps, rs.record, &view, now_ns)?;
         }
         Ok(())

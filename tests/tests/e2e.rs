@@ -675,3 +675,173 @@ fn top_runs_in_a_terminal_and_restores_it() {
     tmux(&["kill-session", "-t", &session]);
     agent.stop();
 }
+
+/// A TCP server that keeps what it accepts open while `hold` is set (and
+/// closes it at once otherwise), until stopped.
+struct HoldServer {
+    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HoldServer {
+    fn start(lab: &Lab, port: u16) -> Self {
+        use std::sync::{atomic::AtomicBool, Arc};
+        let addr = format!("{}:{port}", lab.ip_srv);
+        let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(addr).unwrap());
+        listener.set_nonblocking(true).unwrap();
+        let (hold, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (h, s) = (hold.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((c, _)) if h.load(std::sync::atomic::Ordering::Relaxed) => kept.push(c),
+                    Ok(_) => {}
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        });
+        Self { hold, stop, thread: Some(thread) }
+    }
+
+    fn hold(&self, on: bool) {
+        self.hold.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for HoldServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What `connect_each` saw.
+#[derive(Debug, Default)]
+struct Attempts {
+    open: Vec<std::net::TcpStream>,
+    refused: u64,
+    timed_out: u64,
+    /// The slowest refusal, ms.
+    slowest_refusal_ms: f64,
+}
+
+/// `n` connects from the client namespace, `gap` apart; established ones
+/// are kept open when `keep`, else closed at once.
+fn connect_each(lab: &Lab, port: u16, n: u32, gap: Duration, keep: bool) -> Attempts {
+    let target: std::net::SocketAddr = format!("{}:{port}", lab.ip_srv).parse().unwrap();
+    Lab::in_ns(&lab.ns_cli, move || {
+        let mut a = Attempts::default();
+        for _ in 0..n {
+            let t = Instant::now();
+            match std::net::TcpStream::connect_timeout(&target, Duration::from_millis(300)) {
+                Ok(s) if keep => a.open.push(s),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    a.refused += 1;
+                    a.slowest_refusal_ms = a.slowest_refusal_ms.max(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Err(_) => a.timed_out += 1,
+            }
+            std::thread::sleep(gap);
+        }
+        a
+    })
+}
+
+/// BBR end to end with real TCP: under a high CPU signal (a file source),
+/// connections in flight beyond what the window's completions and round
+/// trips support are refused at the SYN with a RST (clients fail fast); the
+/// refusals are counted by reason; with the agent killed the stage fails
+/// open after the grace period; a restarted agent adopts the data plane.
+#[test]
+fn bbr_refuses_connections_beyond_the_limit_and_fails_open() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fbbr", 223);
+    // XDP_TX replies on a veth reach the peer only when the peer runs its
+    // NAPI; an XDP program there turns it on (GRO alone did not, here).
+    let (ns, dev) = (lab.ns_cli.clone(), lab.veth_cli.clone());
+    let _peer_xdp = Lab::in_ns(&lab.ns_cli, move || {
+        let _ = &ns;
+        let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        prog.load().unwrap();
+        prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
+        ebpf
+    });
+    let cpu = std::env::temp_dir().join(format!("flowctl-e2e-cpu-{}", std::process::id()));
+    std::fs::write(&cpu, "950\n").unwrap();
+    let prof = profile_file(&format!(
+        "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\ncpu = \"file:{}\"\ngrace_period = \"1s\"\n\
+[[rule]]\nname = \"web\"\nproto = \"tcp\"\ndport = 7400\nunit = \"connections\"\nrate = \"100000/s\"\n\
+bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n",
+        cpu.display()
+    ));
+    let server = HoldServer::start(&lab, 7400);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+
+    // 1. Short connections fill the window: completions and round trips.
+    //    At most one is in flight at a time, so none is refused.
+    let warm = connect_each(&lab, 7400, 30, Duration::from_millis(20), false);
+    assert_eq!((warm.refused, warm.timed_out), (0, 0), "{warm:?}");
+    std::thread::sleep(Duration::from_millis(400));
+    let v: Value = serde_json::from_slice(&flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout).unwrap();
+    let bbr = v["attachments"][0]["rules"][0]["bbr"].clone();
+    println!("after the warm-up: {bbr}");
+    assert!(bbr["max_pass"].as_u64().unwrap() >= 1 && bbr["min_rt_ms"].as_u64().unwrap() >= 1, "{bbr}");
+    assert_eq!(bbr["overloaded"], true, "CPU 950 is over the threshold");
+    let limit = bbr["max_in_flight"].as_u64().expect("a limit once the window has data");
+
+    // 2. Held connections: beyond the limit, SYNs are refused with a RST.
+    server.hold(true);
+    let held = connect_each(&lab, 7400, 40, Duration::from_millis(25), true);
+    let drops = rule(&lab.veth_srv, "web")["dropped_by_reason"]["bbr"].as_u64().unwrap_or(0);
+    println!(
+        "holding: {} established, {} refused (slowest {:.1} ms), {} timed out; limit {limit}; BBR drops {drops}",
+        held.open.len(),
+        held.refused,
+        held.slowest_refusal_ms,
+        held.timed_out
+    );
+    if held.timed_out > 0 {
+        for (ns, dev) in [(&lab.ns_srv, &lab.veth_srv), (&lab.ns_cli, &lab.veth_cli)] {
+            let st = flowctl_tests::lab::sh(&["ip", "netns", "exec", ns, "ethtool", "-S", dev]);
+            println!("{dev}: {}", st.lines().filter(|l| l.contains("xdp") || l.contains("drop") || l.contains("peer")).collect::<Vec<_>>().join(" |"));
+            println!("{}", flowctl_tests::lab::sh(&["ip", "-n", ns, "-s", "-s", "link", "show", "dev", dev]));
+        }
+    }
+    assert!(held.refused >= 20, "most of 40 held connections beyond a limit of {limit} are refused: {held:?}");
+    assert_eq!(held.timed_out, 0, "refused with a RST, not left to time out");
+    assert!(held.slowest_refusal_ms < 100.0, "clients fail fast: {:.1} ms", held.slowest_refusal_ms);
+    assert_eq!(drops, held.refused, "every refusal counted as a BBR drop");
+    // The in-flight snapshot lags the kernel by at most one 100 ms tick
+    // (four connects at this pace).
+    assert!((held.open.len() as u64) <= limit.max(1) + 5, "{} held over a limit of {limit}", held.open.len());
+
+    // 3. Fail-safe: the agent dies; after the grace period BBR is open.
+    agent.kill9();
+    std::thread::sleep(Duration::from_millis(1500));
+    let open = connect_each(&lab, 7400, 3, Duration::from_millis(10), true);
+    assert_eq!(open.open.len(), 3, "no agent for longer than the grace period: admitted ({open:?})");
+
+    // 4. A restarted agent adopts the data plane; with the CPU low it admits.
+    std::fs::write(&cpu, "100\n").unwrap();
+    let ids = map_ids(&lab.veth_srv);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    assert_eq!(map_ids(&lab.veth_srv), ids, "the pinned maps were adopted, not recreated");
+    std::thread::sleep(Duration::from_millis(600));
+    let v: Value = serde_json::from_slice(&flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout).unwrap();
+    println!("after the restart: cpu {} bbr {}", v["attachments"][0]["cpu"], v["attachments"][0]["rules"][0]["bbr"]);
+    let again = connect_each(&lab, 7400, 3, Duration::from_millis(10), true);
+    assert_eq!(again.open.len(), 3, "{again:?}");
+    drop((held, open, again));
+    agent.stop();
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_file(&cpu);
+}
