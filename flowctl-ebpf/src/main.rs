@@ -613,9 +613,12 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
         _ => 1,
     };
 
-    // Stage 1: admission ratio (written by the agent's control loops).
+    // Stage 1: admission ratio (written by the agent's control loops), on
+    // new TCP connections and on every UDP/other packet: an established TCP
+    // connection is never cut by a ratio.
     if let Some(ctl) = FLOWCTL_CONTROL.get(record) {
         if ctl.flags & control_flags::ADMISSION_ACTIVE != 0
+            && (meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN)
             && agent_alive(global, now)
             && !admitted_by_ratio(global, meta, ctl)
         {

@@ -690,3 +690,59 @@ fn connections_are_tracked_from_syn_to_fin() {
     p.run(&tcp(9, 2003, 0x10, 5, 0));
     assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 1);
 }
+
+fn set_admission(p: &mut TestPlane, rule: &str, ppm: u32, per_flow: bool) {
+    use flowctl_common::control_flags::{ADMISSION_ACTIVE, ADMISSION_PER_FLOW};
+    let rec = p.record(rule);
+    let mut c = p.maps.control.get(&rec, 0).unwrap();
+    c.flags |= ADMISSION_ACTIVE;
+    if per_flow {
+        c.flags |= ADMISSION_PER_FLOW;
+    } else {
+        c.flags &= !ADMISSION_PER_FLOW;
+    }
+    c.admission_ppm = ppm;
+    p.maps.control.set(rec, c, 0).unwrap();
+}
+
+#[test]
+fn admission_ratio_is_per_flow_and_spares_established_tcp() {
+    if not_root() {
+        return;
+    }
+    let mut p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n"));
+    p.set_heartbeat(true);
+    set_admission(&mut p, "all", 500_000, true);
+    // 1000 UDP flows: about half admitted, each flow wholly in or out.
+    let mut admitted = 0;
+    for i in 0..1000u32 {
+        let f = V4::new([10, 50, (i >> 8) as u8, i as u8]).build(L4::Udp { sport: 1000 + (i % 7) as u16, dport: 53 }, 0);
+        let v = p.run(&f);
+        for _ in 0..3 {
+            assert_eq!(p.run(&f), v, "flow {i} changed its verdict");
+        }
+        admitted += (v == XDP_PASS) as u32;
+    }
+    println!("ratio 0.5 per flow: {admitted} of 1000 flows admitted");
+    assert!((430..=570).contains(&admitted), "{admitted} of 1000 at a ratio of 0.5");
+    // TCP: only new connections face the ratio.
+    let mut syn_refused = 0;
+    for i in 0..200u16 {
+        let syn = V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x02 }, 0);
+        let ack = V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x10 }, 10);
+        syn_refused += (p.run(&syn) == XDP_DROP) as u32;
+        assert_eq!(p.run(&ack), XDP_PASS, "an established connection's segments always pass");
+    }
+    assert!(syn_refused > 50 && syn_refused < 150, "{syn_refused} of 200 SYNs refused");
+    let dropped = p.counters("all").dropped_pkts[reason::ADMISSION];
+    assert_eq!(dropped, (1000 - admitted as u64) * 4 + syn_refused as u64, "every refusal counted by reason");
+    // Per packet: one flow's packets split about evenly.
+    set_admission(&mut p, "all", 500_000, false);
+    let f = V4::new([10, 52, 0, 1]).build(L4::Udp { sport: 1, dport: 53 }, 0);
+    let passed = (0..400).filter(|_| p.run(&f) == XDP_PASS).count();
+    assert!((140..=260).contains(&passed), "{passed} of 400 packets of one flow");
+    // No heartbeat: the ratio is not applied.
+    set_admission(&mut p, "all", 0, true);
+    p.set_heartbeat(false);
+    assert_eq!(p.run(&f), XDP_PASS, "a stale agent's ratio is ignored");
+}
