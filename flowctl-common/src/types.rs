@@ -178,6 +178,12 @@ pub struct ControlRecord {
     /// smallest mean round trip (ms; 0: no data).
     pub bbr_max_pass: u32,
     pub bbr_min_rt_ms: u32,
+    /// BBR: SYNs the kernel admitted since the agent's last write (the agent
+    /// writes 0). Added to `bbr_inflight`, it keeps the stage exact between
+    /// the agent's 100 ms ticks: without it, a burst of SYNs within one tick
+    /// would all be admitted.
+    pub bbr_admitted: u32,
+    pub _pad: u32,
 }
 
 impl ControlRecord {
@@ -424,7 +430,7 @@ assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
 assert_layout!(GlobalRecord, 56, 8);
 assert_layout!(crate::StatsBucket, 112, 8);
 assert_layout!(KeySample, 56, 4);
-assert_layout!(ControlRecord, 40, 8);
+assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
 assert_layout!(RuleCounters, 224, 8);
 assert_layout!(AgentRecord, 64, 8);

@@ -332,19 +332,26 @@ pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32
     0
 }
 
-/// Kratos' test for one new connection, with the in-flight count the agent
-/// last summed: refuse while the agent says the rule is overloaded and more
-/// than max(1, maxInFlight) connections are in flight. Open (0) when the
-/// agent is not alive.
+/// Kratos' test for one new connection: refuse while the agent says the
+/// rule is overloaded and more than max(1, maxInFlight) connections are in
+/// flight: the agent's last sum plus the SYNs admitted since. Open (0) when
+/// the agent is not alive.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
-    let Some(ctl) = FLOWCTL_CONTROL.get(record) else { return 0 };
-    (alive != 0
-        && ctl.flags & control_flags::BBR_ACTIVE != 0
-        && ctl.bbr_overloaded != 0
-        && ctl.bbr_inflight > 1
-        && ctl.bbr_inflight > ctl.bbr_max_inflight) as u32
+    let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) else { return 0 };
+    let ctl = unsafe { &mut *ctl };
+    if alive == 0 || ctl.flags & control_flags::BBR_ACTIVE == 0 || ctl.bbr_overloaded == 0 {
+        return 0;
+    }
+    let in_flight = ctl.bbr_inflight.saturating_add(unsafe { core::ptr::read_volatile(&ctl.bbr_admitted) });
+    if in_flight > 1 && in_flight > ctl.bbr_max_inflight {
+        return 1;
+    }
+    // Admitted (if the later stages agree): counted until the agent's next
+    // tick sums the connections itself.
+    unsafe { core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(&mut ctl.bbr_admitted, 1) };
+    0
 }
 
 /// Connection work for a BBR rule's TCP packet: the RST reply to a refused

@@ -111,6 +111,9 @@ fn write_control(maps: &mut Maps, record: u32, v: &BbrView, now_ns: u64) -> Resu
     c.bbr_inflight = v.in_flight.min(u32::MAX as u64) as u32;
     c.bbr_max_pass = v.max_pass.min(u32::MAX as u64) as u32;
     c.bbr_min_rt_ms = v.min_rt_ms.min(u32::MAX as u64) as u32;
+    // Connections admitted since the last tick are in `in_flight` now once
+    // established; the kernel counts new ones from zero.
+    c.bbr_admitted = 0;
     c.updated_ns = now_ns;
     c.version = c.version.wrapping_add(1);
     maps.control.set(record, c, 0)?;
