@@ -178,10 +178,11 @@ pub struct ControlRecord {
     /// smallest mean round trip (ms; 0: no data).
     pub bbr_max_pass: u32,
     pub bbr_min_rt_ms: u32,
-    /// BBR: SYNs the kernel admitted since the agent's last write (the agent
-    /// writes 0). Added to `bbr_inflight`, it keeps the stage exact between
-    /// the agent's 100 ms ticks: without it, a burst of SYNs within one tick
-    /// would all be admitted.
+    /// BBR: SYNs the kernel admitted since the agent's last write minus the
+    /// tracked connections that completed since, as a wrapping i32 (the
+    /// agent writes 0). Added to `bbr_inflight`, it keeps the stage close to
+    /// exact between the agent's 100 ms ticks: without it, a burst of SYNs
+    /// within one tick would all be admitted.
     pub bbr_admitted: u32,
     pub _pad: u32,
 }

@@ -341,12 +341,17 @@ pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32
 pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
     let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) else { return 0 };
     let ctl = unsafe { &mut *ctl };
-    if alive == 0 || ctl.flags & control_flags::BBR_ACTIVE == 0 || ctl.bbr_overloaded == 0 {
+    if alive == 0 || ctl.flags & control_flags::BBR_ACTIVE == 0 {
         return 0;
     }
-    let in_flight = ctl.bbr_inflight.saturating_add(unsafe { core::ptr::read_volatile(&ctl.bbr_admitted) });
-    if in_flight > 1 && in_flight > ctl.bbr_max_inflight {
-        return 1;
+    if ctl.bbr_overloaded != 0 {
+        // The agent's last sum, plus SYNs admitted since, minus connections
+        // completed since (a signed count; see `ControlRecord::bbr_admitted`).
+        let delta = unsafe { core::ptr::read_volatile(&ctl.bbr_admitted) } as i32 as i64;
+        let in_flight = ctl.bbr_inflight as i64 + delta;
+        if in_flight > 1 && in_flight > ctl.bbr_max_inflight as i64 {
+            return 1;
+        }
     }
     // Admitted (if the later stages agree): counted until the agent's next
     // tick sums the connections itself.
@@ -401,6 +406,11 @@ fn track(meta: &PacketMeta, record: u32, code: u32) {
     let Some(e) = entry else { return };
     let e = unsafe { &mut *e };
     if flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
+        // Out of flight: take it off the kernel's count since the agent's
+        // last tick (the SYN, or the agent's sum, counted it).
+        if let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) {
+            unsafe { core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(&mut (*ctl).bbr_admitted, u32::MAX) };
+        }
         if e.state == conn_state::ESTABLISHED {
             open_add(record, e.open_epoch as u64, false);
             if let Some(b) = current_stats(record, now) {
