@@ -3,6 +3,7 @@
 //! data plane loaded for `BPF_PROG_TEST_RUN` under a unique pin directory.
 
 pub mod lab;
+pub mod overload;
 pub mod packet;
 pub mod testrun;
 

@@ -15,6 +15,8 @@
 //!    link re-pointed every 0.5 s, the XDP_DROP ceiling, the bare reference
 //!    and flowctl (all refusing after each key's first packet), then XDP_PASS
 //!    with the nftables netdev-ingress meter of bench/nftables.nft.
+//! 6. `overload` (run alone): the BBR overload experiment (see
+//!    `flowctl_tests::overload`).
 //! 5. The agent's own CPU use: the real agent (`FLOWCTL_BIN`) on a veth lab
 //!    with 1M keys in its key table and 1M sources in its source cache,
 //!    while `flowctl top --once` runs and the metrics endpoint is scraped
@@ -124,11 +126,21 @@ fn rules_profile(n: usize) -> String {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("serve-cpu") {
+        flowctl_tests::overload::serve_cpu(&args[2], &args[3], &args[4]);
+    }
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("bench: needs root (sudo -E cargo xtask bench)");
         std::process::exit(2);
     }
     let quick = std::env::args().any(|a| a == "quick");
+    if std::env::args().any(|a| a == "overload") {
+        println!("6. Overload: BBR on and off against a CPU-bound service at 3x its capacity");
+        let bin = std::env::var_os("FLOWCTL_BIN").expect("FLOWCTL_BIN (cargo xtask bench sets it)");
+        flowctl_tests::overload::run(&std::env::current_exe().unwrap(), std::path::Path::new(&bin));
+        return;
+    }
     if std::env::args().any(|a| a == "agent") {
         println!("5. The agent's CPU with 1M keys while top and the metrics refresh every second");
         agent_cpu(if quick { 15 } else { 60 });

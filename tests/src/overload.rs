@@ -1,0 +1,288 @@
+//! `cargo xtask bench overload`: the BBR overload experiment. A CPU-bound
+//! TCP service runs in a namespace inside a cgroup v1 cpu cgroup with a fixed
+//! quota (half a CPU, 10 ms periods so throttling pauses stay short); that
+//! cgroup is also the agent's CPU source. A load generator in the client
+//! namespace ramps offered connections to 3x the service's measured capacity
+//! and holds there, once with the BBR rule off and once with it on. For the
+//! hold phase it reports goodput (completed connections/s), completion time
+//! of admitted connections (connect to response, p50/p99), the client's view
+//! (refusals, connect timeouts), and the service's CPU.
+
+use crate::lab::{sh, Lab};
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+/// CPU time each request costs the service.
+const WORK: Duration = Duration::from_millis(2);
+/// The service's cgroup quota: `QUOTA_US` per `PERIOD_US`.
+const PERIOD_US: u64 = 10_000;
+const QUOTA_US: u64 = 5_000;
+const PORT: u16 = 7600;
+/// A client gives up on a connect after this long (counted as a rejection).
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
+/// And on an admitted connection's response after this long.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(3);
+
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// The service, run as `flowctl-bench serve-cpu NETNS ADDR CGROUP`: joins
+/// the cgroup (before any thread exists, so all of them are in it), enters
+/// the namespace, and answers each connection with one byte after `WORK` of
+/// CPU time, on 64 threads.
+pub fn serve_cpu(netns: &str, addr: &str, cgroup: &str) -> ! {
+    for ctl in ["cpu", "cpuacct"] {
+        std::fs::write(format!("/sys/fs/cgroup/{ctl}/{cgroup}/cgroup.procs"), "0").expect("join the service cgroup");
+    }
+    flowctl::pins::enter_netns(netns).expect("enter the service namespace");
+    let listener = Arc::new(TcpListener::bind(addr).expect("bind"));
+    let mut threads = Vec::new();
+    for _ in 0..64 {
+        let l = listener.clone();
+        threads.push(std::thread::spawn(move || loop {
+            let Ok((mut c, _)) = l.accept() else { continue };
+            let start = thread_cpu();
+            let mut x = 0u64;
+            while thread_cpu() - start < WORK {
+                for _ in 0..1000 {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            }
+            let _ = c.write_all(b"k");
+        }));
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    std::process::exit(0)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outcome {
+    Done(Duration),
+    Refused,
+    ConnectTimeout,
+    ResponseTimeout,
+    Other,
+}
+
+/// One phase's result (hold part only).
+#[derive(Debug, Default)]
+pub struct PhaseResult {
+    pub offered_per_s: f64,
+    pub goodput_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub refused: u64,
+    pub connect_timeouts: u64,
+    pub response_timeouts: u64,
+    /// Tickets that waited over 100 ms for a free client thread (the
+    /// generator itself fell behind).
+    pub generator_late: u64,
+    pub cpu_permille: f64,
+}
+
+/// Offers connections open-loop: `rate(t)` per second for `secs`, from a
+/// pool of client threads in the client namespace; measures from
+/// `hold_from` seconds on.
+fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_from: f64) -> PhaseResult {
+    let target: SocketAddr = format!("{}:{PORT}", lab.ip_srv).parse().unwrap();
+    let (tx, rx) = mpsc::channel::<(Instant, bool)>();
+    let rx = Arc::new(Mutex::new(rx));
+    let results = Arc::new(Mutex::new(Vec::<(Outcome, bool, bool)>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..600 {
+        let (rx, results, ns) = (rx.clone(), results.clone(), lab.ns_cli.clone());
+        workers.push(
+            std::thread::Builder::new()
+                .stack_size(128 << 10)
+                .spawn(move || {
+                    flowctl::pins::enter_netns(&ns).unwrap();
+                    loop {
+                        let Ok((issued, measured)) = rx.lock().unwrap().recv() else { return };
+                        let late = issued.elapsed() > Duration::from_millis(100);
+                        let o = match TcpStream::connect_timeout(&target, CONNECT_TIMEOUT) {
+                            Ok(mut s) => {
+                                let t = Instant::now();
+                                s.set_read_timeout(Some(RESPONSE_TIMEOUT)).unwrap();
+                                let mut b = [0u8; 1];
+                                match s.read(&mut b) {
+                                    Ok(1) => Outcome::Done(t.elapsed()),
+                                    Ok(_) => Outcome::Other,
+                                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => Outcome::ResponseTimeout,
+                                    Err(_) => Outcome::Other,
+                                }
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Outcome::Refused,
+                            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Outcome::ConnectTimeout,
+                            Err(_) => Outcome::Other,
+                        };
+                        results.lock().unwrap().push((o, measured, late));
+                    }
+                })
+                .unwrap(),
+        );
+    }
+    let cpu0 = cgroup_usage(cgroup);
+    let start = Instant::now();
+    let mut hold_start: Option<(Instant, u64)> = None;
+    let mut offered = 0u64;
+    let mut next = start;
+    while start.elapsed().as_secs_f64() < secs {
+        let t = start.elapsed().as_secs_f64();
+        let measured = t >= hold_from;
+        if measured && hold_start.is_none() {
+            hold_start = Some((Instant::now(), cgroup_usage(cgroup)));
+        }
+        tx.send((Instant::now(), measured)).unwrap();
+        offered += measured as u64;
+        next += Duration::from_secs_f64(1.0 / rate(t).max(1.0));
+        if let Some(d) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(d);
+        }
+    }
+    let (hold_t0, hold_cpu0) = hold_start.unwrap_or((start, cpu0));
+    let hold_secs = hold_t0.elapsed().as_secs_f64();
+    let cpu_permille = (cgroup_usage(cgroup) - hold_cpu0) as f64 / 1e9 / hold_secs / (QUOTA_US as f64 / PERIOD_US as f64) * 1000.0;
+    drop(tx);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.join();
+    }
+    let results = results.lock().unwrap();
+    let mut r = PhaseResult { offered_per_s: offered as f64 / hold_secs, cpu_permille, ..Default::default() };
+    let mut times = Vec::new();
+    for (o, measured, late) in results.iter() {
+        if !measured {
+            continue;
+        }
+        r.generator_late += *late as u64;
+        match o {
+            Outcome::Done(d) => times.push(d.as_secs_f64() * 1e3),
+            Outcome::Refused => r.refused += 1,
+            Outcome::ConnectTimeout => r.connect_timeouts += 1,
+            Outcome::ResponseTimeout => r.response_timeouts += 1,
+            Outcome::Other => {}
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    r.goodput_per_s = times.len() as f64 / hold_secs;
+    let pct = |p: f64| times.get(((times.len() as f64 * p) as usize).min(times.len().saturating_sub(1))).copied().unwrap_or(0.0);
+    r.p50_ms = pct(0.50);
+    r.p99_ms = pct(0.99);
+    r
+}
+
+fn cgroup_usage(cgroup: &str) -> u64 {
+    std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/{cgroup}/cpuacct.usage")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+fn print(label: &str, r: &PhaseResult) {
+    println!(
+        "  {label:<22} offered {:>6.0}/s  goodput {:>6.0}/s  p50 {:>7.1} ms  p99 {:>7.1} ms  refused {:>6}  connect timeouts {:>5}  response timeouts {:>5}  service CPU {:>4.0}‰{}",
+        r.offered_per_s,
+        r.goodput_per_s,
+        r.p50_ms,
+        r.p99_ms,
+        r.refused,
+        r.connect_timeouts,
+        r.response_timeouts,
+        r.cpu_permille,
+        if r.generator_late > 0 { format!("  (generator late {})", r.generator_late) } else { String::new() }
+    );
+}
+
+/// The whole experiment (root; `bench_bin` is this benchmark's own binary,
+/// `flowctl_bin` the agent).
+pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
+    for l in sh(&["ip", "netns", "list"]).lines() {
+        if let Some(name) = l.split_whitespace().next().filter(|n| n.starts_with("fovl")) {
+            let _ = std::process::Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+    let lab = Lab::new("fovl", 232);
+    let cgroup = crate::unique("flowctl-ovl-");
+    for ctl in ["cpu", "cpuacct"] {
+        std::fs::create_dir_all(format!("/sys/fs/cgroup/{ctl}/{cgroup}")).expect("create the service cgroup (cgroup v1 cpu/cpuacct)");
+    }
+    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_period_us"), PERIOD_US.to_string()).unwrap();
+    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_quota_us"), QUOTA_US.to_string()).unwrap();
+    let mut service = std::process::Command::new(bench_bin)
+        .args(["serve-cpu", &lab.ns_srv, &format!("{}:{PORT}", lab.ip_srv), &cgroup])
+        .spawn()
+        .expect("start the service");
+    // RST replies (XDP_TX) on a veth reach the peer only when it runs NAPI:
+    // a pass-through XDP program on the client side.
+    let dev = lab.veth_cli.clone();
+    let _peer = Lab::in_ns(&lab.ns_cli, move || {
+        let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        prog.load().unwrap();
+        prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
+        ebpf
+    });
+    let dir = std::env::temp_dir();
+    let rule = format!("[[rule]]\nname = \"svc\"\nproto = \"tcp\"\ndport = {PORT}\nunit = \"connections\"\nrate = \"1000000/s\"\n");
+    let settings = format!("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\ncpu = \"cgroup:/{cgroup}\"\n");
+    let off = dir.join(format!("flowctl-ovl-off-{}.toml", std::process::id()));
+    let on = dir.join(format!("flowctl-ovl-on-{}.toml", std::process::id()));
+    std::fs::write(&off, format!("{settings}{rule}")).unwrap();
+    std::fs::write(&on, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n")).unwrap();
+    let mut agent = std::process::Command::new(flowctl_bin)
+        .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
+        .arg(&off)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .expect("start the agent");
+    std::thread::sleep(Duration::from_secs(2));
+    let apply = |p: &std::path::Path| {
+        let out = std::process::Command::new(flowctl_bin).args(["apply", &lab.veth_srv, "--netns", &lab.ns_srv]).arg(p).output().unwrap();
+        assert!(out.status.success(), "apply: {}", String::from_utf8_lossy(&out.stderr));
+    };
+
+    let nominal = (QUOTA_US as f64 / PERIOD_US as f64) / WORK.as_secs_f64();
+    println!("  service: {:.0} ms of CPU per connection under a {}/{} us quota: nominal capacity {nominal:.0}/s", WORK.as_secs_f64() * 1e3, QUOTA_US, PERIOD_US);
+    let unloaded = offer(&lab, &cgroup, |_| nominal * 0.2, 6.0, 1.0);
+    print("unloaded (0.2x)", &unloaded);
+    let cap = offer(&lab, &cgroup, |_| nominal * 1.5, 6.0, 2.0);
+    print("saturated (1.5x)", &cap);
+    let capacity = cap.goodput_per_s.max(1.0);
+    println!("  measured capacity: {capacity:.0} completed connections/s");
+    // Ramp from 0.2x to 3x over 10 s, then hold 3x for 10 s.
+    let ramp = move |t: f64| capacity * if t < 10.0 { 0.2 + 2.8 * t / 10.0 } else { 3.0 };
+    std::thread::sleep(Duration::from_secs(3));
+    let without = offer(&lab, &cgroup, ramp, 20.0, 10.0);
+    print("3x, BBR off", &without);
+    apply(&on);
+    std::thread::sleep(Duration::from_secs(3));
+    let with = offer(&lab, &cgroup, ramp, 20.0, 10.0);
+    print("3x, BBR on", &with);
+    println!(
+        "  with BBR at 3x: goodput {:.2}x capacity (target >= 0.90), p99 {:.1}x the unloaded p99 (target <= 3); without: goodput {:.2}x, p99 {:.1}x",
+        with.goodput_per_s / capacity,
+        with.p99_ms / unloaded.p99_ms.max(0.001),
+        without.goodput_per_s / capacity,
+        without.p99_ms / unloaded.p99_ms.max(0.001)
+    );
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    let _ = agent.wait();
+    let _ = service.kill();
+    let _ = service.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    for ctl in ["cpu", "cpuacct"] {
+        let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{ctl}/{cgroup}"));
+    }
+    let _ = std::fs::remove_file(&off);
+    let _ = std::fs::remove_file(&on);
+}
