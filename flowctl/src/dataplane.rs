@@ -356,6 +356,30 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             }
         }
     }
+    // Fixed admission ratios from the profile (none: all pass).
+    for (r, s) in set.rules.iter().zip(&planned) {
+        let mut c = maps.control.get(&s.record, 0)?;
+        let before = c;
+        match r.admission_ppm {
+            Some(ppm) => {
+                c.flags |= control_flags::ADMISSION_ACTIVE;
+                c.admission_ppm = ppm;
+            }
+            None => {
+                c.flags &= !control_flags::ADMISSION_ACTIVE;
+                c.admission_ppm = 0;
+            }
+        }
+        if r.admission_per_flow {
+            c.flags |= control_flags::ADMISSION_PER_FLOW;
+        } else {
+            c.flags &= !control_flags::ADMISSION_PER_FLOW;
+        }
+        if c != before {
+            c.version = c.version.wrapping_add(1);
+            maps.control.set(s.record, c, 0)?;
+        }
+    }
     // Rules without BBR (any more) leave nothing of it in their control record.
     for (r, s) in set.rules.iter().zip(&planned) {
         if r.bbr.is_none() {

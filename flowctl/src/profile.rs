@@ -86,6 +86,8 @@ struct RawRule {
     quota_window: Option<Spanned<String>>,
     quota_buckets: Option<Spanned<i64>>,
     bbr: Option<Spanned<RawBbr>>,
+    admission: Option<Spanned<String>>,
+    admission_ratio: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -213,6 +215,12 @@ pub struct Rule {
     pub bbr: Option<BbrRule>,
     /// Where `bbr` was written (for errors that need the settings).
     pub bbr_span: Option<std::ops::Range<usize>>,
+    /// Admission ratios hash the 5-tuple (a flow is wholly in or out) unless
+    /// the rule asks for per-packet sampling.
+    pub admission_per_flow: bool,
+    /// A fixed admission ratio in parts per million (the control loops of
+    /// the KLimiter work set it dynamically otherwise).
+    pub admission_ppm: Option<u32>,
 }
 
 /// Default quota buckets K: the effective window is at most W + W/K.
@@ -691,6 +699,8 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         quota_buckets: 0,
         bbr: None,
         bbr_span: None,
+        admission_per_flow: true,
+        admission_ppm: None,
     };
     if action_v == action::PASS {
         for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span())), ("quota", r.quota.as_ref().map(|x| x.span()))] {
@@ -813,6 +823,20 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
     if rule.interval_fp != 0 {
         rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
     }
+    if let Some(a) = &r.admission {
+        rule.admission_per_flow = match a.get_ref().as_str() {
+            "flow" => true,
+            "packet" => false,
+            other => return Err(cx.err(a.span(), format!("unknown admission `{other}`: \"flow\" (a 5-tuple hash keeps each flow wholly in or out) or \"packet\""))),
+        };
+    }
+    if let Some(a) = &r.admission_ratio {
+        let v = *a.get_ref();
+        if !(0.0..=1.0).contains(&v) {
+            return Err(cx.err(a.span(), format!("admission_ratio {v} out of range: 0.0 (admit no new flows) to 1.0 (admit all)")));
+        }
+        rule.admission_ppm = Some((v * 1e6).round() as u32);
+    }
     if let Some(b) = &r.bbr {
         if rule.unit != unit::CONNECTIONS || rule.spec.proto != Some(6) {
             return Err(cx.err(b.span(), "bbr needs proto = \"tcp\" and unit = \"connections\" (its requests are TCP connections)"));
@@ -924,6 +948,33 @@ key = "src"
             assert!(e.to_string().contains(needle), "{text}: {e}");
             assert!(e.to_string().starts_with("p.toml:"), "{e}");
         }
+    }
+
+    #[test]
+    fn bbr_and_admission_settings() {
+        let tcp = "[[rule]]\nname = \"w\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"100/s\"\n";
+        let s = parse("p", &format!("{tcp}bbr = {{ cpu_threshold = 700, reject = \"reset\", compat = [\"kratos\"] }}\n")).unwrap();
+        let b = s.rules[0].bbr.as_ref().unwrap();
+        assert_eq!((b.cpu_threshold, b.buckets, b.window_ns, b.reset), (700, 100, 10_000_000_000, true));
+        assert_eq!(b.compat, flowctl_common::bbr::Compat::KRATOS);
+        assert_eq!(b.config().buckets_per_second, 10);
+        for (text, line, needle) in [
+            ("[[rule]]\nname = \"w\"\nrate = \"1/s\"\nbbr = { }\n".to_string(), 4, "needs proto = \"tcp\""),
+            (format!("{tcp}bbr = {{ window = \"10s\", buckets = 50 }}\n"), 6, "statistics ring's buckets are 100 ms"),
+            (format!("[settings]\nstatistics_buckets = 50\n{tcp}bbr = {{ }}\n"), 8, "must not exceed statistics_buckets"),
+            (format!("{tcp}bbr = {{ compat = [\"fast\"] }}\n"), 6, "unknown compat switch"),
+            (format!("{tcp}bbr = {{ reject = \"ignore\" }}\n"), 6, "unknown reject"),
+            (format!("{tcp}bbr = {{ idle_timeout = \"5min\" }}\n"), 6, "idle_timeout must be between"),
+            (format!("{tcp}admission_ratio = 1.5\n"), 6, "out of range"),
+            (format!("{tcp}admission = \"sometimes\"\n"), 6, "unknown admission"),
+            ("[settings]\ncpu = \"cgroup:relative\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"\n".to_string(), 2, "starts with /"),
+        ] {
+            let e = err(&text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+        let a = parse("p", &format!("{tcp}admission_ratio = 0.25\nadmission = \"packet\"\n")).unwrap();
+        assert_eq!((a.rules[0].admission_ppm, a.rules[0].admission_per_flow), (Some(250_000), false));
     }
 
     #[test]

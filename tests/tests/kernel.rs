@@ -754,3 +754,19 @@ fn admission_ratio_is_per_flow_and_spares_established_tcp() {
     p.set_heartbeat(false);
     assert_eq!(p.run(&f), XDP_PASS, "a stale agent's ratio is ignored");
 }
+
+#[test]
+fn profile_admission_ratio_reaches_the_kernel() {
+    if not_root() {
+        return;
+    }
+    let mut p = TestPlane::new(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\nadmission_ratio = 0.25\n"));
+    p.set_heartbeat(true);
+    let admitted = (0..800u32)
+        .filter(|i| p.run(&V4::new([10, 60, (i >> 8) as u8, *i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0)) == XDP_PASS)
+        .count();
+    assert!((140..=260).contains(&admitted), "{admitted} of 800 flows at 0.25");
+    // Applying the rule without a ratio removes it.
+    p.apply(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\n"));
+    assert!((0..100u32).all(|i| p.run(&V4::new([10, 61, 0, i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0)) == XDP_PASS));
+}

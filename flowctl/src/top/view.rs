@@ -55,7 +55,7 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             if a.agent_running { "running" } else { "not running" },
             key_tables_text(a)
         );
-        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "SYN/s", "top reason"])
+        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "SYN/s", "BBR in/max", "top reason"])
             .style(Style::default().add_modifier(Modifier::BOLD));
         let mut rows = a.rules.clone();
         sort.apply(&mut rows);
@@ -73,6 +73,7 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
                 Cell::from(format!("{:.1}", r.drop_pct)),
                 Cell::from(format!("{:.3}", r.admission_ratio)),
                 Cell::from(si(r.syn_offered_ps)),
+                Cell::from(bbr_text(r)),
                 Cell::from(r.top_reason.clone()),
             ])
         });
@@ -80,10 +81,24 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             Constraint::Length(16), Constraint::Min(20), Constraint::Length(10), Constraint::Min(16),
             Constraint::Length(11), Constraint::Length(11), Constraint::Length(10), Constraint::Length(10),
             Constraint::Length(11), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7),
-            Constraint::Length(10),
+            Constraint::Length(12), Constraint::Length(10),
         ];
         let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[i + 1]);
+    }
+}
+
+/// A BBR rule's in-flight count over its limit, "!" while the in-flight
+/// test is on; "-" for rules without BBR (or without a running agent).
+pub fn bbr_text(r: &super::state::RuleRow) -> String {
+    match &r.bbr {
+        Some(b) => format!(
+            "{}/{}{}",
+            b.in_flight,
+            b.max_in_flight.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
+            if b.overloaded { " !" } else { "" }
+        ),
+        None => "-".into(),
     }
 }
 
@@ -145,7 +160,7 @@ mod tests {
     }
 
     fn render(top: &Top, sort: SortBy, paused: bool) -> String {
-        let mut t = Terminal::new(TestBackend::new(220, 12)).unwrap();
+        let mut t = Terminal::new(TestBackend::new(240, 12)).unwrap();
         t.draw(|f| draw(f, top, sort, paused)).unwrap();
         let buf = t.backend().buffer().clone();
         (0..buf.area.height)
@@ -161,6 +176,14 @@ mod tests {
         assert!(s.contains("offered pps") && s.contains("drop %"));
         assert!(s.contains("5.00k") && s.contains("80.0") && s.contains("rate"), "{s}");
         assert!(s.find("quiet").unwrap() < s.find("noisy").unwrap(), "profile order");
+    }
+
+    #[test]
+    fn bbr_column_shows_in_flight_over_limit() {
+        let mut top = fixture(true);
+        top.attachments[0].rules[1].bbr = Some(crate::top::state::BbrRow { max_pass: 25, min_rt_ms: 3, in_flight: 7, max_in_flight: Some(5), overloaded: true });
+        let s = render(&top, SortBy::Profile, false);
+        assert!(s.contains("BBR in/max") && s.contains("7/5 !"), "{s}");
     }
 
     #[test]
