@@ -53,12 +53,16 @@ pub struct BbrConfig {
     /// Buckets per second of the window (10 for 100 ms buckets).
     pub buckets_per_second: u64,
     pub cooldown_ns: u64,
+    /// Hysteresis: once over `cpu_threshold`, the CPU counts as over until
+    /// it falls below this (per mille; equal to the threshold: none, as in
+    /// Kratos).
+    pub release_below: u32,
     pub compat: Compat,
 }
 
 impl Default for BbrConfig {
     fn default() -> Self {
-        Self { cpu_threshold: 800, buckets_per_second: 10, cooldown_ns: 1_000_000_000, compat: Compat::default() }
+        Self { cpu_threshold: 800, buckets_per_second: 10, cooldown_ns: 1_000_000_000, release_below: 800, compat: Compat::default() }
     }
 }
 
@@ -95,12 +99,25 @@ pub fn max_pass(window: &[BbrBucket]) -> u64 {
 pub struct BbrState {
     /// Time (ns) the cool-down counts from; 0: not cooling down.
     pub drop_anchor_ns: u64,
+    /// Over the threshold and not yet below `release_below`.
+    pub engaged: bool,
+}
+
+/// Whether the CPU counts as over the threshold now (with hysteresis), and
+/// remembers it.
+pub fn cpu_over(state: &mut BbrState, cfg: &BbrConfig, cpu: u32) -> bool {
+    if cpu >= cfg.cpu_threshold {
+        state.engaged = true;
+    } else if cpu < cfg.release_below.min(cfg.cpu_threshold) {
+        state.engaged = false;
+    }
+    state.engaged
 }
 
 /// Whether a new arrival is refused now, and the state after it.
 pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u64, max: Option<u64>, now_ns: u64) -> bool {
     let over = |max: Option<u64>| in_flight > 1 && max.is_some_and(|m| in_flight > m);
-    if cpu < cfg.cpu_threshold {
+    if !cpu_over(state, cfg, cpu) {
         if state.drop_anchor_ns == 0 {
             return false;
         }
@@ -121,7 +138,8 @@ pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u
 /// Whether the in-flight test is on at all now (CPU over threshold, or
 /// cooling down): what the agent tells the kernel.
 pub fn active(state: &BbrState, cfg: &BbrConfig, cpu: u32, now_ns: u64) -> bool {
-    cpu >= cfg.cpu_threshold || (state.drop_anchor_ns != 0 && now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns)
+    let over = cpu >= cfg.cpu_threshold || (state.engaged && cpu >= cfg.release_below.min(cfg.cpu_threshold));
+    over || (state.drop_anchor_ns != 0 && now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns)
 }
 
 #[cfg(test)]
@@ -214,6 +232,16 @@ mod tests {
         }
         assert!(!should_drop(&mut st, &cfg, 100, 20, Some(10), S + S + S / 10), "1 s after the overload: open");
         assert!(!active(&st, &cfg, 100, 3 * S));
+    }
+
+    #[test]
+    fn hysteresis_holds_the_test_on_until_the_cpu_falls_below_the_release() {
+        let cfg = BbrConfig { release_below: 650, ..Default::default() };
+        let mut st = BbrState::default();
+        assert!(should_drop(&mut st, &cfg, 850, 20, Some(10), S));
+        assert!(should_drop(&mut st, &cfg, 700, 20, Some(10), 5 * S), "700 is still over with a release at 650");
+        assert!(!should_drop(&mut st, &cfg, 600, 20, Some(10), 9 * S), "released");
+        assert!(!should_drop(&mut st, &cfg, 700, 20, Some(10), 10 * S), "700 does not engage it again");
     }
 
     #[test]

@@ -82,7 +82,8 @@ impl BbrLoop {
             // The kernel drops; the cool-down is anchored at drops made while
             // the CPU is over threshold (`bbr::should_drop`'s rule).
             let drops = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
-            if drops > l.drops_seen && cpu >= cfg.cpu_threshold && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
+            let over = bbr::cpu_over(&mut l.state, &cfg, cpu);
+            if drops > l.drops_seen && over && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
                 l.state.drop_anchor_ns = now_ns;
             }
             l.drops_seen = drops;

@@ -94,6 +94,7 @@ struct RawRule {
 #[serde(deny_unknown_fields)]
 struct RawBbr {
     cpu_threshold: Option<Spanned<i64>>,
+    release_below: Option<Spanned<i64>>,
     window: Option<Spanned<String>>,
     buckets: Option<Spanned<i64>>,
     idle_timeout: Option<Spanned<String>>,
@@ -107,6 +108,8 @@ struct RawBbr {
 pub struct BbrRule {
     /// CPU EMA (per-mille) at or above which the in-flight test is on.
     pub cpu_threshold: u32,
+    /// Hysteresis: the test stays on until the CPU falls below this.
+    pub release_below: u32,
     pub window_ns: u64,
     pub buckets: u32,
     /// Established connections silent this long stop counting as in flight.
@@ -122,6 +125,7 @@ impl BbrRule {
             cpu_threshold: self.cpu_threshold,
             buckets_per_second: (1_000_000_000 / (self.window_ns / self.buckets as u64).max(1)).max(1),
             cooldown_ns: 1_000_000_000,
+            release_below: self.release_below,
             compat: self.compat,
         }
     }
@@ -531,6 +535,7 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
 fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
     let mut out = BbrRule {
         cpu_threshold: 800,
+        release_below: 0,
         window_ns: 10_000_000_000,
         buckets: 100,
         idle_timeout_ns: 30_000_000_000,
@@ -543,6 +548,14 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
             return Err(cx.err(v.span(), format!("cpu_threshold {n} out of range: 1 to 1000 (per mille of the CPU signal)")));
         }
         out.cpu_threshold = n as u32;
+    }
+    out.release_below = out.cpu_threshold;
+    if let Some(v) = &b.release_below {
+        let n = *v.get_ref();
+        if !(0..=out.cpu_threshold as i64).contains(&n) {
+            return Err(cx.err(v.span(), format!("release_below {n} must be between 0 and cpu_threshold ({})", out.cpu_threshold)));
+        }
+        out.release_below = n as u32;
     }
     if let Some(v) = &b.window {
         out.window_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad bbr window: {e}")))?;

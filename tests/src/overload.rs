@@ -25,6 +25,8 @@ const WORK: Duration = Duration::from_millis(2);
 const PERIOD_US: u64 = 10_000;
 const QUOTA_US: u64 = 5_000;
 const PORT: u16 = 7600;
+/// Where the service hands out its accept-to-close times.
+const STATS_PORT: u16 = 7601;
 /// A client gives up on a connect after this long (counted as a rejection).
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
 /// And on an admitted connection's response after this long.
@@ -39,18 +41,34 @@ fn thread_cpu() -> Duration {
 /// The service, run as `flowctl-bench serve-cpu NETNS ADDR CGROUP`: joins
 /// the cgroup (before any thread exists, so all of them are in it), enters
 /// the namespace, and answers each connection with one byte after `WORK` of
-/// CPU time, on 64 threads.
+/// CPU time, on 64 threads. It keeps each connection's accept-to-close time;
+/// a connection to `STATS_PORT` takes them (microseconds, one per line).
 pub fn serve_cpu(netns: &str, addr: &str, cgroup: &str) -> ! {
     for ctl in ["cpu", "cpuacct"] {
         std::fs::write(format!("/sys/fs/cgroup/{ctl}/{cgroup}/cgroup.procs"), "0").expect("join the service cgroup");
     }
     flowctl::pins::enter_netns(netns).expect("enter the service namespace");
     let listener = Arc::new(TcpListener::bind(addr).expect("bind"));
+    let times = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let stats_addr: SocketAddr = addr.parse::<SocketAddr>().map(|mut a| {
+        a.set_port(STATS_PORT);
+        a
+    }).expect("service address");
+    let stats = TcpListener::bind(stats_addr).expect("bind the stats port");
+    let t = times.clone();
+    std::thread::spawn(move || {
+        for mut c in stats.incoming().flatten() {
+            let taken = std::mem::take(&mut *t.lock().unwrap());
+            let text: String = taken.iter().map(|v| format!("{v}\n")).collect();
+            let _ = c.write_all(text.as_bytes());
+        }
+    });
     let mut threads = Vec::new();
     for _ in 0..64 {
-        let l = listener.clone();
+        let (l, times) = (listener.clone(), times.clone());
         threads.push(std::thread::spawn(move || loop {
             let Ok((mut c, _)) = l.accept() else { continue };
+            let accepted = Instant::now();
             let start = thread_cpu();
             let mut x = 0u64;
             while thread_cpu() - start < WORK {
@@ -59,6 +77,8 @@ pub fn serve_cpu(netns: &str, addr: &str, cgroup: &str) -> ! {
                 }
             }
             let _ = c.write_all(b"k");
+            drop(c);
+            times.lock().unwrap().push(accepted.elapsed().as_micros().min(u32::MAX as u128) as u32);
         }));
     }
     for t in threads {
@@ -90,6 +110,24 @@ pub struct PhaseResult {
     /// generator itself fell behind).
     pub generator_late: u64,
     pub cpu_permille: f64,
+    /// Server side: accept to close of the connections it served, ms.
+    pub server_p50_ms: f64,
+    pub server_p99_ms: f64,
+}
+
+/// Takes the service's accept-to-close times collected since the last call.
+fn server_times(lab: &Lab) -> Vec<f64> {
+    let addr: SocketAddr = format!("{}:{STATS_PORT}", lab.ip_srv).parse().unwrap();
+    Lab::in_ns(&lab.ns_cli, move || {
+        let mut s = TcpStream::connect(addr).expect("the service's stats port");
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.lines().filter_map(|l| l.parse::<f64>().ok()).map(|us| us / 1e3).collect()
+    })
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1))).copied().unwrap_or(0.0)
 }
 
 /// Offers connections open-loop: `rate(t)` per second for `secs`, from a
@@ -144,6 +182,7 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
         let measured = t >= hold_from;
         if measured && hold_start.is_none() {
             hold_start = Some((Instant::now(), cgroup_usage(cgroup)));
+            let _ = server_times(lab); // forget the ramp's
         }
         tx.send((Instant::now(), measured)).unwrap();
         offered += measured as u64;
@@ -155,13 +194,21 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
     let (hold_t0, hold_cpu0) = hold_start.unwrap_or((start, cpu0));
     let hold_secs = hold_t0.elapsed().as_secs_f64();
     let cpu_permille = (cgroup_usage(cgroup) - hold_cpu0) as f64 / 1e9 / hold_secs / (QUOTA_US as f64 / PERIOD_US as f64) * 1000.0;
+    let mut served = server_times(lab);
+    served.sort_by(|a, b| a.total_cmp(b));
     drop(tx);
     stop.store(true, Ordering::Relaxed);
     for w in workers {
         let _ = w.join();
     }
     let results = results.lock().unwrap();
-    let mut r = PhaseResult { offered_per_s: offered as f64 / hold_secs, cpu_permille, ..Default::default() };
+    let mut r = PhaseResult {
+        offered_per_s: offered as f64 / hold_secs,
+        cpu_permille,
+        server_p50_ms: percentile(&served, 0.50),
+        server_p99_ms: percentile(&served, 0.99),
+        ..Default::default()
+    };
     let mut times = Vec::new();
     for (o, measured, late) in results.iter() {
         if !measured {
@@ -178,9 +225,8 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
     }
     times.sort_by(|a, b| a.total_cmp(b));
     r.goodput_per_s = times.len() as f64 / hold_secs;
-    let pct = |p: f64| times.get(((times.len() as f64 * p) as usize).min(times.len().saturating_sub(1))).copied().unwrap_or(0.0);
-    r.p50_ms = pct(0.50);
-    r.p99_ms = pct(0.99);
+    r.p50_ms = percentile(&times, 0.50);
+    r.p99_ms = percentile(&times, 0.99);
     r
 }
 
@@ -190,9 +236,11 @@ fn cgroup_usage(cgroup: &str) -> u64 {
 
 fn print(label: &str, r: &PhaseResult) {
     println!(
-        "  {label:<22} offered {:>6.0}/s  goodput {:>6.0}/s  p50 {:>7.1} ms  p99 {:>7.1} ms  refused {:>6}  connect timeouts {:>5}  response timeouts {:>5}  service CPU {:>4.0}‰{}",
+        "  {label:<22} offered {:>4.0}/s goodput {:>4.0}/s | accept-to-close p50 {:>6.1} p99 {:>6.1} ms | client connect-to-response p50 {:>6.1} p99 {:>6.1} ms | refused {:>5} connect timeouts {:>5} response timeouts {:>4} | service CPU {:>4.0}‰{}",
         r.offered_per_s,
         r.goodput_per_s,
+        r.server_p50_ms,
+        r.server_p99_ms,
         r.p50_ms,
         r.p99_ms,
         r.refused,
@@ -237,8 +285,10 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     let settings = format!("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\ncpu = \"cgroup:/{cgroup}\"\n");
     let off = dir.join(format!("flowctl-ovl-off-{}.toml", std::process::id()));
     let on = dir.join(format!("flowctl-ovl-on-{}.toml", std::process::id()));
+    let sticky = dir.join(format!("flowctl-ovl-sticky-{}.toml", std::process::id()));
     std::fs::write(&off, format!("{settings}{rule}")).unwrap();
     std::fs::write(&on, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n")).unwrap();
+    std::fs::write(&sticky, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, release_below = 600, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n")).unwrap();
     let mut agent = std::process::Command::new(flowctl_bin)
         .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
         .arg(&off)
@@ -268,13 +318,16 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     std::thread::sleep(Duration::from_secs(3));
     let with = offer(&lab, &cgroup, ramp, 20.0, 10.0);
     print("3x, BBR on", &with);
-    println!(
-        "  with BBR at 3x: goodput {:.2}x capacity (target >= 0.90), p99 {:.1}x the unloaded p99 (target <= 3); without: goodput {:.2}x, p99 {:.1}x",
-        with.goodput_per_s / capacity,
-        with.p99_ms / unloaded.p99_ms.max(0.001),
-        without.goodput_per_s / capacity,
-        without.p99_ms / unloaded.p99_ms.max(0.001)
-    );
+    apply(&off);
+    std::thread::sleep(Duration::from_secs(3));
+    apply(&sticky);
+    let held = offer(&lab, &cgroup, ramp, 20.0, 10.0);
+    print("3x, BBR, release 600", &held);
+    let ratio = |r: &PhaseResult| (r.goodput_per_s / capacity, r.server_p99_ms / unloaded.server_p99_ms.max(0.001), r.p99_ms / unloaded.p99_ms.max(0.001));
+    for (label, r) in [("BBR on", &with), ("BBR on, release 600", &held), ("BBR off", &without)] {
+        let (g, s, c) = ratio(r);
+        println!("  {label} at 3x: goodput {g:.2}x capacity (target >= 0.90); accept-to-close p99 {s:.1}x unloaded (target <= 3); client p99 {c:.1}x unloaded");
+    }
     unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
     let _ = agent.wait();
     let _ = service.kill();
@@ -285,4 +338,5 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     }
     let _ = std::fs::remove_file(&off);
     let _ = std::fs::remove_file(&on);
+    let _ = std::fs::remove_file(&sticky);
 }
