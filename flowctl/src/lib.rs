@@ -25,6 +25,7 @@ pub mod control;
 pub mod cpu;
 pub mod dataplane;
 pub mod heavy;
+pub mod klimiter;
 pub mod metrics;
 pub mod object;
 pub mod occupancy;
