@@ -6,7 +6,10 @@
 //! tokio (the agent's event loop: signals, timers, control socket), tracing
 //! (logs), libc (setns, flock, if_nametoindex, capabilities),
 //! prometheus-client (metric encoding), procfs (`/proc/stat` for the CPU signal), tiny_http (the metrics endpoint) and
-//! ratatui (the `top` view, over its crossterm backend).
+//! ratatui (the `top` view, over its crossterm backend), nnls (non-negative
+//! least squares for KLimiter's coefficients), nalgebra (the condition number
+//! that decides whether a fit is trusted), ndarray (nnls' matrix type) and
+//! plotters (the SVG chart of `flowctl simulate`, SVG backend only).
 
 /// `println!` that returns the write error (through `?`) instead of
 /// panicking, so `flowctl status | head` ends with the broken pipe that main
@@ -31,4 +34,5 @@ pub mod object;
 pub mod occupancy;
 pub mod pins;
 pub mod profile;
+pub mod simulate;
 pub mod top;

@@ -77,6 +77,15 @@ enum Cmd {
         #[arg(long, default_value_t = 20, requires = "keys")]
         count: usize,
     },
+    /// Run the KLimiter controller against a described plant on a virtual
+    /// clock; writes timeseries.csv and chart.svg.
+    ///
+    /// Example: flowctl simulate examples/scenarios/article.toml --out /tmp/sim
+    Simulate {
+        scenario: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Validate a profile without touching the kernel (for CI pipelines).
     Check { profile: PathBuf },
     /// Which rule, key and limit apply to a packet, from the kernel's tables.
@@ -106,6 +115,7 @@ fn main() {
         Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
+        Cmd::Simulate { scenario, out } => flowctl::simulate::command(&scenario, &out),
         Cmd::Top { iface, interval, once, json, keys, count } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
             if let Some(rule) = keys {

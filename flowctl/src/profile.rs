@@ -355,6 +355,11 @@ impl Ctx<'_> {
 }
 
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    line_col_of(text, offset)
+}
+
+/// Line and column (1-based) of a byte offset in `text`.
+pub fn line_col_of(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
     let col = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
