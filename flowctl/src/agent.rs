@@ -212,6 +212,9 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set:
     let mut bbr_tick = tokio::time::interval(Duration::from_nanos(state.stats.bucket_ns));
     bbr_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut bbr = crate::adaptive::BbrLoop::default();
+    let mut klim = crate::klimiter_agent::KlimiterLoop::new(&set);
+    let mut klim_tick = tokio::time::interval(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
+    klim_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
@@ -265,6 +268,13 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set:
                     tracing::warn!("BBR loop: {e:#}");
                 }
             }
+            _ = klim_tick.tick(), if klim.is_some() => {
+                if let Some(k) = klim.as_mut() {
+                    if let Err(e) = k.sample(maps, state, &set, published.cpu_permille) {
+                        tracing::warn!("KLimiter: {e:#}");
+                    }
+                }
+            }
             _ = keys_tick.tick() => {
                 if let Some(w) = keys.as_mut().filter(|w| w.active()) {
                     if let Err(e) = w.poll(maps) {
@@ -273,7 +283,21 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set:
                 }
             }
             Some((line, reply)) = rx.recv() => {
+                let before = set.clone();
                 let _ = reply.send(handle(maps, state, &mut set, keys.as_mut(), &mut cpu, &line));
+                if set != before {
+                    // A new profile: a new KLimiter, keeping the ratios of
+                    // entries it still has.
+                    let mut next = crate::klimiter_agent::KlimiterLoop::new(&set);
+                    if let (Some(n), Some(o)) = (next.as_mut(), klim.as_ref()) {
+                        n.inherit(o);
+                    }
+                    if let Some(n) = &next {
+                        klim_tick = tokio::time::interval(n.sample_period());
+                        klim_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    }
+                    klim = next;
+                }
             }
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };

@@ -356,8 +356,13 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             }
         }
     }
-    // Fixed admission ratios from the profile (none: all pass).
-    for (r, s) in set.rules.iter().zip(&planned) {
+    // Fixed admission ratios from the profile (none: all pass). KLimiter's
+    // entries keep the ratio the agent last set: a reload during an
+    // overload must not open the gates.
+    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
+        if set.baselines.iter().any(|b| b.entries.contains(&i)) {
+            continue;
+        }
         let mut c = maps.control.get(&s.record, 0)?;
         let before = c;
         match r.admission_ppm {

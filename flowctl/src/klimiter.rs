@@ -142,6 +142,11 @@ impl Controller {
         self.baselines[baseline].threshold = t;
     }
 
+    /// The ratio of the entry named `name`.
+    pub fn ratio_of(&self, name: &str) -> Option<f64> {
+        self.entries.iter().position(|e| e.name == name).map(|i| self.ratios[i])
+    }
+
     /// Starts from given ratios (for tests and a restarted agent).
     pub fn set_ratios(&mut self, r: &[f64]) {
         self.ratios.copy_from_slice(r);

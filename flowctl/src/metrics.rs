@@ -41,6 +41,17 @@ struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BaselineLabel {
+    baseline: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BaselineRuleLabel {
+    baseline: String,
+    rule: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TableLabel {
     table: String,
 }
@@ -133,6 +144,28 @@ pub fn render(id: &AttachId) -> Result<String> {
             }
         }
     }
+    if let Some(k) = crate::klimiter_agent::published(&maps, &state) {
+        let level = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
+        let threshold = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
+        let coef = Family::<BaselineRuleLabel, Gauge<f64, AtomicU64>>::default();
+        let share = Family::<BaselineRuleLabel, Gauge<f64, AtomicU64>>::default();
+        for b in &k.baselines {
+            let l = BaselineLabel { baseline: b.name.clone() };
+            if let Some(v) = b.level {
+                level.get_or_create(&l).set(v);
+            }
+            threshold.get_or_create(&l).set(b.threshold);
+            for (rule, c, s) in &b.entries {
+                let l = BaselineRuleLabel { baseline: b.name.clone(), rule: rule.clone() };
+                coef.get_or_create(&l).set(*c);
+                share.get_or_create(&l).set(*s);
+            }
+        }
+        reg.register("flowctl_baseline_level", "KLimiter: a downstream resource's level (absent while its source fails)", level);
+        reg.register("flowctl_baseline_threshold", "KLimiter: the level it is kept under", threshold);
+        reg.register("flowctl_baseline_coefficient", "KLimiter: estimated level per admitted unit/s of a rule", coef);
+        reg.register("flowctl_baseline_share", "KLimiter: a rule's share of the baseline's level", share);
+    }
     reg.register("flowctl_offered_packets", "Packets that matched the rule", offered);
     reg.register("flowctl_offered_bytes", "Bytes that matched the rule", offered_bytes);
     reg.register("flowctl_packets", "Packets by rule, verdict and drop reason", packets);
@@ -192,7 +225,8 @@ mod tests {
             "flowctl_kernel_memory_bytes", "flowctl_profile_generation", "flowctl_rules",
             "flowctl_key_table_entries", "flowctl_key_table_capacity", "flowctl_agent_up", "flowctl_key_inserts_total",
             "flowctl_cpu_permille", "flowctl_bbr_in_flight", "flowctl_bbr_max_in_flight", "flowctl_bbr_max_pass",
-            "flowctl_bbr_min_rt_milliseconds", "flowctl_bbr_overloaded",
+            "flowctl_bbr_min_rt_milliseconds", "flowctl_bbr_overloaded", "flowctl_baseline_level", "flowctl_baseline_threshold",
+            "flowctl_baseline_coefficient", "flowctl_baseline_share",
         ];
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
         let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");

@@ -35,6 +35,9 @@ struct RawProfile {
     settings: Option<Spanned<RawSettings>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
+    klimiter: Option<Spanned<crate::profile_klimiter::RawKlimiter>>,
+    #[serde(default)]
+    baseline: Vec<Spanned<crate::profile_klimiter::RawBaseline>>,
 }
 
 #[derive(Deserialize)]
@@ -88,6 +91,7 @@ struct RawRule {
     bbr: Option<Spanned<RawBbr>>,
     admission: Option<Spanned<String>>,
     admission_ratio: Option<Spanned<f64>>,
+    priority: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -197,7 +201,7 @@ impl Default for Settings {
 }
 
 /// One validated rule.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rule {
     pub name: String,
     pub line: usize,
@@ -225,6 +229,9 @@ pub struct Rule {
     /// A fixed admission ratio in parts per million (the control loops of
     /// the KLimiter work set it dynamically otherwise).
     pub admission_ppm: Option<u32>,
+    /// KLimiter: the lowest ratio round 1 may cut this rule to (0 to 1).
+    pub priority: f64,
+    pub priority_span: Option<std::ops::Range<usize>>,
 }
 
 /// Default quota buckets K: the effective window is at most W + W/K.
@@ -300,10 +307,12 @@ pub fn proto_name(p: u8) -> String {
 }
 
 /// A validated profile.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RuleSet {
     pub settings: Settings,
     pub rules: Vec<Rule>,
+    pub klimiter: crate::profile_klimiter::KlimiterSettings,
+    pub baselines: Vec<crate::profile_klimiter::Baseline>,
 }
 
 /// Kernel bytes per preallocated LRU hash element: the element header
@@ -439,7 +448,35 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         }
         rules.push(rule);
     }
-    let set = RuleSet { settings, rules };
+    let klimiter = match &raw.klimiter {
+        Some(k) => crate::profile_klimiter::settings(k.get_ref(), |v| {
+            parse_duration_ns(v.get_ref()).map_err(|e| (v.span(), format!("bad duration: {e}")))
+        })
+        .map_err(|(sp, m)| cx.err(sp, m))?,
+        None => Default::default(),
+    };
+    let names: Vec<String> = rules.iter().map(|r| r.name.clone()).collect();
+    let mut baselines: Vec<crate::profile_klimiter::Baseline> = Vec::new();
+    for b in &raw.baseline {
+        let parsed = crate::profile_klimiter::baseline(b.get_ref(), &names).map_err(|(sp, m)| cx.err(sp, m))?;
+        if baselines.iter().any(|o| o.name == parsed.name) {
+            return Err(cx.err(b.span(), format!("duplicate baseline name `{}`", parsed.name)));
+        }
+        baselines.push(parsed);
+    }
+    // A rule is either under KLimiter's control or has a fixed ratio.
+    for (i, r) in rules.iter().enumerate() {
+        let controlled = baselines.iter().any(|b| b.entries.contains(&i));
+        if controlled && r.admission_ppm.is_some() {
+            return Err(ProfileError { file: file.into(), line: r.line, col: 1, msg: format!("rule `{}` has a fixed admission_ratio and is an entry of a baseline: KLimiter sets its ratio; drop one", r.name) });
+        }
+        if !controlled {
+            if let Some(sp) = &r.priority_span {
+                return Err(cx.err(sp.clone(), format!("rule `{}` has a priority but no [[baseline]] lists it", r.name)));
+            }
+        }
+    }
+    let set = RuleSet { settings, rules, klimiter, baselines };
     let need = set.settings.kernel_memory_bytes();
     if need > set.settings.memory_budget {
         return Err(cx.err(
@@ -719,6 +756,8 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         bbr_span: None,
         admission_per_flow: true,
         admission_ppm: None,
+        priority: 0.0,
+        priority_span: None,
     };
     if action_v == action::PASS {
         for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span())), ("quota", r.quota.as_ref().map(|x| x.span()))] {
@@ -847,6 +886,14 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             "packet" => false,
             other => return Err(cx.err(a.span(), format!("unknown admission `{other}`: \"flow\" (a 5-tuple hash keeps each flow wholly in or out) or \"packet\""))),
         };
+    }
+    if let Some(p) = &r.priority {
+        let v = *p.get_ref();
+        if !(0.0..=1.0).contains(&v) {
+            return Err(cx.err(p.span(), format!("priority {v} out of range: the lowest admission ratio KLimiter may cut this rule to in its first round, 0.0 to 1.0")));
+        }
+        rule.priority = v;
+        rule.priority_span = Some(p.span());
     }
     if let Some(a) = &r.admission_ratio {
         let v = *a.get_ref();

@@ -40,6 +40,10 @@ pub struct Attachment {
     /// see `key_tables_note`); absent without a running agent.
     pub key_tables: Option<Vec<crate::occupancy::TableFill>>,
     pub key_tables_note: String,
+    /// KLimiter's last step: per baseline the level, threshold, band,
+    /// coefficients and shares; per entry the ratio and why it last changed.
+    /// Absent without baselines or without a running agent.
+    pub klimiter: Option<crate::klimiter_agent::PublishedStep>,
     pub rules: Vec<RuleRow>,
 }
 
@@ -183,6 +187,7 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
             .map(|r| r.cpu_permille)
             .filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
         key_tables: crate::occupancy::estimate(&maps, state),
+        klimiter: crate::klimiter_agent::published(&maps, state),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
     })

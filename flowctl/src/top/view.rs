@@ -154,6 +154,7 @@ mod tests {
                 cpu_permille: None,
                 key_tables: agent.then(|| vec![crate::occupancy::TableFill { table: "keys", entries: 12_345, capacity: 1 << 20, walked_s_ago: 3.0 }]),
                 key_tables_note: String::new(),
+                klimiter: None,
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
             }],
         }
