@@ -61,8 +61,16 @@ pub struct PublishedBaseline {
     pub level: Option<f64>,
     pub threshold: f64,
     pub band: String,
-    /// Per entry of the baseline: (rule, coefficient, share).
-    pub entries: Vec<(String, f64, f64)>,
+    /// Per entry of the baseline: its estimated coefficient and share
+    /// (null while the baseline's source fails).
+    pub entries: Vec<PublishedShare>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PublishedShare {
+    pub rule: String,
+    pub coefficient: Option<f64>,
+    pub share: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -228,7 +236,11 @@ impl KlimiterLoop {
                         .entries
                         .iter()
                         .enumerate()
-                        .map(|(k, &r)| (set.rules[r].name.clone(), v.coefficients.get(k).copied().unwrap_or(f64::NAN), v.shares.get(k).copied().unwrap_or(f64::NAN)))
+                        .map(|(k, &r)| PublishedShare {
+                            rule: set.rules[r].name.clone(),
+                            coefficient: v.coefficients.get(k).copied().filter(|x| x.is_finite()),
+                            share: v.shares.get(k).copied().filter(|x| x.is_finite()),
+                        })
                         .collect(),
                 })
                 .collect(),

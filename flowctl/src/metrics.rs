@@ -155,10 +155,14 @@ pub fn render(id: &AttachId) -> Result<String> {
                 level.get_or_create(&l).set(v);
             }
             threshold.get_or_create(&l).set(b.threshold);
-            for (rule, c, s) in &b.entries {
-                let l = BaselineRuleLabel { baseline: b.name.clone(), rule: rule.clone() };
-                coef.get_or_create(&l).set(*c);
-                share.get_or_create(&l).set(*s);
+            for e in &b.entries {
+                let l = BaselineRuleLabel { baseline: b.name.clone(), rule: e.rule.clone() };
+                if let Some(c) = e.coefficient {
+                    coef.get_or_create(&l).set(c);
+                }
+                if let Some(s) = e.share {
+                    share.get_or_create(&l).set(s);
+                }
             }
         }
         reg.register("flowctl_baseline_level", "KLimiter: a downstream resource's level (absent while its source fails)", level);

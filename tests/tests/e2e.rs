@@ -854,3 +854,85 @@ bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_file(&cpu);
 }
+
+/// KLimiter end to end: a gauge file says the database is over its
+/// threshold; the agent cuts the low-priority rule first (its admitted
+/// traffic falls with its ratio), shows why in `top`, holds when the gauge
+/// turns to garbage, and releases once the level is low.
+#[test]
+fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
+    if not_root() {
+        return;
+    }
+    let lab = Lab::new("fklim", 224);
+    let gauge = std::env::temp_dir().join(format!("flowctl-e2e-gauge-{}", std::process::id()));
+    std::fs::write(&gauge, "300\n").unwrap();
+    let prof = profile_file(&format!(
+        "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"400ms\"\nstale_after = \"2s\"\n\
+[[rule]]\nname = \"batch\"\nproto = \"udp\"\ndport = 7700\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
+[[rule]]\nname = \"checkout\"\nproto = \"udp\"\ndport = 7701\nrate = \"1000000/s\"\npriority = 0.9\n\
+[[baseline]]\nname = \"db\"\nthreshold = 60\nentries = [\"batch\", \"checkout\"]\nsource = {{ kind = \"gauge\", file = \"{}\" }}\n",
+        gauge.display()
+    ));
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let top = || -> Value {
+        let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.5"]);
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()["attachments"][0].clone()
+    };
+    let ratio = |a: &Value, rule: &str| a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()["admission_ratio"].as_f64().unwrap();
+    // Traffic on both rules for the whole test (bounded: 30 s at most).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let senders: Vec<_> = [7700u16, 7701]
+        .into_iter()
+        .map(|port| {
+            let (stop, src, dst, ns) = (stop.clone(), lab.ip_cli.clone(), format!("{}:{port}", lab.ip_srv), lab.ns_cli.clone());
+            std::thread::spawn(move || {
+                flowctl::pins::enter_netns(&ns).unwrap();
+                let s = UdpSocket::bind(format!("{src}:0")).unwrap();
+                let t = Instant::now();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < Duration::from_secs(30) {
+                    let _ = s.send_to(b"x", &dst);
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        })
+        .collect();
+    // Over the threshold: both are cut 0.05 per period until checkout sits
+    // at its floor of 0.9; batch keeps going down.
+    std::thread::sleep(Duration::from_secs(5));
+    let a = top();
+    let k = a["klimiter"].clone();
+    println!("cutting: batch {} checkout {}; {}", ratio(&a, "batch"), ratio(&a, "checkout"), k);
+    assert_eq!(k["baselines"][0]["band"], "cut");
+    assert_eq!(k["baselines"][0]["level"], 300.0);
+    assert!(ratio(&a, "checkout") >= 0.9 - 1e-6, "checkout's priority floor holds in round 1");
+    assert!(ratio(&a, "batch") < 0.7, "batch is cut below checkout's floor: {}", ratio(&a, "batch"));
+    let reason = k["entries"].as_array().unwrap().iter().find(|e| e["rule"] == "batch").unwrap()["reason"].as_str().unwrap().to_string();
+    assert!(reason.starts_with("cut") && reason.contains("db: level 300.0 over threshold 60.0"), "{reason}");
+    // The kernel admits batch at about its ratio (per packet).
+    let r = a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == "batch").unwrap().clone();
+    let frac = r["passed_pps"].as_f64().unwrap() / r["offered_pps"].as_f64().unwrap().max(1.0);
+    assert!((frac - ratio(&a, "batch")).abs() < 0.25, "admitted fraction {frac} vs ratio {}", ratio(&a, "batch"));
+    assert!(r["top_reason"] == "admission", "{r}");
+    // Garbage: hold.
+    std::fs::write(&gauge, "banana\n").unwrap();
+    std::thread::sleep(Duration::from_millis(900));
+    let held = ratio(&top(), "batch");
+    std::thread::sleep(Duration::from_millis(600));
+    let a = top();
+    assert_eq!(a["klimiter"]["baselines"][0]["band"], "stale");
+    assert!((ratio(&a, "batch") - held).abs() < 1e-9, "garbage never cuts: {held} -> {}", ratio(&a, "batch"));
+    // A low level: ratios climb back.
+    std::fs::write(&gauge, "10\n").unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let a = top();
+    println!("recovering: batch {} checkout {}", ratio(&a, "batch"), ratio(&a, "checkout"));
+    assert!(ratio(&a, "batch") > held, "released");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in senders {
+        s.join().unwrap();
+    }
+    agent.stop();
+    let _ = std::fs::remove_file(&gauge);
+}
