@@ -381,6 +381,50 @@ mod tests {
         assert_eq!(r.last().unwrap().ratio, vec![1.0, 1.0], "ratios climb back after the overload");
     }
 
+    fn inline(text: &str) -> Scenario {
+        let s: Scenario = toml::from_str(text).unwrap();
+        s.validate().unwrap();
+        s
+    }
+
+    #[test]
+    fn a_mid_run_coefficient_change_is_re_identified() {
+        // Loads that move independently (10% noise each, steps at different
+        // times) identify the coefficients; at 300 s the second doubles.
+        let s = inline(
+            "duration_s = 600\nseed = 11\n\
+             [[entry]]\nname = \"a\"\noffered = { steps = [[0, 40], [100, 60], [250, 45], [400, 70]] }\nnoise = 0.1\n\
+             [[entry]]\nname = \"b\"\noffered = { steps = [[0, 30], [170, 50], [330, 35], [480, 55]] }\nnoise = 0.1\n\
+             [[baseline]]\nname = \"db\"\nthreshold = 10000\nentries = [\"all\"]\ncoefficients = { steps = [[0, [1.0, 2.0]], [300, [1.0, 4.0]]] }\nnoise = 0.02\n",
+        );
+        let rows = s.run().unwrap();
+        let before = &rows[295].coefficients[0];
+        let after = &rows.last().unwrap().coefficients[0];
+        assert!((before[0] - 1.0).abs() < 0.15 && (before[1] - 2.0).abs() < 0.3, "before: {before:?}");
+        assert!((after[0] - 1.0).abs() < 0.2 && (after[1] - 4.0).abs() < 0.5, "after: {after:?}");
+    }
+
+    #[test]
+    fn two_baselines_compose() {
+        // "shared" loads both; each baseline has its own too. Both end at or
+        // under their thresholds, and the shared entry follows the baseline
+        // that asks the most of it.
+        let s = inline(
+            "duration_s = 600\nseed = 5\n\
+             [[entry]]\nname = \"shared\"\noffered = 100\n\
+             [[entry]]\nname = \"only_db\"\noffered = 100\nfloor = 0.6\n\
+             [[entry]]\nname = \"only_cache\"\noffered = 100\nfloor = 0.6\n\
+             [[baseline]]\nname = \"db\"\nthreshold = 150\nentries = [\"shared\", \"only_db\"]\ncoefficients = [1, 1]\n\
+             [[baseline]]\nname = \"cache\"\nthreshold = 120\nentries = [\"shared\", \"only_cache\"]\ncoefficients = [1, 1]\n",
+        );
+        let rows = s.run().unwrap();
+        let end = rows.last().unwrap();
+        assert!(end.level[0] <= 150.0 + 1e-6 && end.level[1] <= 120.0 + 1e-6, "{:?}", end.level);
+        assert!(end.level[1] >= 120.0 * 0.9, "not over-cut: {:?}", end.level);
+        assert!(end.ratio[1] >= 0.6 - 1e-9 && end.ratio[2] >= 0.6 - 1e-9, "floors hold: {:?}", end.ratio);
+        assert!(end.ratio[0] < end.ratio[1], "the shared entry took the cut: {:?}", end.ratio);
+    }
+
     #[test]
     fn bad_scenarios_say_where() {
         let dir = std::env::temp_dir().join(format!("flowctl-sim-bad-{}", std::process::id()));
