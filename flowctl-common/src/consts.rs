@@ -61,6 +61,11 @@ pub const OPEN_BUCKETS: usize = 64;
 /// Default entries of the connection table (BBR rules' tracked connections).
 pub const DEFAULT_CONN_ENTRIES: u32 = 1 << 18;
 
+/// Downstream endpoints the TC egress program counts (KLimiter baselines).
+pub const MAX_EGRESS_TARGETS: usize = 16;
+/// Per target, two per-CPU counters: packets, and new TCP connections (SYN).
+pub const EGRESS_COUNTERS_PER_TARGET: usize = 2;
+
 /// Bytes of the key-sampling ring buffer (`top --keys`); a power of two
 /// multiple of the page size, as the kernel requires.
 pub const KEY_SAMPLE_RING_BYTES: u32 = 1 << 20;
@@ -108,15 +113,19 @@ pub mod map_names {
     pub const AGENT: &str = "FLOWCTL_AGENT";
     pub const CONNS: &str = "FLOWCTL_CONNS";
     pub const OPEN: &str = "FLOWCTL_OPEN";
+    pub const EGRESS_TARGETS: &str = "FLOWCTL_EGRESS_TARGETS";
+    pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 19] = [
         GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT, CONNS, OPEN,
+        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT, CONNS, OPEN, EGRESS_TARGETS, EGRESS_COUNTS,
     ];
 }
 
 /// Program names in the XDP object.
 pub const XDP_PROGRAM: &str = "flowctl_xdp";
+/// The TC egress counter of KLimiter's `egress` baselines.
+pub const EGRESS_PROGRAM: &str = "flowctl_egress";
 
 /// XDP verdicts, as the kernel's `enum xdp_action` numbers them.
 pub const XDP_DROP: u32 = 1;

@@ -365,6 +365,23 @@ pub mod conn_state {
     pub const ESTABLISHED: u32 = 2;
 }
 
+/// A downstream endpoint whose traffic the TC egress program counts (a
+/// KLimiter `egress` baseline): destination prefix, protocol and port range.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EgressTarget {
+    /// Host-order address words (IPv4 in word 0).
+    pub addr: [u32; 4],
+    pub prefix_len: u8,
+    /// 4 or 6; 0: an unused slot.
+    pub family: u8,
+    /// 6, 17, or 0 for either.
+    pub proto: u8,
+    pub _pad: u8,
+    pub port_lo: u16,
+    pub port_hi: u16,
+}
+
 /// One key's quota window ring: K + 1 slots, each (epoch << 32 | count)
 /// updated by compare-and-swap (see `window`).
 #[repr(C)]
@@ -433,6 +450,7 @@ assert_layout!(crate::StatsBucket, 112, 8);
 assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
+assert_layout!(EgressTarget, 24, 4);
 assert_layout!(RuleCounters, 224, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
@@ -455,4 +473,5 @@ mod pod {
     unsafe impl aya::Pod for KeySample {}
     unsafe impl aya::Pod for AgentRecord {}
     unsafe impl aya::Pod for ConnEntry {}
+    unsafe impl aya::Pod for EgressTarget {}
 }

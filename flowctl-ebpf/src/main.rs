@@ -11,6 +11,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod egress;
 mod parse;
 
 use aya_ebpf::{

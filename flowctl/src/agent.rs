@@ -131,6 +131,14 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         return Err(e);
     }
     dataplane::heartbeat(&mut maps)?;
+    let mut ebpf = ebpf;
+    let mut egress_ifaces = Vec::new();
+    if let Err(e) = dataplane::set_egress(&mut ebpf, &mut maps, &set, &mut egress_ifaces) {
+        if !adopting {
+            let _ = dataplane::detach(&id);
+        }
+        return Err(e);
+    }
     if let Some(addr) = args.metrics {
         crate::metrics::spawn(addr, id)?;
     }
@@ -144,7 +152,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
     let local = tokio::task::LocalSet::new();
-    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals));
+    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals, &mut ebpf, &mut egress_ifaces));
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
     } else {
@@ -199,7 +207,17 @@ fn now_unix() -> u64 {
 /// A request read by a connection task, with the channel for its answer.
 type Pending = (String, tokio::sync::oneshot::Sender<Response>);
 
-async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set: profile::RuleSet, mut cpu: crate::cpu::CpuSignal, signals: Signals) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    id: &AttachId,
+    maps: &mut Maps,
+    state: &mut AttachState,
+    mut set: profile::RuleSet,
+    mut cpu: crate::cpu::CpuSignal,
+    signals: Signals,
+    ebpf: &mut aya::Ebpf,
+    egress_ifaces: &mut Vec<String>,
+) -> Result<()> {
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
@@ -286,8 +304,11 @@ async fn serve(id: &AttachId, maps: &mut Maps, state: &mut AttachState, mut set:
                 let before = set.clone();
                 let _ = reply.send(handle(maps, state, &mut set, keys.as_mut(), &mut cpu, &line));
                 if set != before {
-                    // A new profile: a new KLimiter, keeping the ratios of
-                    // entries it still has.
+                    // A new profile: its egress targets, and a new KLimiter
+                    // keeping the ratios of entries it still has.
+                    if let Err(e) = dataplane::set_egress(ebpf, maps, &set, egress_ifaces) {
+                        tracing::warn!("egress counters: {e:#}");
+                    }
                     let mut next = crate::klimiter_agent::KlimiterLoop::new(&set);
                     if let (Some(n), Some(o)) = (next.as_mut(), klim.as_ref()) {
                         n.inherit(o);

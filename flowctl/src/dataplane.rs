@@ -113,6 +113,9 @@ pub struct Maps {
     pub agent: Array<MapData, AgentRecord>,
     /// BBR rules' open-connection rings (see `OPEN_BUCKETS`).
     pub open: Array<MapData, u64>,
+    /// KLimiter's egress targets and their per-CPU counters.
+    pub egress_targets: Array<MapData, flowctl_common::EgressTarget>,
+    pub egress_counts: PerCpuArray<MapData, u64>,
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
@@ -135,6 +138,8 @@ impl Maps {
             stats: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::STATS)?))?,
             agent: Array::try_from(Map::Array(open(&d, names::AGENT)?))?,
             open: Array::try_from(Map::Array(open(&d, names::OPEN)?))?,
+            egress_targets: Array::try_from(Map::Array(open(&d, names::EGRESS_TARGETS)?))?,
+            egress_counts: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::EGRESS_COUNTS)?))?,
         })
     }
 
@@ -486,6 +491,45 @@ pub fn load_error(e: ProgramError) -> anyhow::Error {
         }
         other => anyhow!("loading the XDP program: {other}"),
     }
+}
+
+/// Writes KLimiter's egress targets (slot order = the profile's egress
+/// baselines) and attaches the TC egress counter to each interface they
+/// name that it is not on yet. The attachments live as long as `ebpf` (the
+/// agent); without an agent nothing needs the counts.
+pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, attached: &mut Vec<String>) -> Result<()> {
+    use crate::profile_klimiter::LevelSource;
+    let mut slot = 0u32;
+    let mut ifaces = Vec::new();
+    for b in &set.baselines {
+        if let LevelSource::Egress { iface, target, .. } = &b.source {
+            maps.egress_targets.set(slot, *target, 0)?;
+            slot += 1;
+            if !ifaces.contains(iface) {
+                ifaces.push(iface.clone());
+            }
+        }
+    }
+    for s in slot..flowctl_common::MAX_EGRESS_TARGETS as u32 {
+        maps.egress_targets.set(s, flowctl_common::EgressTarget::default(), 0)?;
+    }
+    if ifaces.iter().all(|i| attached.contains(i)) {
+        return Ok(());
+    }
+    let prog: &mut aya::programs::SchedClassifier =
+        ebpf.program_mut(flowctl_common::EGRESS_PROGRAM).context("egress program missing from the object")?.try_into()?;
+    if prog.fd().is_err() {
+        prog.load().map_err(load_error)?;
+    }
+    for i in ifaces {
+        if attached.contains(&i) {
+            continue;
+        }
+        prog.attach(&i, aya::programs::TcAttachType::Egress)
+            .map_err(|e| anyhow!("attaching the egress counter to {i}: {e} (does the interface exist in this network namespace?)"))?;
+        attached.push(i);
+    }
+    Ok(())
 }
 
 /// Attaches (or, when `link` is pinned already, re-points the pinned link at

@@ -31,6 +31,9 @@ type Reading = Arc<Mutex<Option<(f64, Instant)>>>;
 enum Level {
     Cpu,
     Gauge { reading: Reading, stop: Arc<std::sync::atomic::AtomicBool> },
+    /// The TC egress counter of target `slot`: the count and time of the
+    /// last sample, for a rate.
+    Egress { slot: u32, connections: bool, last: Option<(u64, Instant)> },
 }
 
 impl Drop for Level {
@@ -123,7 +126,18 @@ impl KlimiterLoop {
             ..Config::default()
         };
         let sample_period = Duration::from_nanos(k.sample_period_ns);
-        let levels = set.baselines.iter().map(|b| start_level(&b.source, sample_period)).collect();
+        let mut slot = 0;
+        let levels = set
+            .baselines
+            .iter()
+            .map(|b| match &b.source {
+                LevelSource::Egress { connections, .. } => {
+                    slot += 1;
+                    Level::Egress { slot: slot - 1, connections: *connections, last: None }
+                }
+                other => start_level(other, sample_period),
+            })
+            .collect();
         let (n, nb) = (rules.len(), set.baselines.len());
         let names = rules.iter().map(|&i| set.rules[i].name.clone()).collect();
         Some(Self {
@@ -170,10 +184,21 @@ impl KlimiterLoop {
             self.admitted[k] += a as f64 / secs;
         }
         let fresh = self.sample_period * 2;
-        for (b, l) in self.levels.iter().enumerate() {
+        for (b, l) in self.levels.iter_mut().enumerate() {
             let v = match l {
                 Level::Cpu => (cpu != NO_CPU_SIGNAL).then_some(cpu as f64),
                 Level::Gauge { reading, .. } => reading.lock().unwrap().filter(|(_, at)| at.elapsed() <= fresh).map(|(v, _)| v),
+                Level::Egress { slot, connections, last } => {
+                    let i = *slot * flowctl_common::EGRESS_COUNTERS_PER_TARGET as u32 + *connections as u32;
+                    let count: u64 = maps.egress_counts.get(&i, 0)?.iter().sum();
+                    let now = Instant::now();
+                    let rate = last.and_then(|(c0, t0)| {
+                        let dt = now.duration_since(t0).as_secs_f64();
+                        (dt > 0.0).then(|| count.saturating_sub(c0) as f64 / dt)
+                    });
+                    *last = Some((count, now));
+                    rate
+                }
             };
             if let Some(v) = v {
                 self.level_sum[b] += v;
@@ -267,6 +292,7 @@ pub fn published(maps: &Maps, state: &AttachState) -> Option<PublishedStep> {
 fn start_level(src: &LevelSource, period: Duration) -> Level {
     let read: Box<dyn Fn() -> Option<f64> + Send> = match src.clone() {
         LevelSource::Cpu => return Level::Cpu,
+        LevelSource::Egress { .. } => unreachable!("egress levels are read from the kernel"),
         LevelSource::File(f) => Box::new(move || std::fs::read_to_string(&f).ok().and_then(|t| parse_level(&t))),
         LevelSource::Command(c) => Box::new(move || run_command(&c, period.max(Duration::from_secs(1)))),
         LevelSource::Http { url, metric } => Box::new(move || http_metric(&url, &metric, Duration::from_secs(1))),

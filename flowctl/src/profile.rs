@@ -464,6 +464,10 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         }
         baselines.push(parsed);
     }
+    let egress = baselines.iter().filter(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. })).count();
+    if egress > flowctl_common::MAX_EGRESS_TARGETS {
+        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: format!("{egress} egress baselines: at most {}", flowctl_common::MAX_EGRESS_TARGETS) });
+    }
     // A rule is either under KLimiter's control or has a fixed ratio.
     for (i, r) in rules.iter().enumerate() {
         let controlled = baselines.iter().any(|b| b.entries.contains(&i));

@@ -31,6 +31,11 @@ pub(crate) struct RawSource {
     pub command: Option<String>,
     pub url: Option<String>,
     pub metric: Option<String>,
+    pub iface: Option<String>,
+    pub dst: Option<String>,
+    pub dport: Option<toml::Value>,
+    pub proto: Option<String>,
+    pub unit: Option<String>,
 }
 
 /// KLimiter timing.
@@ -60,6 +65,9 @@ pub enum LevelSource {
     Command(String),
     /// One metric of a Prometheus text endpoint (http:// only).
     Http { url: String, metric: String },
+    /// Packets (or new TCP connections) this host sends to a downstream
+    /// endpoint, counted by the TC egress program on `iface`.
+    Egress { iface: String, target: flowctl_common::EgressTarget, connections: bool },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -139,13 +147,67 @@ pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Basel
             }
             _ => return Err((raw.source.span(), "a gauge reads exactly one of `file`, `command` or `url`".into())),
         },
-        "egress" => {
-            return Err((
-                s.kind.span(),
-                "egress baselines (a TC egress counter per downstream endpoint) are not implemented yet; use a gauge that reads the downstream's own metric".into(),
-            ))
-        }
-        other => return Err((s.kind.span(), format!("unknown source kind `{other}`: cpu or gauge"))),
+        "egress" => egress(s).map_err(|m| (raw.source.span(), m))?,
+        other => return Err((s.kind.span(), format!("unknown source kind `{other}`: cpu, gauge or egress"))),
     };
     Ok(Baseline { name, threshold: t, entries, source })
+}
+
+fn egress(s: &RawSource) -> Result<LevelSource, String> {
+    let iface = s.iface.clone().ok_or("an egress source needs `iface`, the interface traffic to the downstream leaves by")?;
+    let dst = s.dst.as_deref().ok_or("an egress source needs `dst`, the downstream's address or prefix")?;
+    let (addr, len) = match dst.split_once('/') {
+        Some((a, l)) => (a, Some(l)),
+        None => (dst, None),
+    };
+    let ip: std::net::IpAddr = addr.trim().parse().map_err(|_| format!("egress dst: `{addr}` is not an IP address"))?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    let prefix_len: u8 = match len {
+        Some(l) => l.trim().parse().ok().filter(|n| *n <= max).ok_or(format!("egress dst: bad prefix length `{l}`"))?,
+        None => max,
+    };
+    let mut t = flowctl_common::EgressTarget { prefix_len, ..Default::default() };
+    match ip {
+        std::net::IpAddr::V4(a) => {
+            t.family = 4;
+            t.addr[0] = u32::from(a);
+        }
+        std::net::IpAddr::V6(a) => {
+            t.family = 6;
+            let o = a.octets();
+            for i in 0..4 {
+                t.addr[i] = u32::from_be_bytes([o[i * 4], o[i * 4 + 1], o[i * 4 + 2], o[i * 4 + 3]]);
+            }
+        }
+    }
+    t.proto = match s.proto.as_deref().unwrap_or("any") {
+        "any" => 0,
+        "tcp" => 6,
+        "udp" => 17,
+        other => return Err(format!("egress proto `{other}`: tcp, udp or any")),
+    };
+    (t.port_lo, t.port_hi) = match &s.dport {
+        None => (0, u16::MAX),
+        Some(toml::Value::Integer(p)) if (1..=65535).contains(p) => (*p as u16, *p as u16),
+        Some(toml::Value::String(r)) => {
+            let (a, b) = r.split_once('-').ok_or(format!("egress dport `{r}`: a port or a range \"lo-hi\""))?;
+            let (a, b): (u16, u16) = (a.trim().parse().map_err(|_| format!("egress dport `{r}`"))?, b.trim().parse().map_err(|_| format!("egress dport `{r}`"))?);
+            if a > b {
+                return Err(format!("egress dport `{r}`: reversed range"));
+            }
+            (a, b)
+        }
+        Some(v) => return Err(format!("egress dport `{v:?}`: a port (1-65535) or a range \"lo-hi\"")),
+    };
+    let connections = match s.unit.as_deref().unwrap_or("packets") {
+        "packets" => false,
+        "connections" => {
+            if t.proto == 17 {
+                return Err("egress unit = \"connections\" counts TCP SYNs: it needs proto tcp or any".into());
+            }
+            true
+        }
+        other => return Err(format!("egress unit `{other}`: packets or connections")),
+    };
+    Ok(LevelSource::Egress { iface, target: t, connections })
 }
