@@ -97,6 +97,8 @@ pub struct KlimiterLoop {
     samples: u32,
     per_control: u32,
     sample_period: Duration,
+    /// Baselines whose source is failing now (warned once per episode).
+    stale: Vec<bool>,
 }
 
 impl KlimiterLoop {
@@ -152,6 +154,7 @@ impl KlimiterLoop {
             samples: 0,
             per_control,
             sample_period,
+            stale: vec![false; nb],
         })
     }
 
@@ -219,6 +222,20 @@ impl KlimiterLoop {
         };
         for b in 0..set.baselines.len() {
             self.ctl.set_threshold(b, set.baselines[b].threshold);
+        }
+        for (b, l) in period.levels.iter().enumerate() {
+            let failing = l.is_none();
+            if failing && !self.stale[b] {
+                tracing::warn!(
+                    "KLimiter: baseline {} has no level this period ({:?}); holding its entries, releasing them after {:?}",
+                    set.baselines[b].name,
+                    set.baselines[b].source,
+                    Duration::from_nanos(set.klimiter.stale_after_ns)
+                );
+            } else if !failing && self.stale[b] {
+                tracing::warn!("KLimiter: baseline {} has a level again", set.baselines[b].name);
+            }
+            self.stale[b] = failing;
         }
         let view = self.ctl.step(&period);
         self.offered.iter_mut().for_each(|v| *v = 0.0);

@@ -46,14 +46,15 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
     }
     for (i, a) in top.attachments.iter().enumerate() {
         let title = format!(
-            " {}{} | {} mode | up {}s | CPU {} | agent {} | {} ",
+            " {}{} | {} mode | up {}s | CPU {} | agent {} | {}{} ",
             a.iface,
             a.netns.as_ref().map(|n| format!(" (netns {n})")).unwrap_or_default(),
             a.mode,
             a.uptime_s,
             a.cpu,
             if a.agent_running { "running" } else { "not running" },
-            key_tables_text(a)
+            key_tables_text(a),
+            klimiter_text(a)
         );
         let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "SYN/s", "BBR in/max", "top reason"])
             .style(Style::default().add_modifier(Modifier::BOLD));
@@ -100,6 +101,15 @@ pub fn bbr_text(r: &super::state::RuleRow) -> String {
         ),
         None => "-".into(),
     }
+}
+
+/// KLimiter's baselines for the title: level/threshold and what it does.
+pub fn klimiter_text(a: &super::state::Attachment) -> String {
+    let Some(k) = &a.klimiter else { return String::new() };
+    k.baselines
+        .iter()
+        .map(|b| format!(" | {} {}/{:.0} {}", b.name, b.level.map(|l| format!("{l:.0}")).unwrap_or_else(|| "?".into()), b.threshold, b.band))
+        .collect()
 }
 
 /// The key table's fill for the title, marked approximate ("~").
