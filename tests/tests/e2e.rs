@@ -970,7 +970,7 @@ fn klimiter_holds_an_egress_level_by_cutting_low_priority_first() {
 [klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
 [[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
 [[rule]]\nname = \"high\"\nproto = \"udp\"\ndport = 7801\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.8\n\
-[[baseline]]\nname = \"downstream\"\nthreshold = 600\nentries = [\"low\", \"high\"]\n\
+[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\", \"high\"]\n\
 source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport = 9000, proto = \"udp\" }}\n"
     ));
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -1005,8 +1005,9 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
             }
         })
     };
-    // 400 packets/s offered to each rule: 1200 downstream packets/s at full
-    // admission, twice the threshold.
+    // 800 packets/s offered to each rule: 2400 downstream packets/s at full
+    // admission, twice the threshold (high rates keep the per-packet
+    // admission's sampling noise to ~2% per period).
     let senders: Vec<_> = [7800u16, 7801]
         .into_iter()
         .map(|port| {
@@ -1019,7 +1020,7 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < Duration::from_secs(40) {
                     let _ = s.send_to(b"x", &dst);
                     n += 1;
-                    if let Some(d) = (t + Duration::from_micros(2500) * n).checked_duration_since(Instant::now()) {
+                    if let Some(d) = (t + Duration::from_micros(1250) * n).checked_duration_since(Instant::now()) {
                         std::thread::sleep(d);
                     }
                 }
@@ -1037,10 +1038,10 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     // then "low" on to about 0.34 (another 9): 13 periods of 1 s, and margin.
     std::thread::sleep(Duration::from_secs(17));
     // Each published level is one control period's mean of 200 ms rates of
-    // ~600 packets/s: the mean of eight periods is the held level.
+    // ~1200 packets/s: the mean of twelve periods is the held level.
     let mut levels = Vec::new();
     let mut last = Value::Null;
-    for _ in 0..8 {
+    for _ in 0..12 {
         last = top();
         levels.push(last["klimiter"]["baselines"][0]["level"].as_f64().unwrap_or(0.0));
         std::thread::sleep(Duration::from_millis(1000));
@@ -1054,7 +1055,7 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     relay.join().unwrap();
     agent.stop();
     let mean = levels.iter().sum::<f64>() / levels.len() as f64;
-    assert!((mean - 600.0).abs() <= 0.05 * 600.0, "the level is held within 5% of 600: mean {mean:.0} of {levels:?}");
+    assert!((mean - 1200.0).abs() <= 0.05 * 1200.0, "the level is held within 5% of 1200: mean {mean:.0} of {levels:?}");
     assert!(ratio(&last, "high") >= 0.8 - 1e-6, "the high-priority entry stays at or above its floor");
     assert!(ratio(&last, "low") < ratio(&last, "high"), "the low-priority entry was cut first");
 }
