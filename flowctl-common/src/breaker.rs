@@ -11,6 +11,62 @@
 //! heals, so throttling outlives the outage. Not counting them, recovery is
 //! bounded by one window: once the failures have aged out of it, p is 0.
 
+/// Targets one breaker object holds (cgroup hooks).
+pub const MAX_TARGETS: usize = 16;
+
+/// Per-target counters the kernel keeps (per CPU), in this order.
+pub mod counter {
+    /// connect() calls to the target that the hook saw (TCP).
+    pub const CALLS: u32 = 0;
+    /// Refused by the breaker, failing at once.
+    pub const REFUSED_LOCALLY: u32 = 1;
+    /// Would have been refused (dry-run).
+    pub const WOULD_REFUSE: u32 = 2;
+    /// Handshakes started (sock_ops TCP_CONNECT): the SRE requests.
+    pub const ATTEMPTS: u32 = 3;
+    /// Handshakes completed (ACTIVE_ESTABLISHED): the accepts.
+    pub const SUCCESSES: u32 = 4;
+    /// SYN_SENT -> CLOSE: refused by the peer (RST) or given up.
+    pub const FAILURES: u32 = 5;
+    /// Retransmission timeouts while in SYN_SENT (black-holed).
+    pub const TIMEOUTS: u32 = 6;
+    pub const COUNT: u32 = 8;
+}
+
+/// A downstream a breaker watches: prefix and port range, IPv4 or IPv6
+/// (host-order words; IPv4 in word 0, matched by IPv4-mapped IPv6 too).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Target {
+    pub addr: [u32; 4],
+    pub prefix_len: u8,
+    /// 4 or 6; 0: unused slot.
+    pub family: u8,
+    /// `target_flags::*`.
+    pub flags: u8,
+    pub _pad: u8,
+    pub port_lo: u16,
+    pub port_hi: u16,
+}
+
+pub mod target_flags {
+    /// Never throttled (counted only), matched before other targets.
+    pub const EXEMPT: u8 = 1;
+    /// Count would-refusals, refuse nothing.
+    pub const DRY_RUN: u8 = 2;
+}
+
+/// What the agent tells the hooks about one target.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    /// Refuse this share of new connections (ppm): SRE's p, or 1e6 while
+    /// open.
+    pub drop_ppm: u32,
+    /// errno a refused connect() fails with (positive; ECONNREFUSED = 111).
+    pub errno: u32,
+}
+
 /// Google SRE client-side throttling over one window:
 /// `p = max(0, (requests - K * accepts) / (requests + 1))`, 0 under
 /// `min_requests`, capped so probes always get through. Integer math in
@@ -141,6 +197,15 @@ impl Machine {
         }
     }
 }
+
+#[cfg(feature = "user")]
+mod pod {
+    unsafe impl aya::Pod for super::Target {}
+    unsafe impl aya::Pod for super::Control {}
+}
+
+const _: () = assert!(core::mem::size_of::<Target>() == 24);
+const _: () = assert!(core::mem::size_of::<Control>() == 8);
 
 #[cfg(test)]
 mod tests {

@@ -5,3 +5,9 @@
 pub fn xdp_object() -> &'static [u8] {
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/flowctl-xdp"))
 }
+
+/// The `flowctl-breaker` object: cgroup connect hooks and sock_ops
+/// outcome counting for circuit breakers.
+pub fn breaker_object() -> &'static [u8] {
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/flowctl-breaker"))
+}

@@ -1,0 +1,117 @@
+//! The circuit breakers' kernel part with real sockets (BPF_PROG_TEST_RUN
+//! does not cover sock_addr or sock_ops programs): the `flowctl-breaker`
+//! object's connect4/connect6 hooks and sock_ops program on a fresh cgroup
+//! v2, and a child process in it, in a network namespace of its own
+//! (`unshare -n`: loopback only, gone when it exits). Root only.
+
+use aya::{
+    maps::{Array, PerCpuArray},
+    programs::{links::CgroupAttachMode, CgroupSockAddr, SockOps},
+    EbpfLoader,
+};
+use flowctl_common::breaker::{counter, target_flags, Control, Target};
+use flowctl_tests::not_root;
+
+const CHILD: &str = r#"
+import json, os, socket, subprocess, sys, threading, time
+open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid()))
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 7901)); srv.listen(16)
+threading.Thread(target=lambda: [srv.accept() for _ in range(4)], daemon=True).start()
+def tcp(family, addr):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    t = time.perf_counter()
+    try:
+        s.connect(addr); r = "ok"
+    except OSError as e:
+        r = e.errno
+    us = (time.perf_counter() - t) * 1e6
+    s.close()
+    return [r, us]
+out = {}
+out["refused_v4"] = tcp(socket.AF_INET, ("127.0.0.1", 7902))
+out["refused_mapped_v6"] = tcp(socket.AF_INET6, ("::ffff:127.0.0.1", 7902))
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.connect(("127.0.0.1", 7902)); out["udp"] = "ok"
+out["exempt"] = tcp(socket.AF_INET, ("127.0.0.1", 7903))
+out["success"] = tcp(socket.AF_INET, ("127.0.0.1", 7901))
+out["real_refusal"] = tcp(socket.AF_INET, ("127.0.0.1", 7904))
+# A black hole: routed out of lo to an address nobody has; the SYN is lost.
+subprocess.run(["ip", "route", "add", "10.99.0.0/16", "dev", "lo"], check=True)
+socket.setdefaulttimeout(1.5)
+out["black_hole"] = tcp(socket.AF_INET, ("10.99.0.1", 80))
+time.sleep(0.05)
+print(json.dumps(out))
+"#;
+
+fn target(port_lo: u16, port_hi: u16, flags: u8) -> Target {
+    Target { addr: [0x7f00_0001, 0, 0, 0], prefix_len: 32, family: 4, flags, port_lo, port_hi, ..Default::default() }
+}
+
+#[test]
+fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
+    if not_root() {
+        return;
+    }
+    let root = std::path::Path::new("/sys/fs/cgroup/unified");
+    if !root.join("cgroup.procs").exists() {
+        eprintln!("no cgroup v2 hierarchy at {}; skipped", root.display());
+        return;
+    }
+    let cg = root.join(flowctl_tests::unique("flowctl-brk-"));
+    std::fs::create_dir(&cg).unwrap();
+    struct Rm(std::path::PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let _rm = Rm(cg.clone());
+    let mut ebpf = EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
+    {
+        let mut targets: Array<_, Target> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
+        // Slot 0: exempt (listed first); 1: always refuse; 2: watch only.
+        targets.set(0, target(7903, 7903, target_flags::EXEMPT), 0).unwrap();
+        targets.set(1, target(7902, 7902, 0), 0).unwrap();
+        targets.set(2, target(7901, 7904, 0), 0).unwrap();
+        targets.set(3, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
+        let mut control: Array<_, Control> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+        control.set(0, Control { drop_ppm: 1_000_000, errno: 111 }, 0).unwrap();
+        control.set(1, Control { drop_ppm: 1_000_000, errno: 111 }, 0).unwrap();
+        control.set(2, Control { drop_ppm: 0, errno: 111 }, 0).unwrap();
+    }
+    let fd = std::fs::File::open(&cg).unwrap();
+    for name in ["flowctl_connect4", "flowctl_connect6"] {
+        let p: &mut CgroupSockAddr = ebpf.program_mut(name).unwrap().try_into().unwrap();
+        p.load().unwrap();
+        p.attach(&fd, CgroupAttachMode::Single).unwrap();
+    }
+    let p: &mut SockOps = ebpf.program_mut("flowctl_sock_ops").unwrap().try_into().unwrap();
+    p.load().unwrap();
+    p.attach(&fd, CgroupAttachMode::Single).unwrap();
+
+    let out = std::process::Command::new("unshare").args(["-n", "python3", "-c", CHILD]).arg(&cg).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    println!("{v}");
+    assert_eq!(v["refused_v4"][0], 111, "ECONNREFUSED from the hook");
+    assert!(v["refused_v4"][1].as_f64().unwrap() < 1000.0, "fails at once: {} us", v["refused_v4"][1]);
+    assert_eq!(v["refused_mapped_v6"][0], 111, "a connect6 to an IPv4-mapped address matches the IPv4 target");
+    assert_eq!(v["udp"], "ok", "UDP connect() is never throttled");
+    assert_eq!(v["exempt"][0], 111, "exempt: passed through, and refused by the real (closed) port");
+    assert_eq!(v["success"][0], "ok");
+    assert_eq!(v["real_refusal"][0], 111);
+    assert_ne!(v["black_hole"][0], "ok");
+
+    let counts: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("FLOWCTL_BREAKER_COUNTS").unwrap()).unwrap();
+    let get = |t: u32, c: u32| -> u64 { counts.get(&(t * counter::COUNT + c), 0).unwrap().iter().sum() };
+    assert_eq!((get(1, counter::CALLS), get(1, counter::REFUSED_LOCALLY)), (2, 2), "v4 and mapped v6 refused locally");
+    assert_eq!(get(1, counter::ATTEMPTS), 0, "nothing was sent to the refused target");
+    assert_eq!((get(0, counter::CALLS), get(0, counter::REFUSED_LOCALLY)), (1, 0), "exempt target passes");
+    assert_eq!(get(2, counter::ATTEMPTS), 2, "the success and the real refusal went out");
+    assert_eq!(get(2, counter::SUCCESSES), 1);
+    assert_eq!(get(2, counter::FAILURES), 1, "SYN_SENT -> CLOSE of the refused connect");
+    assert_eq!(get(3, counter::ATTEMPTS), 1);
+    assert!(get(3, counter::TIMEOUTS) >= 1, "the SYN's retransmission timeout while in SYN_SENT");
+    assert_eq!(get(3, counter::SUCCESSES), 0);
+}
