@@ -22,6 +22,29 @@ pub fn mask_prefix(addr: &[u32; 4], family: u8, len: u8) -> [u32; 4] {
     out
 }
 
+/// Whether host-order address `a` is in prefix `p`/`len` (IPv4 in word 0).
+#[inline(always)]
+pub fn in_prefix(a: &[u32; 4], p: &[u32; 4], len: u8, family: u8) -> bool {
+    let words = if family == 4 { 1 } else { 4 };
+    let mut left = len as u32;
+    let mut i = 0;
+    while i < words {
+        let m = if left >= 32 {
+            u32::MAX
+        } else if left == 0 {
+            0
+        } else {
+            u32::MAX << (32 - left)
+        };
+        if a[i] & m != p[i] & m {
+            return false;
+        }
+        left = left.saturating_sub(32);
+        i += 1;
+    }
+    true
+}
+
 /// The bucket key of `meta` under `rule`. Fields the key kind does not use stay
 /// zero, so all packets that share a bucket build the same key. Every field is
 /// computed on its own (no `..Default::default()`): zero-filling a 44-byte
@@ -68,6 +91,20 @@ pub fn debt_slot(record: u32, k: &BucketKey) -> u32 {
     h = h.wrapping_mul(0xc2b2_ae35);
     h ^= h >> 16;
     record * crate::DEBT_SLOTS_PER_RULE as u32 + (h % crate::DEBT_SLOTS_PER_RULE as u32)
+}
+
+#[cfg(test)]
+mod prefix_tests {
+    use super::in_prefix;
+
+    #[test]
+    fn prefixes_match_v4_and_v6() {
+        assert!(in_prefix(&[0x0a01_0203, 0, 0, 0], &[0x0a01_0000, 0, 0, 0], 16, 4));
+        assert!(!in_prefix(&[0x0a02_0203, 0, 0, 0], &[0x0a01_0000, 0, 0, 0], 16, 4));
+        assert!(in_prefix(&[1, 2, 3, 4], &[9, 9, 9, 9], 0, 6), "/0 matches all");
+        assert!(in_prefix(&[1, 2, 3, 4], &[1, 2, 0, 0], 64, 6));
+        assert!(!in_prefix(&[1, 2, 3, 4], &[1, 2, 3, 5], 128, 6));
+    }
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ fn find(family: u8, addr: &[u32; 4], port: u16) -> Option<u32> {
     let mut t = 0;
     while t < MAX_TARGETS as u32 {
         if let Some(x) = FLOWCTL_BREAKER_TARGETS.get(t) {
-            if x.family == family && port >= x.port_lo && port <= x.port_hi && in_prefix(addr, &x.addr, x.prefix_len, family) {
+            if x.family == family && port >= x.port_lo && port <= x.port_hi && flowctl_common::keys::in_prefix(addr, &x.addr, x.prefix_len, family) {
                 return Some(t);
             }
         }
@@ -92,21 +92,6 @@ fn find(family: u8, addr: &[u32; 4], port: u16) -> Option<u32> {
     None
 }
 
-#[inline(always)]
-fn in_prefix(a: &[u32; 4], p: &[u32; 4], len: u8, family: u8) -> bool {
-    let words = if family == 4 { 1 } else { 4 };
-    let mut left = len as u32;
-    let mut i = 0;
-    while i < words {
-        let m = if left >= 32 { u32::MAX } else if left == 0 { 0 } else { u32::MAX << (32 - left) };
-        if a[i] & m != p[i] & m {
-            return false;
-        }
-        left = left.saturating_sub(32);
-        i += 1;
-    }
-    true
-}
 
 #[inline(always)]
 fn bump(t: u32, which: u32) {

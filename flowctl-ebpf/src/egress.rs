@@ -71,7 +71,7 @@ fn count(ctx: &TcContext) -> Option<()> {
                 && (target.proto == 0 || target.proto == proto)
                 && dport >= target.port_lo
                 && dport <= target.port_hi
-                && in_prefix(&dst, &target.addr, target.prefix_len, family)
+                && flowctl_common::keys::in_prefix(&dst, &target.addr, target.prefix_len, family)
             {
                 bump(t * EGRESS_COUNTERS_PER_TARGET as u32);
                 if syn {
@@ -91,18 +91,3 @@ fn bump(i: u32) {
     }
 }
 
-#[inline(always)]
-fn in_prefix(a: &[u32; 4], p: &[u32; 4], len: u8, family: u8) -> bool {
-    let words = if family == 4 { 1 } else { 4 };
-    let mut left = len as u32;
-    let mut i = 0;
-    while i < words {
-        let m = if left >= 32 { u32::MAX } else if left == 0 { 0 } else { u32::MAX << (32 - left) };
-        if a[i] & m != p[i] & m {
-            return false;
-        }
-        left = left.saturating_sub(32);
-        i += 1;
-    }
-    true
-}
