@@ -188,6 +188,33 @@ pub struct ControlRecord {
 }
 
 impl ControlRecord {
+    /// Sets the admission stage: `Some(ppm)` admits that share of new flows,
+    /// `None` switches the stage off; `per_flow` hashes the 5-tuple.
+    /// Returns whether anything changed (the version is bumped then).
+    pub fn set_admission(&mut self, ppm: Option<u32>, per_flow: bool) -> bool {
+        let before = *self;
+        match ppm {
+            Some(ppm) => {
+                self.flags |= control_flags::ADMISSION_ACTIVE;
+                self.admission_ppm = ppm;
+            }
+            None => {
+                self.flags &= !control_flags::ADMISSION_ACTIVE;
+                self.admission_ppm = 0;
+            }
+        }
+        if per_flow {
+            self.flags |= control_flags::ADMISSION_PER_FLOW;
+        } else {
+            self.flags &= !control_flags::ADMISSION_PER_FLOW;
+        }
+        let changed = *self != before;
+        if changed {
+            self.version = self.version.wrapping_add(1);
+        }
+        changed
+    }
+
     /// The share of new flows the kernel admits under this record (1.0 when
     /// no ratio is active).
     pub fn admission_ratio(&self) -> f64 {
@@ -474,4 +501,20 @@ mod pod {
     unsafe impl aya::Pod for AgentRecord {}
     unsafe impl aya::Pod for ConnEntry {}
     unsafe impl aya::Pod for EgressTarget {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_admission_reports_changes_and_bumps_the_version() {
+        let mut c = ControlRecord::default();
+        assert!(c.set_admission(Some(250_000), true));
+        assert_eq!((c.admission_ppm, c.flags, c.version), (250_000, control_flags::ADMISSION_ACTIVE | control_flags::ADMISSION_PER_FLOW, 1));
+        assert!(!c.set_admission(Some(250_000), true), "the same setting is no change");
+        assert_eq!(c.version, 1);
+        assert!(c.set_admission(None, false));
+        assert_eq!((c.admission_ppm, c.flags, c.admission_ratio()), (0, 0, 1.0));
+    }
 }

@@ -369,24 +369,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             continue;
         }
         let mut c = maps.control.get(&s.record, 0)?;
-        let before = c;
-        match r.admission_ppm {
-            Some(ppm) => {
-                c.flags |= control_flags::ADMISSION_ACTIVE;
-                c.admission_ppm = ppm;
-            }
-            None => {
-                c.flags &= !control_flags::ADMISSION_ACTIVE;
-                c.admission_ppm = 0;
-            }
-        }
-        if r.admission_per_flow {
-            c.flags |= control_flags::ADMISSION_PER_FLOW;
-        } else {
-            c.flags &= !control_flags::ADMISSION_PER_FLOW;
-        }
-        if c != before {
-            c.version = c.version.wrapping_add(1);
+        if c.set_admission(r.admission_ppm, r.admission_per_flow) {
             maps.control.set(s.record, c, 0)?;
         }
     }

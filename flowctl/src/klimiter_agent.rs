@@ -18,7 +18,7 @@ use crate::{
     profile_klimiter::LevelSource,
 };
 use anyhow::Result;
-use flowctl_common::{control_flags, unit, NO_CPU_SIGNAL};
+use flowctl_common::{unit, NO_CPU_SIGNAL};
 use serde::{Deserialize, Serialize};
 use std::{
     sync::{Arc, Mutex},
@@ -247,15 +247,7 @@ impl KlimiterLoop {
             let record = state.rules[i].record;
             let mut c = maps.control.get(&record, 0)?;
             let ppm = (self.ctl.ratios()[k] * 1e6).round() as u32;
-            c.flags |= control_flags::ADMISSION_ACTIVE;
-            if set.rules[i].admission_per_flow {
-                c.flags |= control_flags::ADMISSION_PER_FLOW;
-            } else {
-                c.flags &= !control_flags::ADMISSION_PER_FLOW;
-            }
-            if c.admission_ppm != ppm || c.flags != maps.control.get(&record, 0)?.flags {
-                c.admission_ppm = ppm;
-                c.version = c.version.wrapping_add(1);
+            if c.set_admission(Some(ppm), set.rules[i].admission_per_flow) {
                 c.updated_ns = now;
                 maps.control.set(record, c, 0)?;
             }
