@@ -39,12 +39,21 @@ pub fn flowctl_connect4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(connect6)]
 pub fn flowctl_connect6(ctx: SockAddrContext) -> i32 {
     let sa = unsafe { &*ctx.sock_addr };
-    let w = [u32::from_be(sa.user_ip6[0]), u32::from_be(sa.user_ip6[1]), u32::from_be(sa.user_ip6[2]), u32::from_be(sa.user_ip6[3])];
-    // A connect6 to ::ffff:a.b.c.d goes to an IPv4 host.
+    let (family, addr) = v6_peer(sa.user_ip6);
+    decide(sa, family, &addr)
+}
+
+/// A network-order IPv6 address as (family, host-order words): an
+/// IPv4-mapped one (::ffff:a.b.c.d) goes to an IPv4 host and matches IPv4
+/// targets.
+#[inline(always)]
+fn v6_peer(be: [u32; 4]) -> (u8, [u32; 4]) {
+    let w = [u32::from_be(be[0]), u32::from_be(be[1]), u32::from_be(be[2]), u32::from_be(be[3])];
     if w[0] == 0 && w[1] == 0 && w[2] == 0xffff {
-        return decide(sa, 4, &[w[3], 0, 0, 0]);
+        (4, [w[3], 0, 0, 0])
+    } else {
+        (6, w)
     }
-    decide(sa, 6, &w)
 }
 
 /// 1: let connect() go on; 0 with a return value set: it fails at once.
@@ -107,9 +116,7 @@ pub fn flowctl_sock_ops(ctx: SockOpsContext) -> u32 {
     let (family, addr) = if ctx.family() == 2 {
         (4u8, [u32::from_be(ctx.remote_ip4()), 0, 0, 0])
     } else {
-        let w = ctx.remote_ip6();
-        let w = [u32::from_be(w[0]), u32::from_be(w[1]), u32::from_be(w[2]), u32::from_be(w[3])];
-        if w[0] == 0 && w[1] == 0 && w[2] == 0xffff { (4u8, [w[3], 0, 0, 0]) } else { (6u8, w) }
+        v6_peer(ctx.remote_ip6())
     };
     // bpf_sock_ops.remote_port carries the network-order port in its upper
     // 16 bits (the context rewrite shifts it; local_port is host order).
