@@ -289,9 +289,10 @@ impl KlimiterLoop {
     }
 }
 
-/// The published state, when the agent that wrote it is running now.
-pub fn published(maps: &Maps, state: &AttachState) -> Option<PublishedStep> {
-    if !crate::occupancy::agent_fresh(maps) {
+/// The published state, when the agent that wrote it is running now
+/// (`agent_fresh`, from `occupancy::fresh_record`).
+pub fn published(state: &AttachState, agent_fresh: bool) -> Option<PublishedStep> {
+    if !agent_fresh {
         return None;
     }
     let text = std::fs::read(state.id.run_dir().join("klimiter.json")).ok()?;

@@ -73,7 +73,9 @@ pub fn render(id: &AttachId) -> Result<String> {
     let bbr_max_pass = Family::<RuleLabel, Gauge<i64>>::default();
     let bbr_min_rt = Family::<RuleLabel, Gauge<i64>>::default();
     let bbr_overloaded = Family::<RuleLabel, Gauge<i64>>::default();
-    let agent_fresh = crate::occupancy::agent_fresh(&maps);
+    // What only the agent knows, read once: `None` when it is not running.
+    let agent_rec = crate::occupancy::fresh_record(&maps);
+    let agent_fresh = agent_rec.is_some();
     let unmatched = Family::<KindLabel, Counter>::default();
     for r in &state.rules {
         let c = maps.counters(r.record)?;
@@ -118,9 +120,9 @@ pub fn render(id: &AttachId) -> Result<String> {
     // Agent-computed values only while the agent's record is fresh: a
     // stopped agent's last numbers are left out, not exported as current.
     let agent_up = Gauge::<i64>::default();
-    agent_up.set(crate::occupancy::agent_fresh(&maps) as i64);
+    agent_up.set(agent_fresh as i64);
     reg.register("flowctl_agent_up", "1 while the agent publishes its state (heartbeat within the grace period)", agent_up);
-    if let Some(fills) = crate::occupancy::estimate(&maps, &state) {
+    if let Some(fills) = agent_rec.and_then(|r| crate::occupancy::estimate(&maps, &state, &r)) {
         let entries = Family::<TableLabel, Gauge<i64>>::default();
         let capacity = Family::<TableLabel, Gauge<i64>>::default();
         for f in fills {
@@ -135,16 +137,12 @@ pub fn render(id: &AttachId) -> Result<String> {
         );
         reg.register("flowctl_key_table_capacity", "Entries each table can hold", capacity);
     }
-    if crate::occupancy::agent_fresh(&maps) {
-        if let Ok(r) = maps.agent_record() {
-            if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL {
-                let cpu = Gauge::<i64>::default();
-                cpu.set(r.cpu_permille as i64);
-                reg.register("flowctl_cpu_permille", "The agent's CPU signal (EMA), per mille", cpu);
-            }
-        }
+    if let Some(r) = agent_rec.filter(|r| r.cpu_permille != flowctl_common::NO_CPU_SIGNAL) {
+        let cpu = Gauge::<i64>::default();
+        cpu.set(r.cpu_permille as i64);
+        reg.register("flowctl_cpu_permille", "The agent's CPU signal (EMA), per mille", cpu);
     }
-    if let Some(k) = crate::klimiter_agent::published(&maps, &state) {
+    if let Some(k) = crate::klimiter_agent::published(&state, agent_fresh) {
         let level = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
         let threshold = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
         let coef = Family::<BaselineRuleLabel, Gauge<f64, AtomicU64>>::default();

@@ -57,15 +57,13 @@ pub struct TableFill {
     pub walked_s_ago: f64,
 }
 
-/// The estimate from a fresh agent record; `None` when the agent is not
-/// running (its record is older than the grace period) or has not walked yet.
-pub fn estimate(maps: &Maps, state: &AttachState) -> Option<Vec<TableFill>> {
-    let rec = maps.agent_record().ok()?;
-    let now = monotonic_ns();
-    let grace = maps.global().ok()?.grace_ns.max(1_000_000_000);
-    if rec.updated_ns == 0 || now.saturating_sub(rec.updated_ns) > grace || rec.walked_ns == 0 {
+/// The estimate from a fresh agent record (see `fresh_record`); `None` when
+/// the agent has not walked the tables yet.
+pub fn estimate(maps: &Maps, state: &AttachState, rec: &AgentRecord) -> Option<Vec<TableFill>> {
+    if rec.walked_ns == 0 {
         return None;
     }
+    let now = monotonic_ns();
     let (ki, si) = inserts(maps, state);
     let ago = now.saturating_sub(rec.walked_ns) as f64 / 1e9;
     let fill = |table, walked: u64, since: u64, cap: u32| TableFill {
@@ -81,10 +79,12 @@ pub fn estimate(maps: &Maps, state: &AttachState) -> Option<Vec<TableFill>> {
     ])
 }
 
-/// Whether a reader should trust the agent's record now.
-pub fn agent_fresh(maps: &Maps) -> bool {
-    let (Ok(rec), Ok(g)) = (maps.agent_record(), maps.global()) else { return false };
-    rec.updated_ns != 0 && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000)
+/// The agent's record, when a reader should trust it now: written within
+/// the grace period (a stopping agent clears it). `None`: "agent not
+/// running", never the stopped agent's last values.
+pub fn fresh_record(maps: &Maps) -> Option<AgentRecord> {
+    let (rec, g) = (maps.agent_record().ok()?, maps.global().ok()?);
+    (rec.updated_ns != 0 && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000)).then_some(rec)
 }
 
 #[cfg(test)]

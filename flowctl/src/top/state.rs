@@ -131,6 +131,8 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
     let agent = pins::agent_running(id);
     let set = profile::load(&id.run_dir().join("profile.toml")).ok();
     let maps = Maps::open(id)?;
+    // What only the agent knows, read once: `None` when it is not running.
+    let agent_rec = crate::occupancy::fresh_record(&maps);
     let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut rules = Vec::new();
     for r in &state.rules {
@@ -144,7 +146,7 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         let ctl = maps.control.get(&r.record, 0).unwrap_or_default();
         let (second, secs) = ring_second(&maps, state, r.record);
         let rule = set.as_ref().and_then(|s| s.rules.iter().find(|x| x.name == r.name));
-        let bbr = (rule.is_some_and(|x| x.bbr.is_some()) && crate::occupancy::agent_fresh(&maps) && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0)
+        let bbr = (rule.is_some_and(|x| x.bbr.is_some()) && agent_rec.is_some() && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0)
             .then(|| BbrRow {
                 max_pass: ctl.bbr_max_pass,
                 min_rt_ms: ctl.bbr_min_rt_ms,
@@ -180,29 +182,24 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
         mode: state.mode.clone(),
         uptime_s: now_unix.saturating_sub(state.attached_at_unix),
         agent_running: agent,
-        cpu: cpu_text(&maps),
-        cpu_permille: crate::occupancy::agent_fresh(&maps)
-            .then(|| maps.agent_record().ok())
-            .flatten()
-            .map(|r| r.cpu_permille)
-            .filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
-        key_tables: crate::occupancy::estimate(&maps, state),
-        klimiter: crate::klimiter_agent::published(&maps, state),
+        cpu: cpu_text(agent_rec.as_ref()),
+        cpu_permille: agent_rec.map(|r| r.cpu_permille).filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
+        key_tables: agent_rec.and_then(|r| crate::occupancy::estimate(&maps, state, &r)),
+        klimiter: crate::klimiter_agent::published(state, agent_rec.is_some()),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
     })
 }
 
-/// The CPU signal as the agent last published it, or why there is none.
-pub fn cpu_text(maps: &Maps) -> String {
-    if !crate::occupancy::agent_fresh(maps) {
-        return "agent not running".into();
-    }
-    match maps.agent_record() {
-        Ok(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => {
+/// The CPU signal as the agent last published it (`None`: no fresh
+/// record), or why there is none.
+pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
+    match agent {
+        None => "agent not running".into(),
+        Some(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => {
             format!("{:.1}% ({})", r.cpu_permille as f64 / 10.0, crate::cpu::CpuSource::name_of(r.cpu_source))
         }
-        _ => "n/a".into(),
+        Some(_) => "n/a".into(),
     }
 }
 
