@@ -104,10 +104,15 @@ fn rule(iface: &str, name: &str) -> Value {
     a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned().expect("rule in status")
 }
 
-/// Sends UDP from the client namespace at about `pps` for `secs`; returns
-/// (sent, first send, last send) as instants.
+/// Sends UDP from the client namespace's address at about `pps` for `secs`
+/// (at most `max` packets); returns (sent, first send, last send).
 fn blast(lab: &Lab, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant, Instant) {
-    let (src, dst) = (lab.ip_cli.clone(), format!("{}:{dport}", lab.ip_srv));
+    blast_from(lab, &lab.ip_cli, dport, pps, secs, max)
+}
+
+/// `blast` from `src`, any address of the client namespace.
+fn blast_from(lab: &Lab, src: &str, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant, Instant) {
+    let (src, dst) = (src.to_string(), format!("{}:{dport}", lab.ip_srv));
     Lab::in_ns(&lab.ns_cli, move || {
         let s = UdpSocket::bind(format!("{src}:0")).unwrap();
         let gap = Duration::from_secs_f64(1.0 / pps as f64);
@@ -304,9 +309,11 @@ fn tcp_connection_rate_within_bounds() {
 }
 
 /// A real TCP server in the protected namespace, counting accepted
-/// connections until stopped.
+/// connections until stopped (or dropped). It closes what it accepts at
+/// once, or keeps it open while `hold` is on.
 struct TcpServer {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
     accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -317,28 +324,48 @@ impl TcpServer {
         let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(addr).unwrap());
         listener.set_nonblocking(true).unwrap();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let hold = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (s, a) = (stop.clone(), accepted.clone());
+        let (s, h, a) = (stop.clone(), hold.clone(), accepted.clone());
         let thread = std::thread::spawn(move || {
+            let mut kept = Vec::new();
             while !s.load(std::sync::atomic::Ordering::Relaxed) {
                 match listener.accept() {
-                    Ok(_) => {
+                    Ok((c, _)) => {
                         a.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if h.load(std::sync::atomic::Ordering::Relaxed) {
+                            kept.push(c);
+                        }
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(1)),
                 }
             }
         });
-        Self { stop, accepted, thread: Some(thread) }
+        Self { stop, hold, accepted, thread: Some(thread) }
+    }
+
+    /// Keep accepted connections open (or close them at once again).
+    fn hold(&self, on: bool) {
+        self.hold.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Stops the server; returns how many connections it accepted.
     fn stop(mut self) -> u64 {
+        self.halt();
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn halt(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
-            t.join().unwrap();
+            let _ = t.join();
         }
-        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        self.halt();
     }
 }
 
@@ -550,26 +577,6 @@ fn top_once_json_agrees_with_traffic() {
     agent.stop();
 }
 
-/// Sends UDP from `src` (an address of the client namespace) at about `pps`
-/// for `secs`; returns the packets sent.
-fn blast_from(lab: &Lab, src: &str, dport: u16, pps: u64, secs: f64) -> u64 {
-    let (src, dst) = (src.to_string(), format!("{}:{dport}", lab.ip_srv));
-    Lab::in_ns(&lab.ns_cli, move || {
-        let s = UdpSocket::bind(format!("{src}:0")).unwrap();
-        let gap = Duration::from_secs_f64(1.0 / pps as f64);
-        let first = Instant::now();
-        let mut n = 0u32;
-        while first.elapsed().as_secs_f64() < secs {
-            let _ = s.send_to(b"flowctl-e2e", &dst);
-            n += 1;
-            if let Some(d) = (first + gap * n).checked_duration_since(Instant::now()) {
-                std::thread::sleep(d);
-            }
-        }
-        n as u64
-    })
-}
-
 /// `top --keys` names the heaviest sources in order with rates near what
 /// was sent, through the agent and, with the agent gone (--keep), by
 /// sampling itself.
@@ -588,7 +595,7 @@ fn top_keys_finds_the_heaviest_sources() {
     let run_phase = |label: &str| {
         let (v, sent) = std::thread::scope(|scope| {
             let lab = &lab;
-            let senders: Vec<_> = srcs.iter().zip([600u64, 200, 50]).map(|(a, pps)| scope.spawn(move || blast_from(lab, a, 7000, pps, 3.5))).collect();
+            let senders: Vec<_> = srcs.iter().zip([600u64, 200, 50]).map(|(a, pps)| scope.spawn(move || blast_from(lab, a, 7000, pps, 3.5, u64::MAX).0)).collect();
             std::thread::sleep(Duration::from_millis(300));
             let out = flowctl(&["top", &lab.veth_srv, "--keys", "udp", "--once", "--json", "--interval", "2.5", "--count", "5"]);
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -676,46 +683,49 @@ fn top_runs_in_a_terminal_and_restores_it() {
     agent.stop();
 }
 
-/// A TCP server that keeps what it accepts open while `hold` is set (and
-/// closes it at once otherwise), until stopped.
-struct HoldServer {
-    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
+/// Paced UDP streams from the client namespace to each of `ports`, one
+/// packet per `gap`, until stopped or dropped (or `limit` passes).
+struct UdpStreams {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
-impl HoldServer {
-    fn start(lab: &Lab, port: u16) -> Self {
-        use std::sync::{atomic::AtomicBool, Arc};
-        let addr = format!("{}:{port}", lab.ip_srv);
-        let listener = Lab::in_ns(&lab.ns_srv, move || std::net::TcpListener::bind(addr).unwrap());
-        listener.set_nonblocking(true).unwrap();
-        let (hold, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let (h, s) = (hold.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            let mut kept = Vec::new();
-            while !s.load(std::sync::atomic::Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((c, _)) if h.load(std::sync::atomic::Ordering::Relaxed) => kept.push(c),
-                    Ok(_) => {}
-                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
-                }
-            }
-        });
-        Self { hold, stop, thread: Some(thread) }
+impl UdpStreams {
+    fn start(lab: &Lab, ports: &[u16], gap: Duration, limit: Duration) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = ports
+            .iter()
+            .map(|port| {
+                let (stop, src, dst, ns) = (stop.clone(), lab.ip_cli.clone(), format!("{}:{port}", lab.ip_srv), lab.ns_cli.clone());
+                std::thread::spawn(move || {
+                    flowctl::pins::enter_netns(&ns).unwrap();
+                    let s = UdpSocket::bind(format!("{src}:0")).unwrap();
+                    let t = Instant::now();
+                    let mut n = 0u32;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < limit {
+                        let _ = s.send_to(b"x", &dst);
+                        n += 1;
+                        if let Some(d) = (t + gap * n).checked_duration_since(Instant::now()) {
+                            std::thread::sleep(d);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
     }
 
-    fn hold(&self, on: bool) {
-        self.hold.store(on, std::sync::atomic::Ordering::Relaxed);
+    fn stop(mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().unwrap();
+        }
     }
 }
 
-impl Drop for HoldServer {
+impl Drop for UdpStreams {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
@@ -783,7 +793,7 @@ fn bbr_refuses_connections_beyond_the_limit_and_fails_open() {
 bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n",
         cpu.display()
     ));
-    let server = HoldServer::start(&lab, 7400);
+    let server = TcpServer::start(&lab, 7400);
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
 
     // 1. Short connections fill the window: completions and round trips.
@@ -882,22 +892,7 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
     };
     let ratio = |a: &Value, rule: &str| a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()["admission_ratio"].as_f64().unwrap();
     // Traffic on both rules for the whole test (bounded: 30 s at most).
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let senders: Vec<_> = [7700u16, 7701]
-        .into_iter()
-        .map(|port| {
-            let (stop, src, dst, ns) = (stop.clone(), lab.ip_cli.clone(), format!("{}:{port}", lab.ip_srv), lab.ns_cli.clone());
-            std::thread::spawn(move || {
-                flowctl::pins::enter_netns(&ns).unwrap();
-                let s = UdpSocket::bind(format!("{src}:0")).unwrap();
-                let t = Instant::now();
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < Duration::from_secs(30) {
-                    let _ = s.send_to(b"x", &dst);
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            })
-        })
-        .collect();
+    let streams = UdpStreams::start(&lab, &[7700, 7701], Duration::from_millis(5), Duration::from_secs(30));
     // Over the threshold: both are cut 0.05 per period until checkout sits
     // at its floor of 0.9; batch keeps going down.
     std::thread::sleep(Duration::from_secs(5));
@@ -929,10 +924,7 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
     let a = top();
     println!("recovering: batch {} checkout {}", ratio(&a, "batch"), ratio(&a, "checkout"));
     assert!(ratio(&a, "batch") > held, "released");
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for s in senders {
-        s.join().unwrap();
-    }
+    streams.stop();
     agent.stop();
     let _ = std::fs::remove_file(&gauge);
 }
@@ -1008,25 +1000,7 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     // 800 packets/s offered to each rule: 2400 downstream packets/s at full
     // admission, twice the threshold (high rates keep the per-packet
     // admission's sampling noise to ~2% per period).
-    let senders: Vec<_> = [7800u16, 7801]
-        .into_iter()
-        .map(|port| {
-            let (stop, src, dst, ns) = (stop.clone(), lab.ip_cli.clone(), format!("{}:{port}", lab.ip_srv), lab.ns_cli.clone());
-            std::thread::spawn(move || {
-                flowctl::pins::enter_netns(&ns).unwrap();
-                let s = UdpSocket::bind(format!("{src}:0")).unwrap();
-                let t = Instant::now();
-                let mut n = 0u32;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < Duration::from_secs(40) {
-                    let _ = s.send_to(b"x", &dst);
-                    n += 1;
-                    if let Some(d) = (t + Duration::from_micros(1250) * n).checked_duration_since(Instant::now()) {
-                        std::thread::sleep(d);
-                    }
-                }
-            })
-        })
-        .collect();
+    let streams = UdpStreams::start(&lab, &[7800, 7801], Duration::from_micros(1250), Duration::from_secs(40));
     let top = || -> Value {
         let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.2"]);
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["attachments"][0].clone()
@@ -1048,10 +1022,8 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     }
     println!("relayed {} packets", relayed.load(std::sync::atomic::Ordering::Relaxed));
     println!("held: levels {levels:?}; low {} high {}; {}", ratio(&last, "low"), ratio(&last, "high"), last["klimiter"]);
+    streams.stop();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for s in senders {
-        s.join().unwrap();
-    }
     relay.join().unwrap();
     agent.stop();
     let mean = levels.iter().sum::<f64>() / levels.len() as f64;
