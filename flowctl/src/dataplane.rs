@@ -206,6 +206,15 @@ impl Maps {
         self.stats_epochs(record, shape, stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span))
     }
 
+    /// A record's statistics over the last `span` complete buckets (at
+    /// least one, at most what the ring holds) and the seconds they cover,
+    /// for rates.
+    pub fn stats_rate_window(&self, record: u32, shape: &crate::profile::StatsSettings, now_ns: u64, span: u32) -> Result<(StatsSum, f64)> {
+        let span = span.min(shape.buckets.saturating_sub(1)).max(1);
+        let sum = self.stats_span(record, shape, now_ns, span)?;
+        Ok((sum, span as f64 * shape.bucket_ns as f64 / 1e9))
+    }
+
     /// A record's statistics over the given bucket epochs, summed over CPUs.
     pub fn stats_epochs(&self, record: u32, shape: &crate::profile::StatsSettings, epochs: std::ops::Range<u64>) -> Result<StatsSum> {
         let mut sum = StatsSum::default();

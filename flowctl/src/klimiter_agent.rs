@@ -178,10 +178,9 @@ impl KlimiterLoop {
     pub fn sample(&mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet, cpu: u32) -> Result<()> {
         let now = monotonic_ns();
         let shape = state.stats;
-        let span = ((self.sample_period.as_nanos() as u64) / shape.bucket_ns).max(1) as u32;
-        let secs = span as f64 * shape.bucket_ns as f64 / 1e9;
+        let span = ((self.sample_period.as_nanos() as u64) / shape.bucket_ns) as u32;
         for (k, &i) in self.rules.iter().enumerate() {
-            let s = maps.stats_span(state.rules[i].record, &shape, now, span)?;
+            let (s, secs) = maps.stats_rate_window(state.rules[i].record, &shape, now, span)?;
             let (o, a) = if set.rules[i].unit == unit::CONNECTIONS { (s.syn_offered, s.syn_passed) } else { (s.offered_pkts, s.passed_pkts) };
             self.offered[k] += o as f64 / secs;
             self.admitted[k] += a as f64 / secs;

@@ -208,9 +208,7 @@ pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
 fn ring_second(maps: &Maps, state: &AttachState, record: u32) -> (flowctl_common::stats::StatsSum, f64) {
     let shape = state.stats;
     let span = (1_000_000_000u64.div_ceil(shape.bucket_ns.max(1))) as u32;
-    let span = span.min(shape.buckets.saturating_sub(1)).max(1);
-    let sum = maps.stats_span(record, &shape, pins::monotonic_ns(), span).unwrap_or_default();
-    (sum, span as f64 * shape.bucket_ns as f64 / 1e9)
+    maps.stats_rate_window(record, &shape, pins::monotonic_ns(), span).unwrap_or((Default::default(), 1.0))
 }
 
 /// Sort orders the view offers (the `s` key cycles them).
