@@ -11,7 +11,8 @@
 //! heals, so throttling outlives the outage. Not counting them, recovery is
 //! bounded by one window: once the failures have aged out of it, p is 0.
 
-/// Targets one breaker object holds (cgroup hooks).
+/// Targets one breaker object holds (cgroup hooks): breakers plus their
+/// exempt targets.
 pub const MAX_TARGETS: usize = 16;
 
 /// Per-target counters the kernel keeps (per CPU), in this order.
@@ -22,19 +23,29 @@ pub mod counter {
     pub const REFUSED_LOCALLY: u32 = 1;
     /// Would have been refused (dry-run).
     pub const WOULD_REFUSE: u32 = 2;
-    /// Handshakes started (sock_ops TCP_CONNECT): the SRE requests.
+    /// Handshakes started (sock_ops TCP_CONNECT) by connects the hook let
+    /// through: the SRE requests.
     pub const ATTEMPTS: u32 = 3;
-    /// Handshakes completed (ACTIVE_ESTABLISHED): the accepts.
+    /// Handshakes completed (ACTIVE_ESTABLISHED) before any SYN
+    /// retransmission: the accepts.
     pub const SUCCESSES: u32 = 4;
-    /// SYN_SENT -> CLOSE: refused by the peer (RST) or given up.
-    pub const FAILURES: u32 = 5;
-    /// Retransmission timeouts while in SYN_SENT (black-holed).
+    /// SYN_SENT -> CLOSE before a retransmission: refused by the peer (RST,
+    /// ICMP unreachable) or abandoned by the caller.
+    pub const REFUSED_BY_PEER: u32 = 5;
+    /// The SYN's first retransmission timeout: the handshake is counted as
+    /// failed then (it has taken at least the initial RTO, 1 s), not ~127 s
+    /// later when the kernel gives up.
     pub const TIMEOUTS: u32 = 6;
+    /// Half-open probes let through.
+    pub const PROBES: u32 = 7;
     pub const COUNT: u32 = 8;
+    pub const NAMES: [&str; COUNT as usize] =
+        ["calls", "refused_locally", "would_refuse", "attempts", "successes", "refused_by_peer", "timeouts", "probes"];
 }
 
 /// A downstream a breaker watches: prefix and port range, IPv4 or IPv6
-/// (host-order words; IPv4 in word 0, matched by IPv4-mapped IPv6 too).
+/// (host-order words; IPv4 in word 0, matched by IPv4-mapped IPv6 too),
+/// and optionally only for the processes of one cgroup v2 subtree.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Target {
@@ -47,6 +58,12 @@ pub struct Target {
     pub _pad: u8,
     pub port_lo: u16,
     pub port_hi: u16,
+    /// Only connects by processes in this cgroup v2 (its id, the directory's
+    /// inode) or below; 0: any process under the attach point.
+    pub cgroup_id: u64,
+    /// That cgroup's depth below the hierarchy's root.
+    pub cgroup_level: u32,
+    pub _pad2: u32,
 }
 
 pub mod target_flags {
@@ -61,11 +78,68 @@ pub mod target_flags {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Control {
     /// Refuse this share of new connections (ppm): SRE's p, or 1e6 while
-    /// open.
+    /// open (and, in half-open, for what is not a probe).
     pub drop_ppm: u32,
     /// errno a refused connect() fails with (positive; ECONNREFUSED = 111).
     pub errno: u32,
+    /// Monotonic time after which the hooks refuse nothing (fail open): the
+    /// agent pushes it forward every tick, so a hung agent's last word
+    /// expires.
+    pub deadline_ns: u64,
+    /// Half-open: this many probes may go (0: not half-open).
+    pub probes: u32,
+    pub _pad: u32,
+    /// Half-open round, packed by `probe_word`: epoch, probes admitted,
+    /// probe successes, probe failures. The hooks update it by
+    /// compare-and-swap only while its epoch is the socket's.
+    pub probe_word: u64,
 }
+
+/// The probe word: epoch (16 bits) | admitted | succeeded | failed.
+pub mod probe_word {
+    #[inline(always)]
+    pub fn pack(epoch: u32, admitted: u32, ok: u32, failed: u32) -> u64 {
+        ((epoch as u64 & 0xffff) << 48) | ((admitted as u64 & 0xffff) << 32) | ((ok as u64 & 0xffff) << 16) | (failed as u64 & 0xffff)
+    }
+    #[inline(always)]
+    pub fn epoch(w: u64) -> u32 {
+        (w >> 48) as u32
+    }
+    #[inline(always)]
+    pub fn admitted(w: u64) -> u32 {
+        ((w >> 32) & 0xffff) as u32
+    }
+    #[inline(always)]
+    pub fn ok(w: u64) -> u32 {
+        ((w >> 16) & 0xffff) as u32
+    }
+    #[inline(always)]
+    pub fn failed(w: u64) -> u32 {
+        (w & 0xffff) as u32
+    }
+    pub const ADMITTED_ONE: u64 = 1 << 32;
+    pub const OK_ONE: u64 = 1 << 16;
+    pub const FAILED_ONE: u64 = 1;
+}
+
+/// What the connect hook remembers about a socket it let through, keyed by
+/// the socket cookie (which the sock_ops program reads too): whose outcome
+/// it is and whether it is a probe of which half-open round.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockMark {
+    pub slot: u32,
+    /// The probe word's epoch when admitted.
+    pub epoch: u32,
+    pub probe: u8,
+    /// The outcome is counted (a retransmission timeout came first).
+    pub decided: u8,
+    pub _pad: [u8; 6],
+}
+
+/// Sockets remembered between connect() and their handshake's outcome
+/// (LRU: a socket that never reports is evicted, not leaked).
+pub const SOCK_MARKS: u32 = 16384;
 
 /// Google SRE client-side throttling over one window:
 /// `p = max(0, (requests - K * accepts) / (requests + 1))`, 0 under
@@ -84,6 +158,84 @@ pub fn sre_drop_ppm(requests: u64, accepts: u64, k_milli: u64, min_requests: u64
     // (r - ka) / 1000 / (requests + 1), in ppm.
     let p = (r - ka).saturating_mul(1000) / (requests + 1);
     (p.min(cap_ppm as u64)) as u32
+}
+
+/// What one window bucket holds: the outcomes the kernel counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcomes {
+    /// Handshakes that went out (SRE requests).
+    pub requests: u64,
+    /// Handshakes completed (SRE accepts).
+    pub accepts: u64,
+    pub refused_by_peer: u64,
+    pub timeouts: u64,
+    /// Refused by the breaker (not requests: see the module docs).
+    pub refused_locally: u64,
+    pub would_refuse: u64,
+}
+
+impl Outcomes {
+    pub fn failures(&self) -> u64 {
+        self.refused_by_peer + self.timeouts
+    }
+
+    fn add(&mut self, o: &Outcomes) {
+        self.requests += o.requests;
+        self.accepts += o.accepts;
+        self.refused_by_peer += o.refused_by_peer;
+        self.timeouts += o.timeouts;
+        self.refused_locally += o.refused_locally;
+        self.would_refuse += o.would_refuse;
+    }
+}
+
+/// Buckets a window may have.
+pub const MAX_WINDOW_BUCKETS: usize = 100;
+
+/// A rolling window: `buckets` buckets of `bucket_ns`, each tagged with its
+/// epoch (`stats::epoch_of`, the statistics rings' math) and reset lazily
+/// when a later epoch lands on its slot. It spans the current bucket and the
+/// `buckets - 1` before it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub bucket_ns: u64,
+    pub buckets: u32,
+    ring: [(u64, Outcomes); MAX_WINDOW_BUCKETS],
+}
+
+impl Window {
+    pub fn new(span_ns: u64, buckets: u32) -> Self {
+        let buckets = buckets.clamp(1, MAX_WINDOW_BUCKETS as u32);
+        Self { bucket_ns: (span_ns / buckets as u64).max(1), buckets, ring: [(0, Outcomes::default()); MAX_WINDOW_BUCKETS] }
+    }
+
+    pub fn span_ns(&self) -> u64 {
+        self.bucket_ns * self.buckets as u64
+    }
+
+    pub fn add(&mut self, now_ns: u64, o: &Outcomes) {
+        let epoch = crate::stats::epoch_of(now_ns, self.bucket_ns);
+        let slot = &mut self.ring[(epoch % self.buckets as u64) as usize];
+        if slot.0 != epoch {
+            *slot = (epoch, Outcomes::default());
+        }
+        slot.1.add(o);
+    }
+
+    pub fn sum(&self, now_ns: u64) -> Outcomes {
+        let epoch = crate::stats::epoch_of(now_ns, self.bucket_ns);
+        let mut total = Outcomes::default();
+        for (e, o) in &self.ring[..self.buckets as usize] {
+            if *e <= epoch && epoch - *e < self.buckets as u64 {
+                total.add(o);
+            }
+        }
+        total
+    }
+
+    pub fn clear(&mut self) {
+        self.ring = [(0, Outcomes::default()); MAX_WINDOW_BUCKETS];
+    }
 }
 
 /// Breaker state.
@@ -202,10 +354,12 @@ impl Machine {
 mod pod {
     unsafe impl aya::Pod for super::Target {}
     unsafe impl aya::Pod for super::Control {}
+    unsafe impl aya::Pod for super::SockMark {}
 }
 
-const _: () = assert!(core::mem::size_of::<Target>() == 24);
-const _: () = assert!(core::mem::size_of::<Control>() == 8);
+const _: () = assert!(core::mem::size_of::<Target>() == 40);
+const _: () = assert!(core::mem::size_of::<Control>() == 32);
+const _: () = assert!(core::mem::size_of::<SockMark>() == 16);
 
 #[cfg(test)]
 mod tests {
@@ -266,6 +420,29 @@ mod tests {
         let kratos = recovery_ms(true);
         assert!(ours <= 3_000, "within one 3 s window: {ours} ms");
         assert!(kratos > ours, "counting local refusals recovers later: {kratos} ms vs {ours} ms");
+    }
+
+    #[test]
+    fn window_forgets_what_is_older_than_its_span() {
+        let mut w = Window::new(3 * S, 10); // 300 ms buckets
+        let one = Outcomes { requests: 1, accepts: 1, ..Default::default() };
+        for i in 0..30u64 {
+            w.add(i * 100_000_000, &one); // 10 per second for 3 s
+        }
+        assert_eq!(w.sum(2_950_000_000).requests, 30);
+        // 1 s later: buckets wholly before (now - 2.7 s) are gone.
+        let s = w.sum(3_950_000_000);
+        assert!(s.requests < 30 && s.requests >= 18, "{}", s.requests);
+        assert_eq!(w.sum(10 * S), Outcomes::default(), "an idle window empties");
+        w.add(10 * S, &one);
+        assert_eq!(w.sum(10 * S).requests, 1, "a reused slot starts from zero");
+    }
+
+    #[test]
+    fn probe_word_round_trips() {
+        let w = probe_word::pack(0x1_2345, 3, 2, 1);
+        assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (0x2345, 3, 2, 1));
+        assert_eq!(probe_word::admitted(w + probe_word::ADMITTED_ONE), 4);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use aya::{
     programs::{links::CgroupAttachMode, CgroupSockAddr, SockOps},
     EbpfLoader,
 };
-use flowctl_common::breaker::{counter, target_flags, Control, Target};
+use flowctl_common::breaker::{counter, probe_word, target_flags, Control, Target};
 use flowctl_tests::not_root;
 
 const CHILD: &str = r#"
@@ -19,6 +19,8 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("127.0.0.1", 7901)); srv.listen(16)
 threading.Thread(target=lambda: [srv.accept() for _ in range(4)], daemon=True).start()
+srv2 = socket.socket(); srv2.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv2.bind(("127.0.0.1", 7905)); srv2.listen(16)
 def tcp(family, addr):
     s = socket.socket(family, socket.SOCK_STREAM)
     t = time.perf_counter()
@@ -36,6 +38,11 @@ u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.connect(("127.0.0.1", 79
 out["exempt"] = tcp(socket.AF_INET, ("127.0.0.1", 7903))
 out["success"] = tcp(socket.AF_INET, ("127.0.0.1", 7901))
 out["real_refusal"] = tcp(socket.AF_INET, ("127.0.0.1", 7904))
+out["probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
+out["after_probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
+out["other_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7906))
+out["this_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7907))
+out["expired"] = tcp(socket.AF_INET, ("127.0.0.1", 7908))
 # A black hole: routed out of lo to an address nobody has; the SYN is lost.
 subprocess.run(["ip", "route", "add", "10.99.0.0/16", "dev", "lo"], check=True)
 socket.setdefaulttimeout(1.5)
@@ -46,6 +53,11 @@ print(json.dumps(out))
 
 fn target(port_lo: u16, port_hi: u16, flags: u8) -> Target {
     Target { addr: [0x7f00_0001, 0, 0, 0], prefix_len: 32, family: 4, flags, port_lo, port_hi, ..Default::default() }
+}
+
+fn dir_ino(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).unwrap().ino()
 }
 
 #[test]
@@ -59,26 +71,42 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         return;
     }
     let cg = root.join(flowctl_tests::unique("flowctl-brk-"));
+    let other = root.join(flowctl_tests::unique("flowctl-brko-"));
     std::fs::create_dir(&cg).unwrap();
-    struct Rm(std::path::PathBuf);
+    std::fs::create_dir(&other).unwrap();
+    struct Rm(Vec<std::path::PathBuf>);
     impl Drop for Rm {
         fn drop(&mut self) {
-            let _ = std::fs::remove_dir(&self.0);
+            for p in &self.0 {
+                let _ = std::fs::remove_dir(p);
+            }
         }
     }
-    let _rm = Rm(cg.clone());
+    let _rm = Rm(vec![cg.clone(), other.clone()]);
     let mut ebpf = EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
+    let live = flowctl::pins::monotonic_ns() + 60_000_000_000;
+    let refuse = Control { drop_ppm: 1_000_000, errno: 111, deadline_ns: live, ..Default::default() };
     {
         let mut targets: Array<_, Target> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
-        // Slot 0: exempt (listed first); 1: always refuse; 2: watch only.
+        let in_cgroup = |port, cgroup: &std::path::Path| Target { cgroup_id: dir_ino(cgroup), cgroup_level: 1, ..target(port, port, 0) };
         targets.set(0, target(7903, 7903, target_flags::EXEMPT), 0).unwrap();
         targets.set(1, target(7902, 7902, 0), 0).unwrap();
-        targets.set(2, target(7901, 7904, 0), 0).unwrap();
-        targets.set(3, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
+        targets.set(2, target(7905, 7905, 0), 0).unwrap();
+        targets.set(3, target(7901, 7904, 0), 0).unwrap();
+        targets.set(4, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
+        targets.set(5, in_cgroup(7906, &other), 0).unwrap();
+        targets.set(6, in_cgroup(7907, &cg), 0).unwrap();
+        targets.set(7, target(7908, 7908, 0), 0).unwrap();
         let mut control: Array<_, Control> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
-        control.set(0, Control { drop_ppm: 1_000_000, errno: 111 }, 0).unwrap();
-        control.set(1, Control { drop_ppm: 1_000_000, errno: 111 }, 0).unwrap();
-        control.set(2, Control { drop_ppm: 0, errno: 111 }, 0).unwrap();
+        for slot in [0, 1, 5, 6] {
+            control.set(slot, refuse, 0).unwrap();
+        }
+        // Half-open, one probe, round (epoch) 5.
+        control.set(2, Control { probes: 1, probe_word: probe_word::pack(5, 0, 0, 0), ..refuse }, 0).unwrap();
+        control.set(3, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
+        control.set(4, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
+        // The agent's last word has expired: fail open.
+        control.set(7, Control { deadline_ns: 1, ..refuse }, 0).unwrap();
     }
     let fd = std::fs::File::open(&cg).unwrap();
     for name in ["flowctl_connect4", "flowctl_connect6"] {
@@ -102,16 +130,26 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     assert_eq!(v["success"][0], "ok");
     assert_eq!(v["real_refusal"][0], 111);
     assert_ne!(v["black_hole"][0], "ok");
+    assert_eq!(v["probe"][0], "ok", "half-open: the one probe goes");
+    assert_eq!(v["after_probe"][0], 111, "half-open: no probe left, refused");
 
     let counts: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("FLOWCTL_BREAKER_COUNTS").unwrap()).unwrap();
     let get = |t: u32, c: u32| -> u64 { counts.get(&(t * counter::COUNT + c), 0).unwrap().iter().sum() };
     assert_eq!((get(1, counter::CALLS), get(1, counter::REFUSED_LOCALLY)), (2, 2), "v4 and mapped v6 refused locally");
     assert_eq!(get(1, counter::ATTEMPTS), 0, "nothing was sent to the refused target");
-    assert_eq!((get(0, counter::CALLS), get(0, counter::REFUSED_LOCALLY)), (1, 0), "exempt target passes");
-    assert_eq!(get(2, counter::ATTEMPTS), 2, "the success and the real refusal went out");
-    assert_eq!(get(2, counter::SUCCESSES), 1);
-    assert_eq!(get(2, counter::FAILURES), 1, "SYN_SENT -> CLOSE of the refused connect");
-    assert_eq!(get(3, counter::ATTEMPTS), 1);
-    assert!(get(3, counter::TIMEOUTS) >= 1, "the SYN's retransmission timeout while in SYN_SENT");
-    assert_eq!(get(3, counter::SUCCESSES), 0);
+    assert_eq!((get(0, counter::CALLS), get(0, counter::REFUSED_LOCALLY), get(0, counter::ATTEMPTS)), (1, 0, 0), "exempt target passes, uncounted");
+    assert_eq!(get(3, counter::ATTEMPTS), 2, "the success and the real refusal went out");
+    assert_eq!(get(3, counter::SUCCESSES), 1);
+    assert_eq!(get(3, counter::REFUSED_BY_PEER), 1, "SYN_SENT -> CLOSE of the refused connect");
+    assert_eq!(get(4, counter::ATTEMPTS), 1);
+    assert_eq!(get(4, counter::TIMEOUTS), 1, "the SYN's first retransmission timeout decides it");
+    assert_eq!((get(4, counter::SUCCESSES), get(4, counter::REFUSED_BY_PEER)), (0, 0), "and nothing else counts it again");
+    assert_eq!((get(2, counter::PROBES), get(2, counter::REFUSED_LOCALLY), get(2, counter::SUCCESSES)), (1, 1, 1));
+    assert_eq!(get(5, counter::CALLS), 0, "a breaker for another cgroup does not see this process");
+    assert_eq!((get(6, counter::CALLS), get(6, counter::REFUSED_LOCALLY)), (1, 1), "one for its own cgroup does");
+    assert_eq!(v["this_cgroup"][0], 111);
+    assert_eq!((get(7, counter::CALLS), get(7, counter::REFUSED_LOCALLY), get(7, counter::ATTEMPTS)), (1, 0, 1), "past the deadline: fail open");
+    let control: Array<_, Control> = Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+    let w = control.get(&2, 0).unwrap().probe_word;
+    assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (5, 1, 1, 0), "the probe's success lands in its round");
 }
