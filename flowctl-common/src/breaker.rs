@@ -82,10 +82,6 @@ pub struct Control {
     pub drop_ppm: u32,
     /// errno a refused connect() fails with (positive; ECONNREFUSED = 111).
     pub errno: u32,
-    /// Monotonic time after which the hooks refuse nothing (fail open): the
-    /// agent pushes it forward every tick, so a hung agent's last word
-    /// expires.
-    pub deadline_ns: u64,
     /// Half-open: this many probes may go (0: not half-open).
     pub probes: u32,
     pub _pad: u32,
@@ -94,6 +90,11 @@ pub struct Control {
     /// compare-and-swap only while its epoch is the socket's.
     pub probe_word: u64,
 }
+
+/// The agent's deadline (one `u64` in its own map, so pushing it forward
+/// never rewrites a control record the hooks are updating): monotonic time
+/// after which the hooks refuse nothing, so a hung agent's last word expires.
+pub const DEADLINE_INDEX: u32 = 0;
 
 /// The probe word: epoch (16 bits) | admitted | succeeded | failed.
 pub mod probe_word {
@@ -358,7 +359,7 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Target>() == 40);
-const _: () = assert!(core::mem::size_of::<Control>() == 32);
+const _: () = assert!(core::mem::size_of::<Control>() == 24);
 const _: () = assert!(core::mem::size_of::<SockMark>() == 16);
 
 #[cfg(test)]

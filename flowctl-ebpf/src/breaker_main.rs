@@ -21,7 +21,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockOpsContext},
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
-use flowctl_common::breaker::{counter, probe_word, target_flags, Control, SockMark, Target, MAX_TARGETS, SOCK_MARKS};
+use flowctl_common::breaker::{counter, probe_word, target_flags, Control, SockMark, Target, DEADLINE_INDEX, MAX_TARGETS, SOCK_MARKS};
 
 #[map]
 static FLOWCTL_BREAKER_TARGETS: Array<Target> = Array::with_max_entries(MAX_TARGETS as u32, 0);
@@ -29,6 +29,9 @@ static FLOWCTL_BREAKER_TARGETS: Array<Target> = Array::with_max_entries(MAX_TARG
 static FLOWCTL_BREAKER_CONTROL: Array<Control> = Array::with_max_entries(MAX_TARGETS as u32, 0);
 #[map]
 static FLOWCTL_BREAKER_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_TARGETS as u32 * counter::COUNT, 0);
+/// The agent's deadline (`DEADLINE_INDEX`).
+#[map]
+static FLOWCTL_BREAKER_DEADLINE: Array<u64> = Array::with_max_entries(1, 0);
 /// Sockets let through, by cookie, until their handshake's outcome.
 #[map]
 static FLOWCTL_BREAKER_SOCKS: LruHashMap<u64, SockMark> = LruHashMap::with_max_entries(SOCK_MARKS, 0);
@@ -82,7 +85,8 @@ fn decide(ctx: &SockAddrContext, sa: &bpf_sock_addr, family: u8, addr: &[u32; 4]
     let c = unsafe { &mut *c };
     let mut mark = SockMark { slot: t, ..Default::default() };
     // Past the deadline the agent has stopped speaking: fail open.
-    let enforcing = unsafe { bpf_ktime_get_ns() } < c.deadline_ns;
+    let deadline = FLOWCTL_BREAKER_DEADLINE.get(DEADLINE_INDEX).copied().unwrap_or(0);
+    let enforcing = unsafe { bpf_ktime_get_ns() } < deadline;
     let mut refuse = false;
     if enforcing && c.probes != 0 {
         match take_probe(c) {

@@ -3,6 +3,7 @@
 //! `apply` on a unix socket. On exit it detaches unless `--keep`.
 
 use crate::{
+    breaker_agent::{BreakerAgent, CgroupPoint},
     control::{self, Request, Response},
     dataplane::{self, Maps, Mode},
     pins::{self, AgentLock, AttachId, AttachState},
@@ -14,7 +15,11 @@ use std::{path::PathBuf, time::Duration};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 pub struct AttachArgs {
-    pub iface: String,
+    /// The interface for the profile's rules; `None`: breakers only.
+    pub iface: Option<String>,
+    /// Where the breakers' hooks attach (default: the cgroup v2 root, the
+    /// whole host).
+    pub cgroup: Option<PathBuf>,
     pub profile: PathBuf,
     pub mode: Mode,
     pub netns: Option<String>,
@@ -49,14 +54,158 @@ pub fn run(args: AttachArgs) -> Result<()> {
         use tokio::signal::unix::{signal, SignalKind};
         Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
     })?;
-    run_with(args, &rt, signals)
+    match args.iface.clone() {
+        Some(iface) => run_with(args, iface, &rt, signals),
+        None => run_breakers(args, &rt, signals),
+    }
 }
 
 type Signals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
 
-fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
+/// Starts the profile's breakers, if it has any, where `--cgroup` says.
+fn start_breakers(set: &profile::RuleSet, cgroup: &Option<PathBuf>, profile: &std::path::Path) -> Result<Option<BreakerAgent>> {
+    if set.breakers.is_empty() {
+        return Ok(None);
+    }
+    let point = CgroupPoint::resolve(cgroup.as_deref())?;
+    Ok(Some(BreakerAgent::start(point, set, profile)?))
+}
+
+/// `flowctl attach --cgroup PATH --profile F`: breakers only, no interface.
+fn run_breakers(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
     let set = profile::load(&args.profile)?;
+    if !set.rules.is_empty() {
+        bail!(
+            "{}: the profile has {} [[rule]]s, which need an interface: `flowctl attach IFACE --profile {}` (add --cgroup PATH for where its breakers attach)",
+            args.profile.display(),
+            set.rules.len(),
+            args.profile.display()
+        );
+    }
+    if set.breakers.is_empty() {
+        bail!("{}: the profile has no [[breaker]]", args.profile.display());
+    }
+    if args.netns.is_some() {
+        bail!("--netns names the namespace of an interface; breakers attach to a cgroup and see connects from every namespace");
+    }
     require_root()?;
+    let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
+    let mut breakers = BreakerAgent::start(point, &set, &args.profile)?;
+    if let Some(addr) = args.metrics {
+        crate::metrics::spawn(addr, crate::metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
+    }
+    eprintln!(
+        "flowctl: {} breakers from {} attached to cgroup {}; Ctrl-C to detach",
+        breakers.breakers(),
+        args.profile.display(),
+        breakers.point.path.display()
+    );
+    let local = tokio::task::LocalSet::new();
+    let result = local.block_on(rt, serve_breakers(&mut breakers, signals));
+    let path = breakers.point.path.clone();
+    drop(breakers);
+    eprintln!("flowctl: breakers detached from cgroup {}", path.display());
+    result
+}
+
+async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result<()> {
+    let (mut int, mut term) = signals;
+    let sock = breakers.point.run_dir().join("agent.sock");
+    let _ = std::fs::remove_file(&sock);
+    let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
+    let mut tick = tokio::time::interval(breakers.tick_period());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
+    loop {
+        tokio::select! {
+            _ = int.recv() => break,
+            _ = term.recv() => break,
+            _ = tick.tick() => {
+                if let Err(e) = breakers.tick(pins::monotonic_ns()) {
+                    tracing::warn!("breakers: {e:#}");
+                }
+            }
+            Some((line, reply)) = rx.recv() => {
+                let resp = match serde_json::from_str::<Request>(&line) {
+                    Ok(Request::Apply { profile }) => apply_breakers_only(breakers, &PathBuf::from(profile)),
+                    Ok(_) => Response::err("this agent runs breakers only (no interface)"),
+                    Err(e) => Response::err(format!("bad request: {e}")),
+                };
+                let _ = reply.send(resp);
+                tick = tokio::time::interval(breakers.tick_period());
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            }
+            conn = listener.accept() => {
+                if let Ok((stream, _)) = conn {
+                    read_request(stream, tx.clone());
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&sock);
+    Ok(())
+}
+
+fn apply_breakers_only(breakers: &mut BreakerAgent, path: &std::path::Path) -> Response {
+    let set = match profile::load(path) {
+        Ok(s) => s,
+        Err(e) => return Response::err(e.to_string()),
+    };
+    if !set.rules.is_empty() {
+        return Response::err(format!("{}: the profile has [[rule]]s, but this agent has no interface (nothing was applied)", path.display()));
+    }
+    if set.breakers.is_empty() {
+        return Response::err(format!("{}: the profile has no [[breaker]]; stop the agent to detach the breakers (nothing was applied)", path.display()));
+    }
+    match breakers.apply(&set, path) {
+        Ok(()) => Response::ok(format!("applied {} breakers", set.breakers.len())),
+        Err(e) => Response::err(format!("{e:#} (nothing was applied)")),
+    }
+}
+
+/// Reads one request line from a control-socket connection on its own task
+/// (a client that says nothing cannot hold up the loops) and hands it to the
+/// loop, which answers through the oneshot.
+fn read_request(stream: tokio::net::UnixStream, tx: tokio::sync::mpsc::Sender<Pending>) {
+    tokio::task::spawn_local(async move {
+        let (r, mut w) = stream.into_split();
+        let mut line = String::new();
+        let mut reader = BufReader::new(r);
+        let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
+            Ok(Ok(n)) if n > 0 => {
+                let (rtx, rrx) = tokio::sync::oneshot::channel();
+                if tx.send((line, rtx)).await.is_err() {
+                    return;
+                }
+                rrx.await.unwrap_or_else(|_| Response::err("the agent is stopping"))
+            }
+            _ => Response::err("no request received"),
+        };
+        if let Ok(mut out) = serde_json::to_string(&resp) {
+            out.push('\n');
+            let _ = w.write_all(out.as_bytes()).await;
+        }
+    });
+}
+
+fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
+    let set = profile::load(&args.profile)?;
+    if set.rules.is_empty() {
+        bail!(
+            "{}: the profile has no [[rule]] for {iface}; for breakers only: `flowctl attach --cgroup PATH --profile {}` (no interface)",
+            args.profile.display(),
+            args.profile.display()
+        );
+    }
+    require_root()?;
+    // The breakers' cgroups are checked before anything touches the kernel.
+    if !set.breakers.is_empty() {
+        let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
+        crate::breaker_agent::check(&point, &set, &args.profile)?;
+    } else if args.cgroup.is_some() {
+        bail!("{}: --cgroup given, but the profile has no [[breaker]]", args.profile.display());
+    }
+
     // The CPU source is checked before anything touches the kernel.
     let cpu = crate::cpu::CpuSignal::new(set.settings.cpu_source.clone())
         .with_context(|| format!("{}: the cpu source", args.profile.display()))?;
@@ -65,9 +214,9 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
     }
     pins::ensure_bpffs()?;
     pins::ensure_layout()?;
-    let id = AttachId::of(&args.iface)?;
-    let Some(lock) = AgentLock::try_acquire(&id)? else {
-        bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", args.iface, id.run_dir().join("agent.lock").display());
+    let id = AttachId::of(&iface)?;
+    let Some(lock) = AgentLock::for_attachment(&id)? else {
+        bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", iface, id.run_dir().join("agent.lock").display());
     };
     // A socket left by an agent that was killed: gone before anything else, so
     // `status` never mistakes it for this agent being ready.
@@ -93,14 +242,14 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         }
     }
     let mut adopting = id.pin_dir().join("link").exists();
-    let (ebpf, mode_used) = match load_and_attach(&id, &set, &args, adopting) {
+    let (ebpf, mode_used) = match load_and_attach(&id, &set, &iface, args.mode, adopting) {
         Err(e) if e.is::<dataplane::SeveredLink>() => {
             // Pins of an interface that no longer exists (its namespace was
             // deleted and the inode and ifindex reused): nothing to adopt.
             eprintln!("flowctl: warning: removing stale pins at {} (their interface is gone)", id.pin_dir().display());
             dataplane::detach(&id)?;
             adopting = false;
-            load_and_attach(&id, &set, &args, false)?
+            load_and_attach(&id, &set, &iface, args.mode, false)?
         }
         other => other?,
     };
@@ -108,7 +257,7 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         Some(s) if adopting => s,
         _ => AttachState {
             layout_version: LAYOUT_VERSION,
-            iface: args.iface.clone(),
+            iface: iface.clone(),
             netns: args.netns.clone(),
             id,
             mode: mode_used.clone(),
@@ -139,32 +288,46 @@ fn run_with(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) ->
         }
         return Err(e);
     }
+    let mut breakers = match start_breakers(&set, &args.cgroup, &args.profile) {
+        Ok(b) => b,
+        Err(e) => {
+            if !adopting {
+                let _ = dataplane::detach(&id);
+            }
+            return Err(e);
+        }
+    };
     if let Some(addr) = args.metrics {
-        crate::metrics::spawn(addr, id)?;
+        crate::metrics::spawn(addr, crate::metrics::Scope { iface: Some(id), cgroup_id: breakers.as_ref().map(|b| b.point.id) })?;
     }
     let verb = if adopting { "adopted the pinned data plane on" } else { "attached to" };
     eprintln!(
         "flowctl: {verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",
-        args.iface,
+        iface,
         state.mode,
         set.rules.len(),
         args.profile.display(),
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
     let local = tokio::task::LocalSet::new();
-    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals, &mut ebpf, &mut egress_ifaces));
+    if let Some(b) = &breakers {
+        eprintln!("flowctl: {} breakers attached to cgroup {}", b.breakers(), b.point.path.display());
+    }
+    let mut io = Io { ebpf: &mut ebpf, egress_ifaces: &mut egress_ifaces, breakers: &mut breakers, cgroup: args.cgroup.clone() };
+    let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals, &mut io));
+    drop(breakers);
     if args.keep {
-        eprintln!("flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)", args.iface);
+        eprintln!("flowctl: agent stopped; the data plane on {iface} keeps enforcing (--keep)");
     } else {
         dataplane::detach(&id)?;
-        eprintln!("flowctl: detached from {}", args.iface);
+        eprintln!("flowctl: detached from {iface}");
     }
     drop(ebpf);
     drop(lock);
     result
 }
 
-fn load_and_attach(id: &AttachId, set: &profile::RuleSet, args: &AttachArgs, adopting: bool) -> Result<(aya::Ebpf, String)> {
+fn load_and_attach(id: &AttachId, set: &profile::RuleSet, iface: &str, mode: Mode, adopting: bool) -> Result<(aya::Ebpf, String)> {
     let cleanup = |e: anyhow::Error| {
         if !adopting {
             let _ = dataplane::detach(id);
@@ -172,7 +335,7 @@ fn load_and_attach(id: &AttachId, set: &profile::RuleSet, args: &AttachArgs, ado
         e
     };
     let mut ebpf = dataplane::load(id, &set.settings).map_err(cleanup)?;
-    let mode = dataplane::attach(&mut ebpf, id, &args.iface, args.mode).map_err(cleanup)?;
+    let mode = dataplane::attach(&mut ebpf, id, iface, mode).map_err(cleanup)?;
     Ok((ebpf, mode))
 }
 
@@ -215,13 +378,16 @@ async fn serve(
     mut set: profile::RuleSet,
     mut cpu: crate::cpu::CpuSignal,
     signals: Signals,
-    ebpf: &mut aya::Ebpf,
-    egress_ifaces: &mut Vec<String>,
+    io: &mut Io<'_>,
 ) -> Result<()> {
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
+    // `flowctl apply --cgroup` reaches this agent through its cgroup's socket.
+    let mut breaker_listener = bind_breaker_socket(io.breakers.as_ref())?;
+    let mut breaker_tick = tokio::time::interval(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
+    breaker_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
     let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
@@ -300,13 +466,33 @@ async fn serve(
                     }
                 }
             }
+            _ = breaker_tick.tick(), if io.breakers.is_some() => {
+                if let Some(b) = io.breakers.as_mut() {
+                    if let Err(e) = b.tick(pins::monotonic_ns()) {
+                        tracing::warn!("breakers: {e:#}");
+                    }
+                }
+            }
             Some((line, reply)) = rx.recv() => {
                 let before = set.clone();
-                let _ = reply.send(handle(maps, state, &mut set, keys.as_mut(), &mut cpu, &line));
+                let _ = reply.send(handle(maps, state, &mut set, keys.as_mut(), &mut cpu, io, &line));
+                if io.breakers.as_ref().map(|b| b.point.id) != breaker_listener.as_ref().map(|(id, _, _)| *id) {
+                    if let Some((_, _, p)) = &breaker_listener {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    breaker_listener = bind_breaker_socket(io.breakers.as_ref()).unwrap_or_else(|e| {
+                        tracing::warn!("{e:#}");
+                        None
+                    });
+                }
+                if let Some(b) = io.breakers.as_ref() {
+                    breaker_tick = tokio::time::interval(b.tick_period());
+                    breaker_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                }
                 if set != before {
                     // A new profile: its egress targets, and a new KLimiter
                     // keeping the ratios of entries it still has.
-                    if let Err(e) = dataplane::set_egress(ebpf, maps, &set, egress_ifaces) {
+                    if let Err(e) = dataplane::set_egress(io.ebpf, maps, &set, io.egress_ifaces) {
                         tracing::warn!("egress counters: {e:#}");
                     }
                     let mut next = crate::klimiter_agent::KlimiterLoop::new(&set);
@@ -321,29 +507,19 @@ async fn serve(
                 }
             }
             conn = listener.accept() => {
-                let Ok((stream, _)) = conn else { continue };
-                let tx = tx.clone();
-                tokio::task::spawn_local(async move {
-                    let (r, mut w) = stream.into_split();
-                    let mut line = String::new();
-                    let mut reader = BufReader::new(r);
-                    let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-                        Ok(Ok(n)) if n > 0 => {
-                            let (rtx, rrx) = tokio::sync::oneshot::channel();
-                            if tx.send((line, rtx)).await.is_err() {
-                                return;
-                            }
-                            rrx.await.unwrap_or_else(|_| Response::err("the agent is stopping"))
-                        }
-                        _ => Response::err("no request received"),
-                    };
-                    if let Ok(mut out) = serde_json::to_string(&resp) {
-                        out.push('\n');
-                        let _ = w.write_all(out.as_bytes()).await;
-                    }
-                });
+                if let Ok((stream, _)) = conn {
+                    read_request(stream, tx.clone());
+                }
+            }
+            conn = async { breaker_listener.as_ref().expect("guarded").1.accept().await }, if breaker_listener.is_some() => {
+                if let Ok((stream, _)) = conn {
+                    read_request(stream, tx.clone());
+                }
             }
         }
+    }
+    if let Some((_, _, p)) = &breaker_listener {
+        let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(&sock);
     if let Some(w) = keys.as_mut() {
@@ -354,12 +530,57 @@ async fn serve(
     Ok(())
 }
 
+/// What the interface agent's loop owns besides the maps.
+struct Io<'a> {
+    ebpf: &'a mut aya::Ebpf,
+    egress_ifaces: &'a mut Vec<String>,
+    breakers: &'a mut Option<BreakerAgent>,
+    /// `--cgroup`, for breakers a later profile adds.
+    cgroup: Option<PathBuf>,
+}
+
+type BreakerListener = Option<(u64, tokio::net::UnixListener, PathBuf)>;
+
+fn bind_breaker_socket(b: Option<&BreakerAgent>) -> Result<BreakerListener> {
+    let Some(b) = b else { return Ok(None) };
+    let p = b.point.run_dir().join("agent.sock");
+    let _ = std::fs::remove_file(&p);
+    let l = tokio::net::UnixListener::bind(&p).with_context(|| format!("binding {}", p.display()))?;
+    Ok(Some((b.point.id, l, p)))
+}
+
+/// The breakers' part of an apply, checked before the rules are applied:
+/// what to do once they are.
+enum BreakerChange {
+    None,
+    Stop,
+    Apply,
+    Start(CgroupPoint),
+}
+
+fn plan_breakers(io: &Io<'_>, set: &profile::RuleSet, path: &std::path::Path) -> Result<BreakerChange> {
+    Ok(match (io.breakers.as_ref(), set.breakers.is_empty()) {
+        (None, true) => BreakerChange::None,
+        (Some(_), true) => BreakerChange::Stop,
+        (Some(b), false) => {
+            crate::breaker_agent::check(&b.point, set, path)?;
+            BreakerChange::Apply
+        }
+        (None, false) => {
+            let point = CgroupPoint::resolve(io.cgroup.as_deref())?;
+            crate::breaker_agent::check(&point, set, path)?;
+            BreakerChange::Start(point)
+        }
+    })
+}
+
 fn handle(
     maps: &mut Maps,
     state: &mut AttachState,
     active: &mut profile::RuleSet,
     keys: Option<&mut crate::heavy::KeyWatcher>,
     cpu: &mut crate::cpu::CpuSignal,
+    io: &mut Io<'_>,
     line: &str,
 ) -> Response {
     let req: Request = match serde_json::from_str(line) {
@@ -382,7 +603,25 @@ fn handle(
             } else {
                 None
             };
-            let result = apply_and_record(maps, state, &set, &path);
+            if set.rules.is_empty() {
+                return Response::err(format!("{}: the profile has no [[rule]] for this interface (nothing was applied)", path.display()));
+            }
+            let change = match plan_breakers(io, &set, &path) {
+                Ok(c) => c,
+                Err(e) => return Response::err(format!("{e:#} (nothing was applied)")),
+            };
+            let result = apply_and_record(maps, state, &set, &path).and_then(|()| match change {
+                BreakerChange::None => Ok(()),
+                BreakerChange::Stop => {
+                    *io.breakers = None;
+                    Ok(())
+                }
+                BreakerChange::Apply => io.breakers.as_mut().expect("planned").apply(&set, &path),
+                BreakerChange::Start(point) => {
+                    *io.breakers = Some(BreakerAgent::start(point, &set, &path)?);
+                    Ok(())
+                }
+            });
             let n = set.rules.len();
             if result.is_ok() {
                 *active = set;

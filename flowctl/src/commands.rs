@@ -49,7 +49,10 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     }
     // No agent: apply to the kept data plane directly, holding the lock so an
     // agent cannot start halfway.
-    let Some(_lock) = AgentLock::try_acquire(&id)? else {
+    if !set.breakers.is_empty() {
+        bail!("{}: the profile has breakers, which live with an agent, and no agent is running for {iface} (nothing was applied); start one with `flowctl attach {iface} --profile {}`", path.display(), path.display());
+    }
+    let Some(_lock) = AgentLock::for_attachment(&id)? else {
         bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
     };
     let Some(mut state) = AttachState::load(&id)? else {
@@ -61,20 +64,72 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     Ok(())
 }
 
+/// `apply --cgroup`: to the agent holding that cgroup's breakers (a
+/// breakers-only agent, or an interface agent whose profile has breakers).
+pub fn apply_cgroup(cgroup: &Path, path: &Path) -> Result<()> {
+    profile::load(path)?;
+    require_root()?;
+    let point = crate::breaker_agent::CgroupPoint::resolve(Some(cgroup))?;
+    let abs = std::fs::canonicalize(path)?;
+    let sock = point.run_dir().join("agent.sock");
+    match control::call_at(&sock, &Request::Apply { profile: abs.display().to_string() })? {
+        Some(resp) if resp.ok => {
+            out!("{}", resp.message);
+            Ok(())
+        }
+        Some(resp) => bail!("{}", resp.message),
+        None => bail!(
+            "no agent holds the breakers of cgroup {}: breakers live with their agent; start one with `flowctl attach --cgroup {} --profile {}`",
+            point.path.display(),
+            cgroup.display(),
+            path.display()
+        ),
+    }
+}
+
 pub fn check(path: &Path) -> Result<()> {
     let set = profile::load(path)?;
-    out!("{}: ok, {} rules", path.display(), set.rules.len());
-    out!(
+    out!("{}: ok, {} rules, {} breakers", path.display(), set.rules.len(), set.breakers.len());
+    if !set.rules.is_empty() {
+        out!(
         "kernel memory: {} preallocated (budget {}; key table {} entries, source cache {} entries)",
         human_bytes(set.settings.kernel_memory_bytes()),
         human_bytes(set.settings.memory_budget),
         set.settings.key_table_entries,
         set.settings.source_cache_entries
-    );
+        );
+    }
     for r in &set.rules {
         out!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
     }
+    for b in &set.breakers {
+        out!("  breaker {:<12} {:<40} {}", b.name, b.target.to_string(), breaker_text(b));
+    }
     Ok(())
+}
+
+fn breaker_text(b: &crate::profile_breaker::Breaker) -> String {
+    use crate::profile_breaker::BreakerMode;
+    let mode = match &b.mode {
+        BreakerMode::Sre { k_milli, min_requests, max_drop_ppm } => {
+            format!("sre K={} min {min_requests} cap {}", *k_milli as f64 / 1000.0, *max_drop_ppm as f64 / 1e6)
+        }
+        BreakerMode::State(c) => format!(
+            "state failure>{} min {} sleep {}s probes {}",
+            c.failure_ppm as f64 / 1e6,
+            c.min_requests,
+            c.sleep_ns as f64 / 1e9,
+            c.probes
+        ),
+    };
+    format!(
+        "{mode}, window {}s/{}, {}{}{}",
+        b.window_ns as f64 / 1e9,
+        b.buckets,
+        crate::profile_breaker::errno_name(b.errno),
+        b.cgroup.as_ref().map(|c| format!(", cgroup {c}")).unwrap_or_default(),
+        if b.dry_run { " (dry-run)" } else { "" }
+    )
 }
 
 pub fn limit_text(r: &profile::Rule) -> String {

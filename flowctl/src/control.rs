@@ -44,7 +44,12 @@ pub fn socket_path(id: &AttachId) -> PathBuf {
 
 /// Sends a request to the running agent; `Ok(None)` when no agent listens.
 pub fn call(id: &AttachId, req: &Request) -> Result<Option<Response>> {
-    let Ok(mut s) = UnixStream::connect(socket_path(id)) else { return Ok(None) };
+    call_at(&socket_path(id), req)
+}
+
+/// The same, at a socket path (a cgroup attachment's).
+pub fn call_at(sock: &std::path::Path, req: &Request) -> Result<Option<Response>> {
+    let Ok(mut s) = UnixStream::connect(sock) else { return Ok(None) };
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');

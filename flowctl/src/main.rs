@@ -15,8 +15,18 @@ enum Cmd {
     /// Load, attach and run the agent until Ctrl-C.
     ///
     /// Example: sudo flowctl attach eth0 --profile rules.toml
+    ///
+    /// Circuit breakers only (no interface):
+    /// sudo flowctl attach --cgroup /sys/fs/cgroup/app --profile breakers.toml
     Attach {
-        iface: String,
+        /// The interface the profile's rules apply to (none: breakers only).
+        #[arg(required_unless_present = "cgroup")]
+        iface: Option<String>,
+        /// The cgroup v2 directory the profile's breakers attach to
+        /// (absolute or relative to the cgroup v2 mount; default: its root,
+        /// the whole host).
+        #[arg(long, value_name = "PATH")]
+        cgroup: Option<PathBuf>,
         #[arg(long)]
         profile: PathBuf,
         #[arg(long, value_enum, default_value_t = Mode::Auto)]
@@ -40,12 +50,19 @@ enum Cmd {
         #[arg(long)]
         netns: Option<String>,
     },
-    /// Hot-reload a profile, all or nothing; unchanged rules keep their buckets.
+    /// Hot-reload a profile, all or nothing; unchanged rules keep their
+    /// buckets and unchanged breakers their state.
     ///
     /// Example: sudo flowctl apply eth0 rules.toml
+    ///
+    /// Breakers-only agent: sudo flowctl apply --cgroup /sys/fs/cgroup/app breakers.toml
     Apply {
-        iface: String,
-        profile: PathBuf,
+        /// IFACE PROFILE, or PROFILE with --cgroup.
+        #[arg(num_args = 1..=2, value_names = ["IFACE", "PROFILE"], required = true)]
+        args: Vec<String>,
+        /// The cgroup of a breakers-only agent.
+        #[arg(long, value_name = "PATH")]
+        cgroup: Option<PathBuf>,
         #[arg(long)]
         netns: Option<String>,
     },
@@ -108,11 +125,16 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Attach { iface, profile, mode, netns, keep, replace, metrics } => {
-            agent::run(agent::AttachArgs { iface, profile, mode, netns, keep, replace, metrics })
+        Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics } => {
+            agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, metrics })
         }
         Cmd::Detach { iface, netns } => commands::detach(&iface, &netns),
-        Cmd::Apply { iface, profile, netns } => commands::apply(&iface, &profile, &netns),
+        Cmd::Apply { args, cgroup, netns } => match (args.as_slice(), cgroup) {
+            ([iface, profile], None) => commands::apply(iface, std::path::Path::new(profile), &netns),
+            ([profile], Some(cg)) => commands::apply_cgroup(&cg, std::path::Path::new(profile)),
+            (_, None) => Err(anyhow::anyhow!("give `flowctl apply IFACE PROFILE`, or `flowctl apply --cgroup PATH PROFILE` for a breakers-only agent")),
+            (_, Some(_)) => Err(anyhow::anyhow!("with --cgroup, give only the profile (an agent with an interface takes `flowctl apply IFACE PROFILE` for both)")),
+        },
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
         Cmd::Simulate { scenario, out } => flowctl::simulate::command(&scenario, &out),

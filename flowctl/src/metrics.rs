@@ -56,11 +56,88 @@ struct TableLabel {
     table: String,
 }
 
+/// What one agent's endpoint exports: its interface attachment, its
+/// cgroup's breakers, or both.
+#[derive(Clone, Copy, Debug)]
+pub struct Scope {
+    pub iface: Option<AttachId>,
+    pub cgroup_id: Option<u64>,
+}
+
+/// The exposition text of a scope, read now (pins for the interface, the
+/// published state for breakers).
+pub fn render_scope(scope: &Scope) -> Result<String> {
+    let mut reg = <Registry>::default();
+    if let Some(id) = &scope.iface {
+        register_attachment(&mut reg, id)?;
+    }
+    if let Some(cg) = scope.cgroup_id {
+        register_breakers(&mut reg, cg);
+    }
+    let mut out = String::new();
+    encode(&mut out, &reg).map_err(|e| anyhow!("encoding metrics: {e}"))?;
+    Ok(out)
+}
+
 /// The exposition text for one attachment, read from its pins now.
 pub fn render(id: &AttachId) -> Result<String> {
+    render_scope(&Scope { iface: Some(*id), cgroup_id: None })
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BreakerLabel {
+    breaker: String,
+    mode: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BreakerStateLabel {
+    breaker: String,
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BreakerCounterLabel {
+    breaker: String,
+    outcome: String,
+}
+
+/// Breakers' metrics from the agent's published state (the agent's own
+/// windows and decisions; the counters are the kernel's totals).
+fn register_breakers(reg: &mut Registry, cgroup_id: u64) {
+    let Some(p) = crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cgroup_id) else { return };
+    let state = Family::<BreakerStateLabel, Gauge>::default();
+    let drop = Family::<BreakerLabel, Gauge<f64, AtomicU64>>::default();
+    let window = Family::<BreakerCounterLabel, Gauge>::default();
+    let totals = Family::<BreakerCounterLabel, Counter>::default();
+    let changed = Family::<BreakerLabel, Gauge<f64, AtomicU64>>::default();
+    for b in &p.breakers {
+        let l = BreakerLabel { breaker: b.name.clone(), mode: b.mode.clone() };
+        for s in ["closed", "throttling", "open", "half-open"] {
+            state.get_or_create(&BreakerStateLabel { breaker: b.name.clone(), state: s.into() }).set((b.state == s) as i64);
+        }
+        drop.get_or_create(&l).set(b.drop_probability);
+        let w = &b.window;
+        for (k, v) in [("requests", w.requests), ("accepts", w.accepts), ("refused_by_peer", w.refused_by_peer), ("timeouts", w.timeouts), ("refused_locally", w.refused_locally), ("would_refuse", w.would_refuse)] {
+            window.get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.into() }).set(v as i64);
+        }
+        for (k, v) in &b.totals {
+            totals.get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.clone() }).inc_by(*v);
+        }
+        if let Some(t) = &b.last_transition {
+            changed.get_or_create(&l).set(t.unix_ms as f64 / 1e3);
+        }
+    }
+    reg.register("flowctl_breaker_state", "Circuit breaker state (1 for the current one)", state);
+    reg.register("flowctl_breaker_drop_probability", "Share of new connections the breaker refuses now", drop);
+    reg.register("flowctl_breaker_window", "Outcomes in the breaker's rolling window", window);
+    reg.register("flowctl_breaker_connects", "connect() outcomes to the breaker's target since it was created", totals);
+    reg.register("flowctl_breaker_last_transition_seconds", "Unix time of the breaker's last state change", changed);
+}
+
+fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     let maps = Maps::open(id)?;
     let state = AttachState::load(id)?.ok_or_else(|| anyhow!("no state for the attachment"))?;
-    let mut reg = <Registry>::default();
     let offered = Family::<RuleLabel, Counter>::default();
     let offered_bytes = Family::<RuleLabel, Counter>::default();
     let packets = Family::<VerdictLabels, Counter>::default();
@@ -184,13 +261,11 @@ pub fn render(id: &AttachId) -> Result<String> {
     reg.register("flowctl_kernel_memory_bytes", "Kernel memory the pinned maps lock", memory);
     reg.register("flowctl_profile_generation", "Applies since attach", generation);
     reg.register("flowctl_rules", "Rules in the active profile", rules);
-    let mut out = String::new();
-    encode(&mut out, &reg).map_err(|e| anyhow!("encoding metrics: {e}"))?;
-    Ok(out)
+    Ok(())
 }
 
 /// Serves `/metrics` on `addr` from a thread of its own.
-pub fn spawn(addr: SocketAddr, id: AttachId) -> Result<std::thread::JoinHandle<()>> {
+pub fn spawn(addr: SocketAddr, scope: Scope) -> Result<std::thread::JoinHandle<()>> {
     if !addr.ip().is_loopback() {
         eprintln!("flowctl: warning: metrics on {addr} are reachable from outside this host");
     }
@@ -200,7 +275,7 @@ pub fn spawn(addr: SocketAddr, id: AttachId) -> Result<std::thread::JoinHandle<(
         .spawn(move || {
             for req in server.incoming_requests() {
                 let resp = if req.url() == "/metrics" {
-                    match render(&id) {
+                    match render_scope(&scope) {
                         Ok(body) => tiny_http::Response::from_string(body).with_header(
                             "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse::<tiny_http::Header>().expect("static header"),
                         ),

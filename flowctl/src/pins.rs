@@ -179,17 +179,19 @@ pub fn list_attachments() -> Vec<AttachId> {
     out
 }
 
-/// The exclusive agent lock of an attachment: held for the agent's lifetime
-/// (and briefly by an agent-less `apply`), released by the kernel on exit.
-pub struct AgentLock {
+/// An exclusive `flock` on a file: held while the value lives, released by
+/// the kernel when the process exits, however it exits.
+pub struct FileLock {
     _file: fs::File,
 }
 
-impl AgentLock {
-    pub fn try_acquire(id: &AttachId) -> Result<Option<Self>> {
-        let dir = id.run_dir();
-        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let f = fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("agent.lock"))?;
+impl FileLock {
+    /// `Ok(None)` when another process holds it.
+    pub fn try_acquire(path: &Path) -> Result<Option<Self>> {
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let f = fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
         use std::os::fd::AsRawFd;
         let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
@@ -199,10 +201,9 @@ impl AgentLock {
     }
 }
 
-/// True when an agent holds the attachment's lock.
-pub fn agent_running(id: &AttachId) -> bool {
-    let p = id.run_dir().join("agent.lock");
-    let Ok(f) = fs::OpenOptions::new().write(true).open(p) else { return false };
+/// True when some process holds the lock at `path`.
+pub fn lock_held(path: &Path) -> bool {
+    let Ok(f) = fs::OpenOptions::new().write(true).open(path) else { return false };
     use std::os::fd::AsRawFd;
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc == 0 {
@@ -211,6 +212,21 @@ pub fn agent_running(id: &AttachId) -> bool {
     } else {
         true
     }
+}
+
+/// The exclusive agent lock of an attachment: held for the agent's lifetime
+/// (and briefly by an agent-less `apply`).
+pub type AgentLock = FileLock;
+
+impl FileLock {
+    pub fn for_attachment(id: &AttachId) -> Result<Option<Self>> {
+        Self::try_acquire(&id.run_dir().join("agent.lock"))
+    }
+}
+
+/// True when an agent holds the attachment's lock.
+pub fn agent_running(id: &AttachId) -> bool {
+    lock_held(&id.run_dir().join("agent.lock"))
 }
 
 /// Enters the network namespace `name` (from `ip netns add`) on this thread

@@ -38,6 +38,8 @@ struct RawProfile {
     klimiter: Option<Spanned<crate::profile_klimiter::RawKlimiter>>,
     #[serde(default)]
     baseline: Vec<Spanned<crate::profile_klimiter::RawBaseline>>,
+    #[serde(default)]
+    breaker: Vec<Spanned<crate::profile_breaker::RawBreaker>>,
 }
 
 #[derive(Deserialize)]
@@ -59,7 +61,7 @@ struct RawSettings {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum RawPorts {
+pub(crate) enum RawPorts {
     One(i64),
     Range(String),
 }
@@ -313,6 +315,7 @@ pub struct RuleSet {
     pub rules: Vec<Rule>,
     pub klimiter: crate::profile_klimiter::KlimiterSettings,
     pub baselines: Vec<crate::profile_klimiter::Baseline>,
+    pub breakers: Vec<crate::profile_breaker::Breaker>,
 }
 
 /// Kernel bytes per preallocated LRU hash element: the element header
@@ -412,8 +415,8 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         }
         None => Settings::default(),
     };
-    if raw.rule.is_empty() {
-        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: "the profile has no [[rule]]".into() });
+    if raw.rule.is_empty() && raw.breaker.is_empty() {
+        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: "the profile has no [[rule]] and no [[breaker]]".into() });
     }
     if raw.rule.len() > MAX_RULES {
         let span = raw.rule[MAX_RULES].span();
@@ -480,7 +483,15 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
             }
         }
     }
-    let set = RuleSet { settings, rules, klimiter, baselines };
+    let mut breakers = Vec::new();
+    for b in &raw.breaker {
+        let line = line_col(text, b.span().start).0;
+        let parsed = crate::profile_breaker::breaker(b.get_ref(), line).map_err(|(sp, m)| cx.err(sp, m))?;
+        breakers.push((parsed, b.span()));
+    }
+    crate::profile_breaker::check_all(&breakers).map_err(|(sp, m)| cx.err(sp, m))?;
+    let breakers = breakers.into_iter().map(|(b, _)| b).collect();
+    let set = RuleSet { settings, rules, klimiter, baselines, breakers };
     let need = set.settings.kernel_memory_bytes();
     if need > set.settings.memory_budget {
         return Err(cx.err(
@@ -645,7 +656,32 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
     Ok(out)
 }
 
-fn parse_cidr(s: &str) -> Result<Cidr, String> {
+/// A port (`443`) or range (`"8000-8100"`).
+pub(crate) fn parse_ports(p: &RawPorts) -> Result<(u16, u16), String> {
+    match p {
+        RawPorts::One(n) => port_pair(*n, *n),
+        RawPorts::Range(s) => parse_port_text(s),
+    }
+}
+
+/// `443` or `8000-8100` as text.
+pub(crate) fn parse_port_text(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let bad = || format!("bad port range `{s}`: use \"8000-8100\"");
+    port_pair(a.trim().parse::<i64>().map_err(|_| bad())?, b.trim().parse::<i64>().map_err(|_| bad())?)
+}
+
+fn port_pair(lo: i64, hi: i64) -> Result<(u16, u16), String> {
+    if !(0..=65535).contains(&lo) || !(0..=65535).contains(&hi) {
+        return Err("ports are 0 to 65535".into());
+    }
+    if lo > hi {
+        return Err(format!("reversed port range {lo}-{hi}: write {hi}-{lo}"));
+    }
+    Ok((lo as u16, hi as u16))
+}
+
+pub(crate) fn parse_cidr(s: &str) -> Result<Cidr, String> {
     let (a, l) = match s.split_once('/') {
         Some((a, l)) => (a, Some(l)),
         None => (s, None),
@@ -707,27 +743,13 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
     let ports = match &r.dport {
         None => None,
         Some(p) => {
-            let (lo, hi) = match p.get_ref() {
-                RawPorts::One(n) => (*n, *n),
-                RawPorts::Range(s) => {
-                    let (a, b) = s.split_once('-').unwrap_or((s, s));
-                    let a = a.trim().parse::<i64>().map_err(|_| cx.err(p.span(), format!("bad port range `{s}`: use \"8000-8100\"")))?;
-                    let b = b.trim().parse::<i64>().map_err(|_| cx.err(p.span(), format!("bad port range `{s}`: use \"8000-8100\"")))?;
-                    (a, b)
-                }
-            };
-            if !(0..=65535).contains(&lo) || !(0..=65535).contains(&hi) {
-                return Err(cx.err(p.span(), "ports are 0 to 65535"));
-            }
-            if lo > hi {
-                return Err(cx.err(p.span(), format!("reversed port range {lo}-{hi}: write {hi}-{lo}")));
-            }
+            let (lo, hi) = parse_ports(p.get_ref()).map_err(|m| cx.err(p.span(), m))?;
             if let Some(pr) = proto {
                 if pr != 6 && pr != 17 {
                     return Err(cx.err(p.span(), format!("`dport` needs proto tcp or udp, not {}", proto_name(pr))));
                 }
             }
-            Some((lo as u16, hi as u16))
+            Some((lo, hi))
         }
     };
     let action_v = match &r.action {

@@ -42,7 +42,7 @@ out["probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
 out["after_probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
 out["other_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7906))
 out["this_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7907))
-out["expired"] = tcp(socket.AF_INET, ("127.0.0.1", 7908))
+
 # A black hole: routed out of lo to an address nobody has; the SYN is lost.
 subprocess.run(["ip", "route", "add", "10.99.0.0/16", "dev", "lo"], check=True)
 socket.setdefaulttimeout(1.5)
@@ -85,7 +85,9 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     let _rm = Rm(vec![cg.clone(), other.clone()]);
     let mut ebpf = EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
     let live = flowctl::pins::monotonic_ns() + 60_000_000_000;
-    let refuse = Control { drop_ppm: 1_000_000, errno: 111, deadline_ns: live, ..Default::default() };
+    let refuse = Control { drop_ppm: 1_000_000, errno: 111, ..Default::default() };
+    let mut deadline: Array<_, u64> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").unwrap()).unwrap();
+    deadline.set(0, live, 0).unwrap();
     {
         let mut targets: Array<_, Target> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
         let in_cgroup = |port, cgroup: &std::path::Path| Target { cgroup_id: dir_ino(cgroup), cgroup_level: 1, ..target(port, port, 0) };
@@ -96,7 +98,6 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         targets.set(4, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
         targets.set(5, in_cgroup(7906, &other), 0).unwrap();
         targets.set(6, in_cgroup(7907, &cg), 0).unwrap();
-        targets.set(7, target(7908, 7908, 0), 0).unwrap();
         let mut control: Array<_, Control> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
         for slot in [0, 1, 5, 6] {
             control.set(slot, refuse, 0).unwrap();
@@ -105,8 +106,6 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         control.set(2, Control { probes: 1, probe_word: probe_word::pack(5, 0, 0, 0), ..refuse }, 0).unwrap();
         control.set(3, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
         control.set(4, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
-        // The agent's last word has expired: fail open.
-        control.set(7, Control { deadline_ns: 1, ..refuse }, 0).unwrap();
     }
     let fd = std::fs::File::open(&cg).unwrap();
     for name in ["flowctl_connect4", "flowctl_connect6"] {
@@ -148,7 +147,6 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     assert_eq!(get(5, counter::CALLS), 0, "a breaker for another cgroup does not see this process");
     assert_eq!((get(6, counter::CALLS), get(6, counter::REFUSED_LOCALLY)), (1, 1), "one for its own cgroup does");
     assert_eq!(v["this_cgroup"][0], 111);
-    assert_eq!((get(7, counter::CALLS), get(7, counter::REFUSED_LOCALLY), get(7, counter::ATTEMPTS)), (1, 0, 1), "past the deadline: fail open");
     let control: Array<_, Control> = Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
     let w = control.get(&2, 0).unwrap().probe_word;
     assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (5, 1, 1, 0), "the probe's success lands in its round");
