@@ -630,3 +630,102 @@ impl Drop for BreakerAgent {
         let _ = std::fs::remove_file(self.point.run_dir().join("breakers.json"));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile_breaker::TargetSpec;
+    use flowctl_common::breaker::StateConfig;
+
+    const MS: u64 = 1_000_000;
+
+    fn breaker(mode: BreakerMode) -> Breaker {
+        Breaker {
+            name: "db".into(),
+            line: 1,
+            target: TargetSpec { net: flowctl_common::tables::Cidr { addr: "10.0.0.1".parse().unwrap(), len: 32 }, ports: (5432, 5432) },
+            cgroup: None,
+            mode,
+            window_ns: 3_000 * MS,
+            buckets: 10,
+            errno: 111,
+            dry_run: false,
+            exempt: vec![],
+        }
+    }
+
+    /// Cumulative kernel counters.
+    fn counts(attempts: u64, successes: u64, refused: u64, timeouts: u64) -> [u64; counter::COUNT as usize] {
+        let mut c = [0; counter::COUNT as usize];
+        c[counter::ATTEMPTS as usize] = attempts;
+        c[counter::SUCCESSES as usize] = successes;
+        c[counter::REFUSED_BY_PEER as usize] = refused;
+        c[counter::TIMEOUTS as usize] = timeouts;
+        c
+    }
+
+    #[test]
+    fn sre_follows_the_window_and_forgets_after_it() {
+        let mut l = Live::new(breaker(BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 }), 0);
+        let c = l.step(counts(200, 20, 180, 0), Control::default(), 1_000 * MS);
+        // (200 - 2 * 20) / 201
+        assert_eq!((c.drop_ppm, l.state), (796_019, "throttling"));
+        // Healed: nothing new fails, and the failures age out of the 3 s window.
+        let c = l.step(counts(230, 50, 180, 0), Control::default(), 2_000 * MS);
+        assert_eq!(c.drop_ppm, sre_drop_ppm(230, 50, 2000, 100, 900_000));
+        let c = l.step(counts(240, 60, 180, 0), Control::default(), 4_500 * MS);
+        assert_eq!((c.drop_ppm, l.state), (0, "closed"), "the window no longer holds the outage");
+        assert_eq!(l.last_transition.as_ref().unwrap().to, "closed");
+    }
+
+    fn state_breaker() -> Live {
+        Live::new(breaker(BreakerMode::State(StateConfig { failure_ppm: 500_000, min_requests: 20, sleep_ns: 1_000 * MS, probes: 2 })), 3)
+    }
+
+    #[test]
+    fn state_opens_sleeps_and_hands_the_kernel_a_probe_round() {
+        let mut l = state_breaker();
+        let c = l.step(counts(30, 10, 20, 0), Control::default(), 100 * MS);
+        assert_eq!((l.state, c.drop_ppm, c.probes), ("open", 1_000_000, 0));
+        let c = l.step(counts(30, 10, 20, 0), c, 1_200 * MS);
+        assert_eq!((l.state, c.probes), ("half-open", 2));
+        let epoch = probe_word::epoch(c.probe_word);
+        // While the round runs, the kernel's word is kept, not rewritten.
+        let kernel = Control { probe_word: probe_word::pack(epoch, 1, 0, 0), ..c };
+        assert_eq!(l.step(counts(31, 10, 20, 0), kernel, 1_300 * MS), kernel);
+        // Two successes close it, and the window that opened it is cleared.
+        let kernel = Control { probe_word: probe_word::pack(epoch, 2, 2, 0), ..c };
+        let c = l.step(counts(32, 12, 20, 0), kernel, 1_400 * MS);
+        assert_eq!((l.state, c.drop_ppm, c.probes), ("closed", 0, 0));
+        assert_eq!(l.window.sum(1_400 * MS).requests, 0);
+        assert_eq!(l.last_transition.as_ref().unwrap().reason, "2 probes succeeded");
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_a_stale_round_is_ignored() {
+        let mut l = state_breaker();
+        let c = l.step(counts(30, 0, 30, 0), Control::default(), 100 * MS);
+        let c = l.step(counts(30, 0, 30, 0), c, 1_200 * MS);
+        let epoch = probe_word::epoch(c.probe_word);
+        // A word of another round (successes that began before): ignored.
+        let stale = Control { probe_word: probe_word::pack(epoch.wrapping_sub(1), 2, 2, 0), ..c };
+        l.step(counts(30, 0, 30, 0), stale, 1_300 * MS);
+        assert_eq!(l.state, "half-open");
+        let failed = Control { probe_word: probe_word::pack(epoch, 1, 0, 1), ..c };
+        let c = l.step(counts(31, 0, 30, 1), failed, 1_400 * MS);
+        assert_eq!((l.state, c.drop_ppm, c.probes), ("open", 1_000_000, 0));
+        assert_eq!(l.last_transition.as_ref().unwrap().reason, "a probe failed");
+    }
+
+    #[test]
+    fn a_probe_that_never_reports_reopens_after_the_limit() {
+        let mut l = state_breaker();
+        let c = l.step(counts(30, 0, 30, 0), Control::default(), 100 * MS);
+        let c = l.step(counts(30, 0, 30, 0), c, 1_200 * MS);
+        let lost = Control { probe_word: probe_word::pack(probe_word::epoch(c.probe_word), 1, 0, 0), ..c };
+        l.step(counts(31, 0, 30, 0), lost, 5_000 * MS);
+        assert_eq!(l.state, "half-open", "still waiting");
+        l.step(counts(31, 0, 30, 0), lost, 1_200 * MS + PROBE_LOST_NS + 1);
+        assert_eq!(l.state, "open");
+    }
+}

@@ -181,13 +181,26 @@ pub fn status(json: bool) -> Result<()> {
             "unmatched": counters_json("unmatched", &global),
         }));
     }
+    let breakers = crate::breaker_agent::published_all();
     if json {
-        out!("{}", serde_json::to_string_pretty(&out)?);
+        // Interface attachments as before; cgroup attachments (breakers)
+        // follow, told apart by their `cgroup` field.
+        let mut all: Vec<serde_json::Value> = out;
+        for b in &breakers {
+            all.push(serde_json::to_value(b)?);
+        }
+        out!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
-    if out.is_empty() {
+    if out.is_empty() && breakers.is_empty() {
         out!("no flowctl attachments");
         return Ok(());
+    }
+    for c in &breakers {
+        out!("cgroup {} (id {}) breakers, agent pid {}, profile {}", c.cgroup, c.cgroup_id, c.pid, c.profile);
+        for line in crate::top::view::breaker_lines(c) {
+            out!("  {line}");
+        }
     }
     for a in &out {
         out!(

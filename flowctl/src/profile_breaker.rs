@@ -290,3 +290,68 @@ pub fn addr_words(a: &IpAddr) -> ([u32; 4], u8) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::parse;
+
+    #[test]
+    fn defaults_and_both_modes() {
+        let set = parse(
+            "p.toml",
+            r#"
+[[breaker]]
+name = "db"
+target = "10.0.0.0/24"
+port = 5432
+exempt = ["10.0.0.7", "10.0.0.8:6432", "[2001:db8::1]:443"]
+
+[[breaker]]
+name = "api"
+target = "2001:db8::/32"
+port = "8000-8100"
+mode = "state"
+errno = "ETIMEDOUT"
+cgroup = "app.slice"
+dry_run = true
+"#,
+        )
+        .unwrap();
+        assert!(set.rules.is_empty());
+        let db = &set.breakers[0];
+        assert_eq!(db.mode, BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 });
+        assert_eq!((db.window_ns, db.buckets, db.errno, db.line), (3_000_000_000, 10, 111, 2));
+        assert_eq!(db.target.to_string(), "10.0.0.0/24:5432");
+        assert_eq!(db.exempt.iter().map(|e| e.to_string()).collect::<Vec<_>>(), ["10.0.0.7:5432", "10.0.0.8:6432", "[2001:db8::1]:443"]);
+        let api = &set.breakers[1];
+        assert_eq!(api.mode, BreakerMode::State(StateConfig { failure_ppm: 500_000, min_requests: 20, sleep_ns: 5_000_000_000, probes: 3 }));
+        assert_eq!((api.window_ns, api.errno, api.dry_run, api.cgroup.as_deref()), (10_000_000_000, 110, true, Some("app.slice")));
+        assert_eq!(api.target.ports, (8000, 8100));
+    }
+
+    fn err(text: &str) -> String {
+        parse("p.toml", text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn mistakes_name_the_line_and_say_why() {
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nmode = \"sre\"\nprobes = 3\n");
+        assert!(e.starts_with("p.toml:5:10: `probes` is not a parameter of mode \"sre\""), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nerrno = \"EWHAT\"\n");
+        assert!(e.starts_with("p.toml:4:9: unknown errno `EWHAT`"), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1/8\"\n");
+        assert!(e.starts_with("p.toml:3:10: host bits set"), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nmax_drop = 1.5\n");
+        assert!(e.contains("max_drop must be between 0 and 1"), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nexempt = [\"10.0.0.2:99999\"]\n");
+        assert!(e.starts_with("p.toml:4:11: exempt target: ports are 0 to 65535"), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\n[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.2\"\n");
+        assert!(e.starts_with("p.toml:4:1: duplicate breaker name `db`"), "{e}");
+        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\ncgroup = \"../x\"\n");
+        assert!(e.contains("`..` in a cgroup path"), "{e}");
+        let many: String = (0..17).map(|i| format!("[[breaker]]\nname = \"b{i}\"\ntarget = \"10.0.0.{i}\"\n")).collect();
+        assert!(err(&many).contains("17 target slots; the kernel has 16"));
+        assert!(err("").contains("no [[rule]] and no [[breaker]]"));
+    }
+}

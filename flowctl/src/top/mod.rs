@@ -40,6 +40,12 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
             );
         }
     }
+    for c in &top.breakers {
+        out!("breakers of cgroup {} (agent pid {})", c.cgroup, c.pid);
+        for line in view::breaker_lines(c) {
+            out!("  {line}");
+        }
+    }
     Ok(())
 }
 

@@ -21,6 +21,9 @@ pub struct Top {
     /// Seconds between the two counter reads the rates come from.
     pub interval_s: f64,
     pub attachments: Vec<Attachment>,
+    /// Circuit breakers of every cgroup attachment with a running agent, as
+    /// the agent publishes them (docs/top.md).
+    pub breakers: Vec<crate::breaker_agent::Published>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -124,7 +127,9 @@ pub fn compute(before: &Sample, after: &Sample, only_iface: Option<&str>) -> Res
         }
         attachments.push(attachment(&id, &state, before, after, dt)?);
     }
-    Ok(Top { schema: SCHEMA, interval_s: dt, attachments })
+    // Breakers belong to cgroups, not interfaces: shown unless one is asked for.
+    let breakers = if only_iface.is_none() { crate::breaker_agent::published_all() } else { Vec::new() };
+    Ok(Top { schema: SCHEMA, interval_s: dt, attachments, breakers })
 }
 
 fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sample, dt: f64) -> Result<Attachment> {

@@ -29,7 +29,7 @@ pub fn si(v: f64) -> String {
 
 pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
     let area = f.area();
-    let n = top.attachments.len().max(1);
+    let n = (top.attachments.len() + top.breakers.len()).max(1);
     let mut constraints = vec![Constraint::Length(1)];
     constraints.extend(std::iter::repeat_n(Constraint::Fill(1), n));
     let chunks = Layout::vertical(constraints).split(area);
@@ -40,9 +40,37 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
         top.interval_s
     );
     f.render_widget(Paragraph::new(Line::from(status)).style(Style::default().add_modifier(Modifier::REVERSED)), chunks[0]);
-    if top.attachments.is_empty() {
+    if top.attachments.is_empty() && top.breakers.is_empty() {
         f.render_widget(Paragraph::new("no flowctl attachments (start one with `flowctl attach IFACE --profile FILE`)"), chunks[1]);
         return;
+    }
+    for (i, c) in top.breakers.iter().enumerate() {
+        let title = format!(" breakers | cgroup {} | agent pid {} ", c.cgroup, c.pid);
+        let header = Row::new(["breaker", "target", "mode", "state", "drop p", "window", "requests", "accepts", "refused", "timeouts", "local", "last change"])
+            .style(Style::default().add_modifier(Modifier::BOLD));
+        let rows = c.breakers.iter().map(|b| {
+            Row::new(vec![
+                Cell::from(b.name.clone()),
+                Cell::from(b.target.clone()),
+                Cell::from(format!("{}{}", b.mode, if b.dry_run { " dry" } else { "" })),
+                Cell::from(breaker_state_text(b)),
+                Cell::from(format!("{:.2}", b.drop_probability)),
+                Cell::from(format!("{}s", b.window.seconds)),
+                Cell::from(b.window.requests.to_string()),
+                Cell::from(b.window.accepts.to_string()),
+                Cell::from(b.window.refused_by_peer.to_string()),
+                Cell::from(b.window.timeouts.to_string()),
+                Cell::from((b.window.refused_locally + b.window.would_refuse).to_string()),
+                Cell::from(transition_text(b)),
+            ])
+        });
+        let widths = [
+            Constraint::Length(14), Constraint::Min(18), Constraint::Length(9), Constraint::Length(14), Constraint::Length(6),
+            Constraint::Length(6), Constraint::Length(8), Constraint::Length(8), Constraint::Length(8), Constraint::Length(8),
+            Constraint::Length(7), Constraint::Min(24),
+        ];
+        let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
+        f.render_widget(table, chunks[top.attachments.len() + i + 1]);
     }
     for (i, a) in top.attachments.iter().enumerate() {
         let title = format!(
@@ -87,6 +115,46 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
         let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[i + 1]);
     }
+}
+
+/// A breaker's state, with its probes while half-open.
+pub fn breaker_state_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
+    match &b.probes {
+        Some(p) => format!("{} {}/{}", b.state, p.succeeded, p.allowed),
+        None => b.state.clone(),
+    }
+}
+
+/// The last transition: how long ago, to what, why.
+pub fn transition_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
+    let Some(t) = &b.last_transition else { return "-".into() };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    format!("{:.1}s ago -> {} ({})", now.saturating_sub(t.unix_ms) as f64 / 1e3, t.to, t.reason)
+}
+
+/// One text line per breaker (`top --once`, `status`).
+pub fn breaker_lines(c: &crate::breaker_agent::Published) -> Vec<String> {
+    let mut out = vec![format!(
+        "{:<14} {:<24} {:<6} {:<14} {:>6} {:>9} {:>8} {:>8} {:>8} {:>6}  {}",
+        "breaker", "target", "mode", "state", "drop p", "requests", "accepts", "failed", "local", "window", "last change"
+    )];
+    for b in &c.breakers {
+        out.push(format!(
+            "{:<14} {:<24} {:<6} {:<14} {:>6.2} {:>9} {:>8} {:>8} {:>8} {:>5}s  {}",
+            b.name,
+            b.target,
+            b.mode,
+            breaker_state_text(b),
+            b.drop_probability,
+            b.window.requests,
+            b.window.accepts,
+            b.window.refused_by_peer + b.window.timeouts,
+            b.window.refused_locally + b.window.would_refuse,
+            b.window.seconds,
+            transition_text(b)
+        ));
+    }
+    out
 }
 
 /// A BBR rule's in-flight count over its limit, "!" while the in-flight
@@ -167,6 +235,7 @@ mod tests {
                 klimiter: None,
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
             }],
+            breakers: vec![],
         }
     }
 
@@ -212,7 +281,33 @@ mod tests {
 
     #[test]
     fn empty_state_says_how_to_start() {
-        let s = render(&Top { schema: 1, interval_s: 1.0, attachments: vec![] }, SortBy::Profile, false);
+        let s = render(&Top { schema: 1, interval_s: 1.0, attachments: vec![], breakers: vec![] }, SortBy::Profile, false);
         assert!(s.contains("no flowctl attachments"));
+    }
+
+    #[test]
+    fn breakers_show_state_probability_window_and_last_change() {
+        use crate::breaker_agent::{Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition};
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        let b = PublishedBreaker {
+            name: "db".into(),
+            target: "10.0.0.5:5432".into(),
+            cgroup: None,
+            mode: "state".into(),
+            dry_run: false,
+            errno: "ECONNREFUSED".into(),
+            state: "half-open".into(),
+            drop_probability: 1.0,
+            window: PublishedWindow { seconds: 10.0, requests: 40, accepts: 3, refused_by_peer: 37, timeouts: 0, refused_locally: 900, would_refuse: 0 },
+            totals: Default::default(),
+            probes: Some(PublishedProbes { allowed: 3, admitted: 2, succeeded: 1, failed: 0 }),
+            last_transition: Some(Transition { from: "open".into(), to: "half-open".into(), unix_ms: now - 2_000, reason: "sleep elapsed".into() }),
+        };
+        let mut top = fixture(true);
+        top.breakers = vec![Published { cgroup: "/sys/fs/cgroup/app".into(), cgroup_id: 7, pid: 99, profile: "p.toml".into(), updated_unix_ms: now, breakers: vec![b] }];
+        let s = render(&top, SortBy::Profile, false);
+        assert!(s.contains("breakers | cgroup /sys/fs/cgroup/app | agent pid 99"), "{s}");
+        assert!(s.contains("half-open 1/3") && s.contains("1.00") && s.contains("900"), "{s}");
+        assert!(s.contains("ago -> half-open (sleep elapsed)"), "{s}");
     }
 }
