@@ -1031,3 +1031,338 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     assert!(ratio(&last, "high") >= 0.8 - 1e-6, "the high-priority entry stays at or above its floor");
     assert!(ratio(&last, "low") < ratio(&last, "high"), "the low-priority entry was cut first");
 }
+
+// ---------------------------------------------------------------------------
+// Circuit breakers: the real binary attached to a cgroup v2 directory, real
+// sockets from client processes placed in it, a downstream in the lab's
+// server namespace switched between healthy, refusing and black-holed.
+
+/// A client process: joins cgroup `argv[1]` (unless "-"), then connects to
+/// `argv[2]:argv[3]` from `argv[6]` threads, each connect with a timeout of
+/// `argv[5]` s, one every `argv[4]` ms per thread, for `argv[7]` s. Prints
+/// every attempt as [monotonic start s, errno or 0, microseconds].
+const BREAKER_CLIENT: &str = r#"
+import json, os, socket, sys, threading, time
+cg, ip, port, gap, tmo, nthreads, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]) / 1000, float(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
+if cg != "-":
+    open(cg + "/cgroup.procs", "w").write(str(os.getpid()))
+out, lock = [], threading.Lock()
+end = time.monotonic() + secs
+def run():
+    while time.monotonic() < end:
+        s = socket.socket(); s.settimeout(tmo)
+        t = time.monotonic()
+        try:
+            s.connect((ip, port)); r = 0
+        except socket.timeout:
+            r = 110
+        except OSError as e:
+            r = e.errno
+        us = (time.monotonic() - t) * 1e6
+        s.close()
+        with lock:
+            out.append([t, r, us])
+        time.sleep(gap)
+ts = [threading.Thread(target=run) for _ in range(nthreads)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps(out))
+"#;
+
+/// ECONNABORTED: what the test's breakers refuse with, so a local refusal
+/// is told apart from the downstream's own RST (ECONNREFUSED).
+const LOCAL: i64 = 103;
+const REFUSED: i64 = 111;
+
+struct Attempt {
+    t: f64,
+    errno: i64,
+    us: f64,
+}
+
+fn client(lab: &Lab, cgroup: &str, port: u16, gap_ms: u64, timeout_s: f64, threads: u32, secs: f64) -> Vec<Attempt> {
+    // nsenter, not `ip netns exec`: the latter remounts /sys, hiding the
+    // cgroup hierarchy the client must join.
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", lab.ns_cli))
+        .args(["python3", "-c", BREAKER_CLIENT, cgroup, &lab.ip_srv])
+        .args([port.to_string(), gap_ms.to_string(), timeout_s.to_string(), threads.to_string(), secs.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "client: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Vec<(f64, i64, f64)> = serde_json::from_slice(&out.stdout).unwrap();
+    let mut v: Vec<Attempt> = v.into_iter().map(|(t, errno, us)| Attempt { t, errno, us }).collect();
+    v.sort_by(|a, b| a.t.total_cmp(&b.t));
+    v
+}
+
+fn count(a: &[Attempt], errno: i64) -> usize {
+    a.iter().filter(|x| x.errno == errno).count()
+}
+
+/// nftables in the server namespace: counts the SYNs that reach the
+/// downstream's veth per port (before anything else sees them) and drops
+/// them while black-holed.
+struct Downstream {
+    ns: String,
+}
+
+impl Downstream {
+    fn new(lab: &Lab, ports: &[u16]) -> Self {
+        let mut rules = String::from("table inet flowctl_test {\n chain bh {\n }\n chain pre {\n  type filter hook prerouting priority -300;\n");
+        for p in ports {
+            rules += &format!("  tcp dport {p} tcp flags & (syn | ack) == syn counter\n");
+        }
+        rules += "  jump bh\n }\n}\n";
+        let f = profile_file(&rules);
+        flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "-f", f.path()]);
+        Self { ns: lab.ns_srv.clone() }
+    }
+
+    /// SYNs seen so far for `port`.
+    fn syns(&self, port: u16) -> u64 {
+        let text = flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "list", "chain", "inet", "flowctl_test", "pre"]);
+        let line = text.lines().find(|l| l.contains(&format!("dport {port} "))).expect("counter rule");
+        let n = line.split("packets ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap();
+        n.parse().unwrap()
+    }
+
+    fn black_hole(&self, port: u16, on: bool) {
+        if on {
+            flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "add", "rule", "inet", "flowctl_test", "bh", "tcp", "dport", &port.to_string(), "drop"]);
+        } else {
+            flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "flush", "chain", "inet", "flowctl_test", "bh"]);
+        }
+    }
+}
+
+/// A cgroup v2 directory with a child `app`, removed on drop (after its
+/// processes, all short-lived clients, have exited).
+struct TestCgroup {
+    parent: PathBuf,
+}
+
+impl TestCgroup {
+    fn new() -> Option<Self> {
+        let mount = flowctl::breaker_agent::cgroup2_mount().ok()?;
+        let parent = mount.join(flowctl_tests::unique("flowctl-e2e-"));
+        std::fs::create_dir(&parent).unwrap();
+        std::fs::create_dir(parent.join("app")).unwrap();
+        Some(Self { parent })
+    }
+    fn app(&self) -> String {
+        self.parent.join("app").display().to_string()
+    }
+    fn parent(&self) -> String {
+        self.parent.display().to_string()
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(self.parent.join("app"));
+        let _ = std::fs::remove_dir(&self.parent);
+    }
+}
+
+impl Agent {
+    /// `flowctl attach --cgroup PATH --profile P`, ready once `status`
+    /// shows its breakers.
+    fn start_breakers(cgroup: &str, profile: &str) -> Self {
+        let child = Command::new(bin()).args(["attach", "--cgroup", cgroup, "--profile", profile]).stdin(Stdio::null()).spawn().unwrap();
+        let a = Agent(child);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if breakers_of(cgroup).is_some() {
+                return a;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("breaker agent did not come up");
+    }
+}
+
+/// The published breakers of a cgroup attachment, from `status --json`.
+fn breakers_of(cgroup: &str) -> Option<Value> {
+    let out = flowctl(&["status", "--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.as_array()?.iter().find(|a| a["cgroup"] == cgroup).cloned()
+}
+
+fn breaker(cgroup: &str, name: &str) -> Value {
+    breakers_of(cgroup).expect("breakers published")["breakers"].as_array().unwrap().iter().find(|b| b["name"] == name).cloned().expect("breaker")
+}
+
+/// SRE mode through the CLI: healthy -> no refusals; the downstream refuses
+/// -> fail-fast refusals at the predicted share within one window, with the
+/// configured errno and no SYN sent for them; healed -> no refusals within
+/// the documented bound; exempt targets and processes outside the breaker's
+/// cgroup untouched; dry-run (applied live, state kept) counts without
+/// refusing; a stopped agent's breakers fail open after the grace period.
+#[test]
+fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
+    if not_root() {
+        return;
+    }
+    let Some(cg) = TestCgroup::new() else {
+        eprintln!("no cgroup v2 hierarchy; skipped");
+        return;
+    };
+    let lab = Lab::new("fbrk", 233);
+    let down = Downstream::new(&lab, &[7100, 7101]);
+    flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
+    let profile = |dry: bool| {
+        format!(
+            "[settings]\ngrace_period = \"1s\"\n\n[[breaker]]\nname = \"db\"\ntarget = \"{}\"\nport = 7100\ncgroup = \"{}\"\nmin_requests = 20\nerrno = \"ECONNABORTED\"\nexempt = [\"{}:7101\"]\ndry_run = {dry}\n",
+            lab.ip_srv,
+            cg.app(),
+            lab.ip_srv
+        )
+    };
+    let p = profile_file(&profile(false));
+    let agent = Agent::start_breakers(&cg.parent(), p.path());
+
+    // Healthy: every connect succeeds, nothing is refused.
+    let server = TcpServer::start(&lab, 7100);
+    let healthy = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 0.5);
+    assert!(healthy.len() >= 30 && healthy.iter().all(|a| a.errno == 0), "healthy: {} attempts", healthy.len());
+    assert_eq!(breaker(&cg.parent(), "db")["state"], "closed");
+    drop(server);
+
+    // Refusing: the downstream answers every SYN with an RST.
+    let syn0 = down.syns(7100);
+    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let refusing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 5.0);
+    let (local, real) = (count(&refusing, LOCAL), count(&refusing, REFUSED));
+    assert_eq!(local + real, refusing.len(), "every connect fails, locally or by the downstream's RST");
+    assert_eq!(down.syns(7100) - syn0, real as u64, "a locally refused connect sends nothing");
+    let first_local = refusing.iter().find(|a| a.errno == LOCAL).expect("the breaker refuses").t - t0;
+    assert!(first_local < 3.0, "refusing within one window: first after {first_local:.2} s");
+    // Once the healthy phase's accepts have left the window (3 s and a
+    // bucket) and it holds >= 20 failed requests, p = min(cap, R/(R+1)) = 0.9.
+    let late: Vec<&Attempt> = refusing.iter().filter(|a| a.t - t0 > 3.4).collect();
+    let share = late.iter().filter(|a| a.errno == LOCAL).count() as f64 / late.len() as f64;
+    assert!((0.82..=0.97).contains(&share), "refused share {share:.3} of {} (predicted 0.90)", late.len());
+    let slowest = refusing.iter().filter(|a| a.errno == LOCAL).map(|a| a.us).fold(0.0, f64::max);
+    println!("refusing: {local} local, {real} real; share {share:.3}; slowest local refusal {slowest:.0} us");
+    let b = breaker(&cg.parent(), "db");
+    assert_eq!(b["state"], "throttling");
+    assert!(b["drop_probability"].as_f64().unwrap() > 0.85, "{b}");
+
+    // While it throttles: the exempt port, and processes outside the
+    // breaker's cgroup (the attach point's other processes, and the host's),
+    // go out untouched.
+    let exempt = client(&lab, &cg.app(), 7101, 5, 1.0, 1, 0.5);
+    assert_eq!(count(&exempt, LOCAL), 0, "exempt target");
+    let outside = client(&lab, &cg.parent(), 7100, 5, 1.0, 1, 0.5);
+    assert_eq!(count(&outside, LOCAL), 0, "a process in the attach cgroup but not the breaker's");
+    let host = client(&lab, "-", 7100, 5, 1.0, 1, 0.5);
+    assert_eq!(count(&host, LOCAL), 0, "a process outside the attach cgroup");
+
+    // Healed: the refusals stop within one window (3 s) plus a bucket and a
+    // tick of the agent, since local refusals are not requests.
+    let server = TcpServer::start(&lab, 7100);
+    let healed_at = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let healing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 4.5);
+    let last_local = healing.iter().filter(|a| a.errno == LOCAL).map(|a| a.t - healed_at).fold(0.0, f64::max);
+    println!("recovered {last_local:.2} s after the downstream healed");
+    assert!(last_local <= 3.5, "recovery bound 3.4 s: last refusal {last_local:.2} s after healing");
+    assert!(healing.iter().rev().take(50).all(|a| a.errno == 0));
+    drop(server);
+
+    // Dry-run, applied live: the breaker keeps its state and throttles on
+    // paper only.
+    let p2 = profile_file(&profile(true));
+    let out = flowctl(&["apply", "--cgroup", &cg.parent(), p2.path()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let syn0 = down.syns(7100);
+    let dry = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 2.0);
+    assert_eq!(count(&dry, LOCAL), 0, "dry-run refuses nothing");
+    assert_eq!(down.syns(7100) - syn0, dry.len() as u64, "every connect went out");
+    let b = breaker(&cg.parent(), "db");
+    assert!(b["totals"]["would_refuse"].as_u64().unwrap() > 0 && b["dry_run"] == true, "{b}");
+
+    // A hung agent: its deadline lapses and the hooks fail open.
+    let p3 = profile_file(&profile(false));
+    assert!(flowctl(&["apply", "--cgroup", &cg.parent(), p3.path()]).status.success());
+    let _ = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 1.0);
+    assert_eq!(breaker(&cg.parent(), "db")["state"], "throttling");
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(1300));
+    let hung = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 0.5);
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGCONT) };
+    assert_eq!(count(&hung, LOCAL), 0, "fail open once the agent's deadline (grace 1 s) has passed");
+    agent.stop();
+    assert!(breakers_of(&cg.parent()).is_none(), "gone from status once the agent stops");
+}
+
+/// State mode through the CLI: a black-holed downstream (SYNs dropped; the
+/// client namespace gives up after one retransmission) opens the breaker on
+/// handshake timeouts; open refuses everything at once; after the sleep,
+/// half-open probes go out, fail and reopen it; healed, the probes succeed
+/// and close it.
+#[test]
+fn breaker_state_opens_on_timeouts_probes_and_closes() {
+    if not_root() {
+        return;
+    }
+    let Some(cg) = TestCgroup::new() else {
+        eprintln!("no cgroup v2 hierarchy; skipped");
+        return;
+    };
+    let lab = Lab::new("fbst", 234);
+    let down = Downstream::new(&lab, &[7200]);
+    flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
+    let p = profile_file(&format!(
+        "[[breaker]]\nname = \"api\"\ntarget = \"{}/32\"\nport = \"7200-7200\"\nmode = \"state\"\nwindow = \"2s\"\nmin_requests = 10\nfailure_ratio = 0.5\nsleep = \"1s\"\nprobes = 2\nerrno = \"ECONNABORTED\"\n",
+        lab.ip_srv
+    ));
+    let agent = Agent::start_breakers(&cg.app(), p.path());
+    let _server = TcpServer::start(&lab, 7200);
+    down.black_hole(7200, true);
+
+    // Black-holed: 12 callers hang until their first SYN retransmission
+    // times out (1 s), which counts as a failure and opens the breaker.
+    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let cgp = cg.app();
+    let watcher = std::thread::spawn(move || {
+        let mut seen: Vec<String> = Vec::new();
+        let end = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < end {
+            let s = breaker(&cgp, "api")["state"].as_str().unwrap().to_string();
+            if seen.last() != Some(&s) {
+                seen.push(s);
+            }
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        seen
+    });
+    let hole = client(&lab, &cg.app(), 7200, 20, 1.5, 12, 4.0);
+    let seen = watcher.join().unwrap();
+    println!("states seen while black-holed: {seen:?}");
+    assert!(seen.windows(3).any(|w| w == ["open", "half-open", "open"]), "open -> half-open (probes) -> open on a failed probe: {seen:?}");
+    let first_local = hole.iter().find(|a| a.errno == LOCAL).expect("opened").t - t0;
+    assert!(first_local < 2.0, "open within the first timeouts: {first_local:.2} s");
+    let timeouts = count(&hole, 110);
+    let local = count(&hole, LOCAL);
+    assert!(timeouts >= 10 && local > timeouts, "{timeouts} timeouts, {local} local refusals");
+    let slowest = hole.iter().filter(|a| a.errno == LOCAL).map(|a| a.us).fold(0.0, f64::max);
+    assert!(slowest < 5_000.0, "open fails at once: slowest {slowest:.0} us");
+    let b = breaker(&cg.app(), "api");
+    assert!(b["totals"]["timeouts"].as_u64().unwrap() >= 10 && b["totals"]["probes"].as_u64().unwrap() >= 2, "{b}");
+
+    // Healed: two probes succeed and close it. Bound: a probe still out
+    // (it fails at its first retransmission timeout, 1 s, and reopens it),
+    // the 1 s sleep, and a tick.
+    let syn0 = down.syns(7200);
+    down.black_hole(7200, false);
+    let healed = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let after = client(&lab, &cg.app(), 7200, 20, 1.5, 1, 3.5);
+    let first_ok = after.iter().find(|a| a.errno == 0).expect("closes").t - healed;
+    let b = breaker(&cg.app(), "api");
+    assert_eq!(b["state"], "closed", "{b}");
+    assert_eq!(b["last_transition"]["reason"], "2 probes succeeded", "{b}");
+    println!("first success {first_ok:.2} s after healing");
+    assert!(first_ok <= 2.3, "closed within a pending probe's timeout, the sleep and a tick: {first_ok:.2} s");
+    assert_eq!(down.syns(7200) - syn0, count(&after, 0) as u64, "only admitted connects reached the downstream");
+    agent.stop();
+}
