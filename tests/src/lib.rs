@@ -2,6 +2,7 @@
 //! namespaces joined by veth (removed on drop, also when a test fails), and a
 //! data plane loaded for `BPF_PROG_TEST_RUN` under a unique pin directory.
 
+pub mod breaker_bench;
 pub mod lab;
 pub mod overload;
 pub mod packet;

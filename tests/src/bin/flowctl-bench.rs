@@ -141,6 +141,10 @@ fn main() {
         flowctl_tests::overload::run(&std::env::current_exe().unwrap(), std::path::Path::new(&bin));
         return;
     }
+    if std::env::args().any(|a| a == "breaker") {
+        breaker_section(quick);
+        return;
+    }
     if std::env::args().any(|a| a == "agent") {
         println!("5. The agent's CPU with 1M keys while top and the metrics refresh every second");
         agent_cpu(if quick { 15 } else { 60 });
@@ -233,6 +237,16 @@ fn main() {
 
     println!("\n5. The agent's CPU with 1M keys while top and the metrics refresh every second");
     agent_cpu(if quick { 15 } else { 60 });
+
+    println!();
+    breaker_section(quick);
+}
+
+fn breaker_section(quick: bool) {
+    match std::env::var_os("FLOWCTL_BIN") {
+        Some(bin) => flowctl_tests::breaker_bench::run(std::path::Path::new(&bin), quick),
+        None => println!("7. skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)"),
+    }
 }
 
 /// CPU seconds (user + system) a process has used, from /proc/PID/stat.
