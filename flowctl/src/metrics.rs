@@ -72,7 +72,9 @@ pub fn render_scope(scope: &Scope) -> Result<String> {
         register_attachment(&mut reg, id)?;
     }
     if let Some(cg) = scope.cgroup_id {
-        register_breakers(&mut reg, cg);
+        if let Some(p) = crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cg) {
+            register_breakers(&mut reg, &p);
+        }
     }
     let mut out = String::new();
     encode(&mut out, &reg).map_err(|e| anyhow!("encoding metrics: {e}"))?;
@@ -104,8 +106,7 @@ struct BreakerCounterLabel {
 
 /// Breakers' metrics from the agent's published state (the agent's own
 /// windows and decisions; the counters are the kernel's totals).
-fn register_breakers(reg: &mut Registry, cgroup_id: u64) {
-    let Some(p) = crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cgroup_id) else { return };
+fn register_breakers(reg: &mut Registry, p: &crate::breaker_agent::Published) {
     let state = Family::<BreakerStateLabel, Gauge>::default();
     let drop = Family::<BreakerLabel, Gauge<f64, AtomicU64>>::default();
     let window = Family::<BreakerCounterLabel, Gauge>::default();
@@ -303,7 +304,8 @@ mod tests {
             "flowctl_key_table_entries", "flowctl_key_table_capacity", "flowctl_agent_up", "flowctl_key_inserts_total",
             "flowctl_cpu_permille", "flowctl_bbr_in_flight", "flowctl_bbr_max_in_flight", "flowctl_bbr_max_pass",
             "flowctl_bbr_min_rt_milliseconds", "flowctl_bbr_overloaded", "flowctl_baseline_level", "flowctl_baseline_threshold",
-            "flowctl_baseline_coefficient", "flowctl_baseline_share",
+            "flowctl_baseline_coefficient", "flowctl_baseline_share", "flowctl_breaker_state", "flowctl_breaker_drop_probability",
+            "flowctl_breaker_window", "flowctl_breaker_connects_total", "flowctl_breaker_last_transition_seconds",
         ];
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
         let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");
@@ -318,5 +320,39 @@ mod tests {
             }
         }
         assert!(seen >= 10);
+    }
+
+    #[test]
+    fn breakers_render_state_probability_windows_and_totals() {
+        use crate::breaker_agent::{Published, PublishedBreaker, PublishedWindow, Transition};
+        let b = PublishedBreaker {
+            name: "db".into(),
+            target: "10.0.0.5:5432".into(),
+            cgroup: None,
+            mode: "sre".into(),
+            dry_run: false,
+            errno: "ECONNREFUSED".into(),
+            state: "throttling".into(),
+            drop_probability: 0.5,
+            window: PublishedWindow { seconds: 3.0, requests: 40, accepts: 5, refused_by_peer: 35, timeouts: 0, refused_locally: 12, would_refuse: 0 },
+            totals: [("calls".to_string(), 52u64), ("refused_locally".to_string(), 12)].into_iter().collect(),
+            probes: None,
+            last_transition: Some(Transition { from: "closed".into(), to: "throttling".into(), unix_ms: 1_500, reason: String::new() }),
+        };
+        let p = Published { cgroup: "/sys/fs/cgroup".into(), cgroup_id: 1, pid: 1, profile: String::new(), updated_unix_ms: 0, breakers: vec![b] };
+        let mut reg = <super::Registry>::default();
+        super::register_breakers(&mut reg, &p);
+        let mut out = String::new();
+        super::encode(&mut out, &reg).unwrap();
+        for line in [
+            r#"flowctl_breaker_state{breaker="db",state="throttling"} 1"#,
+            r#"flowctl_breaker_state{breaker="db",state="open"} 0"#,
+            r#"flowctl_breaker_drop_probability{breaker="db",mode="sre"} 0.5"#,
+            r#"flowctl_breaker_window{breaker="db",outcome="requests"} 40"#,
+            r#"flowctl_breaker_connects_total{breaker="db",outcome="refused_locally"} 12"#,
+            r#"flowctl_breaker_last_transition_seconds{breaker="db",mode="sre"} 1.5"#,
+        ] {
+            assert!(out.lines().any(|l| l == line), "missing `{line}` in:\n{out}");
+        }
     }
 }

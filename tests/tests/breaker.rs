@@ -42,6 +42,7 @@ out["probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
 out["after_probe"] = tcp(socket.AF_INET, ("127.0.0.1", 7905))
 out["other_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7906))
 out["this_cgroup"] = tcp(socket.AF_INET, ("127.0.0.1", 7907))
+out["v6"] = tcp(socket.AF_INET6, ("::1", 7909))
 
 # A black hole: routed out of lo to an address nobody has; the SYN is lost.
 subprocess.run(["ip", "route", "add", "10.99.0.0/16", "dev", "lo"], check=True)
@@ -98,8 +99,9 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         targets.set(4, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
         targets.set(5, in_cgroup(7906, &other), 0).unwrap();
         targets.set(6, in_cgroup(7907, &cg), 0).unwrap();
+        targets.set(7, Target { addr: [0, 0, 0, 1], prefix_len: 128, family: 6, port_lo: 7909, port_hi: 7909, ..Default::default() }, 0).unwrap();
         let mut control: Array<_, Control> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
-        for slot in [0, 1, 5, 6] {
+        for slot in [0, 1, 5, 6, 7] {
             control.set(slot, refuse, 0).unwrap();
         }
         // Half-open, one probe, round (epoch) 5.
@@ -147,6 +149,7 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     assert_eq!(get(5, counter::CALLS), 0, "a breaker for another cgroup does not see this process");
     assert_eq!((get(6, counter::CALLS), get(6, counter::REFUSED_LOCALLY)), (1, 1), "one for its own cgroup does");
     assert_eq!(v["this_cgroup"][0], 111);
+    assert_eq!((get(7, counter::CALLS), get(7, counter::REFUSED_LOCALLY), get(7, counter::ATTEMPTS)), (1, 1, 0), "an IPv6 target (::1/128)");
     let control: Array<_, Control> = Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
     let w = control.get(&2, 0).unwrap().probe_word;
     assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (5, 1, 1, 0), "the probe's success lands in its round");
