@@ -1258,13 +1258,18 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let host = client(&lab, "-", 7100, 5, 1.0, 1, 0.5);
     assert_eq!(count(&host, LOCAL), 0, "a process outside the attach cgroup");
 
-    // Healed: the refusals stop within one window (3 s) plus a bucket and a
-    // tick of the agent, since local refusals are not requests.
+    // Re-armed (the checks above let the window age), then healed: the
+    // refusals stop within one window (3 s) plus a bucket and a tick of the
+    // agent, since local refusals are not requests.
+    let rearm = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 2.0);
+    assert!(count(&rearm, LOCAL) > 0);
     let server = TcpServer::start(&lab, 7100);
+    let p_at_heal = breaker(&cg.parent(), "db")["drop_probability"].as_f64().unwrap();
+    assert!(p_at_heal > 0.5, "throttling when the downstream heals: p = {p_at_heal}");
     let healed_at = flowctl::pins::monotonic_ns() as f64 / 1e9;
     let healing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 4.5);
     let last_local = healing.iter().filter(|a| a.errno == LOCAL).map(|a| a.t - healed_at).fold(0.0, f64::max);
-    println!("recovered {last_local:.2} s after the downstream healed");
+    println!("recovered {last_local:.2} s after the downstream healed ({} local refusals after healing)", count(&healing, LOCAL));
     assert!(last_local <= 3.5, "recovery bound 3.4 s: last refusal {last_local:.2} s after healing");
     assert!(healing.iter().rev().take(50).all(|a| a.errno == 0));
     drop(server);
