@@ -1195,7 +1195,8 @@ fn breaker(cgroup: &str, name: &str) -> Value {
 /// SRE mode through the CLI: healthy -> no refusals; the downstream refuses
 /// -> fail-fast refusals at the predicted share within one window, with the
 /// configured errno and no SYN sent for them; healed -> no refusals within
-/// the documented bound; exempt targets and processes outside the breaker's
+/// the documented bound; black-holed -> refusals at the cap again, what went
+/// out timing out; exempt targets and processes outside the breaker's
 /// cgroup untouched; dry-run (applied live, state kept) counts without
 /// refusing; a stopped agent's breakers fail open after the grace period.
 #[test]
@@ -1272,6 +1273,25 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     println!("recovered {last_local:.2} s after the downstream healed ({} local refusals after healing)", count(&healing, LOCAL));
     assert!(last_local <= 3.5, "recovery bound 3.4 s: last refusal {last_local:.2} s after healing");
     assert!(healing.iter().rev().take(50).all(|a| a.errno == 0));
+
+    // Black-holed (SYNs dropped at the downstream): no accepts, so once the
+    // healthy accepts have left the window (3.4 s) the breaker refuses at
+    // the cap again; what goes out times out at the first retransmission.
+    down.black_hole(7100, true);
+    let syn0 = down.syns(7100);
+    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    // 24 callers blocked 1.5 s each: about 48 requests per window, over the minimum of 20.
+    let hole = client(&lab, &cg.app(), 7100, 5, 1.5, 24, 6.0);
+    down.black_hole(7100, false);
+    let timeouts = count(&hole, 110);
+    assert_eq!(count(&hole, LOCAL) + timeouts + count(&hole, 0), hole.len(), "only timeouts, local refusals, and successes before the hole");
+    let late: Vec<&Attempt> = hole.iter().filter(|a| a.t - t0 > 4.0).collect();
+    let share = late.iter().filter(|a| a.errno == LOCAL).count() as f64 / late.len().max(1) as f64;
+    println!("black-holed: {timeouts} timeouts, {} local refusals; share after 4 s {share:.3} of {}", count(&hole, LOCAL), late.len());
+    assert!(share > 0.75, "refusing at about the cap (0.9) once the window holds only the outage: {share:.3}");
+    let syns = down.syns(7100) - syn0;
+    assert!(syns <= 2 * timeouts as u64 + count(&hole, 0) as u64, "{syns} SYNs for {timeouts} timed-out connects (each one SYN and one retransmission): refused ones sent nothing");
+    assert!(breaker(&cg.parent(), "db")["totals"]["timeouts"].as_u64().unwrap() > 0);
     drop(server);
 
     // Dry-run, applied live: the breaker keeps its state and throttles on
