@@ -317,6 +317,14 @@ impl Machine {
         }
     }
 
+    /// The current half-open round starts over with no probe taken (its
+    /// probes were kept somewhere that is gone); same epoch.
+    pub fn restart_round(&mut self) {
+        if let State::HalfOpen { .. } = self.state {
+            self.state = State::HalfOpen { admitted: 0, succeeded: 0 };
+        }
+    }
+
     /// A new attempt.
     pub fn admit(&mut self, now_ns: u64) -> Admit {
         self.tick(now_ns);

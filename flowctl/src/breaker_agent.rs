@@ -248,12 +248,8 @@ impl Live {
         match (&self.def.mode, self.machine.as_mut()) {
             (BreakerMode::Sre { k_milli, min_requests, max_drop_ppm }, _) => {
                 self.drop_ppm = sre_drop_ppm(w.requests, w.accepts, *k_milli, *min_requests, *max_drop_ppm);
-                let (to, why) = if self.drop_ppm > 0 {
-                    ("throttling", format!("{} requests, {} accepts in the window", w.requests, w.accepts))
-                } else {
-                    ("closed", format!("{} requests, {} accepts in the window", w.requests, w.accepts))
-                };
-                self.transition(to, why);
+                let to = if self.drop_ppm > 0 { "throttling" } else { "closed" };
+                self.transition(to, format!("{} requests, {} accepts in the window", w.requests, w.accepts));
                 Control { drop_ppm: self.drop_ppm, errno, ..Default::default() }
             }
             (BreakerMode::State(_), Some(m)) => {
@@ -301,22 +297,27 @@ impl Live {
                     }
                 };
                 let changed = m.epoch != before;
+                // Half-open: once the kernel holds this round's word it is
+                // the truth until the round ends (rewriting it would re-admit
+                // probes). A record without it (the round just began, or an
+                // apply moved the breaker to a cleared slot) gets it now.
+                let installed = kernel.probes == control.probes && probe_word::epoch(kernel.probe_word) == probe_word::epoch(control.probe_word);
+                let new_round = to == "half-open" && (changed || !installed);
+                if new_round {
+                    m.restart_round();
+                    self.round_started_ns = now;
+                    self.probe = (0, 0, 0);
+                }
                 if changed {
                     if to == "closed" {
                         // Hystrix resets its counts on closing: the failures
                         // that opened it must not reopen it at once.
                         self.window.clear();
                     }
-                    if to == "half-open" {
-                        self.round_started_ns = now;
-                        self.probe = (0, 0, 0);
-                    }
                     self.transition(to, why);
                 }
                 self.drop_ppm = control.drop_ppm;
-                // Half-open: the kernel's probe word is the truth until the
-                // round ends; rewriting it would re-admit probes.
-                if to == "half-open" && !changed {
+                if to == "half-open" && !new_round {
                     kernel
                 } else {
                     control
@@ -505,14 +506,24 @@ impl BreakerAgent {
         let (table, slots) = layout(&self.point, &set.breakers, profile)?;
         let mut old: Vec<Live> = std::mem::take(&mut self.live);
         let mut next = Vec::new();
+        // Slots whose control record belongs to no one now: unused ones, and
+        // those a new or moved breaker takes over (they hold another
+        // breaker's record, maybe a probe round with a matching epoch).
+        let mut cleared: Vec<u32> = (0..MAX_TARGETS as u32).filter(|s| !slots.contains(s)).collect();
         for (b, slot) in set.breakers.iter().zip(&slots) {
             let mut l = match old.iter().position(|o| o.def.identity() == b.identity()) {
                 Some(i) => {
                     let mut l = old.swap_remove(i);
                     l.def = b.clone();
+                    if l.slot != *slot {
+                        cleared.push(*slot);
+                    }
                     l
                 }
-                None => Live::new(b.clone(), *slot),
+                None => {
+                    cleared.push(*slot);
+                    Live::new(b.clone(), *slot)
+                }
             };
             l.slot = *slot;
             l.written = None;
@@ -520,20 +531,16 @@ impl BreakerAgent {
         }
         self.live = next;
         self.write_table(&table)?;
+        {
+            let mut control: Array<_, Control> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
+            for s in cleared {
+                control.set(s, Control::default(), 0)?;
+            }
+        }
         self.baseline_counts()?;
         self.grace_ns = set.settings.grace_ns;
         self.profile = std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
         std::fs::copy(profile, self.point.run_dir().join("profile.toml")).ok();
-        // Kept half-open breakers restart their round in the new slot.
-        for l in &mut self.live {
-            if let Some(m) = l.machine.as_mut() {
-                if matches!(m.state, State::HalfOpen { .. }) {
-                    m.state = State::HalfOpen { admitted: 0, succeeded: 0 };
-                    m.epoch = m.epoch.wrapping_add(1);
-                    l.round_started_ns = pins::monotonic_ns();
-                }
-            }
-        }
         self.tick(pins::monotonic_ns())
     }
 
@@ -582,16 +589,6 @@ impl BreakerAgent {
                 let mut control: Array<_, Control> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
                 control.set(slot, want, 0)?;
                 self.live[i].written = Some(want);
-            }
-        }
-        // Slots nobody uses refuse nothing.
-        {
-            let used: Vec<u32> = self.live.iter().map(|l| l.slot).collect();
-            let mut control: Array<_, Control> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
-            for s in 0..MAX_TARGETS as u32 {
-                if !used.contains(&s) && control.get(&s, 0)? != Control::default() {
-                    control.set(s, Control::default(), 0)?;
-                }
             }
         }
         let mut deadline: Array<_, u64> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").context("deadline map")?)?;
@@ -715,6 +712,21 @@ mod tests {
         let c = l.step(counts(31, 0, 30, 1), failed, 1_400 * MS);
         assert_eq!((l.state, c.drop_ppm, c.probes), ("open", 1_000_000, 0));
         assert_eq!(l.last_transition.as_ref().unwrap().reason, "a probe failed");
+    }
+
+    #[test]
+    fn a_cleared_record_gets_the_current_round_installed_again() {
+        let mut l = state_breaker();
+        let c = l.step(counts(30, 0, 30, 0), Control::default(), 100 * MS);
+        let round = l.step(counts(30, 0, 30, 0), c, 1_200 * MS);
+        assert_eq!(l.state, "half-open");
+        // An apply moved the breaker: its new slot's record was cleared.
+        let c = l.step(counts(30, 0, 30, 0), Control::default(), 1_300 * MS);
+        assert_eq!(c, round, "the round is installed again, probes and all");
+        assert_eq!((l.state, l.round_started_ns), ("half-open", 1_300 * MS));
+        // And from then on the kernel's word is kept.
+        let taken = Control { probe_word: probe_word::pack(probe_word::epoch(round.probe_word), 1, 0, 0), ..round };
+        assert_eq!(l.step(counts(31, 0, 30, 0), taken, 1_400 * MS), taken);
     }
 
     #[test]
