@@ -62,15 +62,6 @@ pub fn run(args: AttachArgs) -> Result<()> {
 
 type Signals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
 
-/// Starts the profile's breakers, if it has any, where `--cgroup` says.
-fn start_breakers(set: &profile::RuleSet, cgroup: &Option<PathBuf>, profile: &std::path::Path) -> Result<Option<BreakerAgent>> {
-    if set.breakers.is_empty() {
-        return Ok(None);
-    }
-    let point = CgroupPoint::resolve(cgroup.as_deref())?;
-    Ok(Some(BreakerAgent::start(point, set, profile)?))
-}
-
 /// `flowctl attach --cgroup PATH --profile F`: breakers only, no interface.
 fn run_breakers(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
     let set = profile::load(&args.profile)?;
@@ -199,12 +190,15 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     }
     require_root()?;
     // The breakers' cgroups are checked before anything touches the kernel.
-    if !set.breakers.is_empty() {
+    let breaker_point = if !set.breakers.is_empty() {
         let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
         crate::breaker_agent::check(&point, &set, &args.profile)?;
+        Some(point)
     } else if args.cgroup.is_some() {
         bail!("{}: --cgroup given, but the profile has no [[breaker]]", args.profile.display());
-    }
+    } else {
+        None
+    };
 
     // The CPU source is checked before anything touches the kernel.
     let cpu = crate::cpu::CpuSignal::new(set.settings.cpu_source.clone())
@@ -288,7 +282,7 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
         }
         return Err(e);
     }
-    let mut breakers = match start_breakers(&set, &args.cgroup, &args.profile) {
+    let mut breakers = match breaker_point.map(|p| BreakerAgent::start(p, &set, &args.profile)).transpose() {
         Ok(b) => b,
         Err(e) => {
             if !adopting {
