@@ -163,6 +163,7 @@ pub fn sre_drop_ppm(requests: u64, accepts: u64, k_milli: u64, min_requests: u64
 
 /// What one window bucket holds: the outcomes the kernel counted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
 pub struct Outcomes {
     /// Handshakes that went out (SRE requests).
     pub requests: u64,

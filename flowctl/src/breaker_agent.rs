@@ -339,15 +339,7 @@ impl Live {
             errno: crate::profile_breaker::errno_name(self.def.errno),
             state: self.state.into(),
             drop_probability: self.drop_ppm as f64 / 1e6,
-            window: PublishedWindow {
-                seconds: self.window.span_ns() as f64 / 1e9,
-                requests: w.requests,
-                accepts: w.accepts,
-                refused_by_peer: w.refused_by_peer,
-                timeouts: w.timeouts,
-                refused_locally: w.refused_locally,
-                would_refuse: w.would_refuse,
-            },
+            window: PublishedWindow { seconds: self.window.span_ns() as f64 / 1e9, outcomes: w },
             totals: counter::NAMES.iter().enumerate().map(|(i, n)| (n.to_string(), t(i as u32))).collect(),
             probes: self.machine.as_ref().filter(|m| matches!(m.state, State::HalfOpen { .. })).map(|m| PublishedProbes {
                 allowed: m.cfg.probes,
@@ -395,12 +387,8 @@ pub struct PublishedBreaker {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PublishedWindow {
     pub seconds: f64,
-    pub requests: u64,
-    pub accepts: u64,
-    pub refused_by_peer: u64,
-    pub timeouts: u64,
-    pub refused_locally: u64,
-    pub would_refuse: u64,
+    #[serde(flatten)]
+    pub outcomes: Outcomes,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

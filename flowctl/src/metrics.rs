@@ -118,7 +118,7 @@ fn register_breakers(reg: &mut Registry, p: &crate::breaker_agent::Published) {
             state.get_or_create(&BreakerStateLabel { breaker: b.name.clone(), state: s.into() }).set((b.state == s) as i64);
         }
         drop.get_or_create(&l).set(b.drop_probability);
-        let w = &b.window;
+        let w = &b.window.outcomes;
         for (k, v) in [("requests", w.requests), ("accepts", w.accepts), ("refused_by_peer", w.refused_by_peer), ("timeouts", w.timeouts), ("refused_locally", w.refused_locally), ("would_refuse", w.would_refuse)] {
             window.get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.into() }).set(v as i64);
         }
@@ -334,7 +334,7 @@ mod tests {
             errno: "ECONNREFUSED".into(),
             state: "throttling".into(),
             drop_probability: 0.5,
-            window: PublishedWindow { seconds: 3.0, requests: 40, accepts: 5, refused_by_peer: 35, timeouts: 0, refused_locally: 12, would_refuse: 0 },
+            window: PublishedWindow { seconds: 3.0, outcomes: flowctl_common::breaker::Outcomes { requests: 40, accepts: 5, refused_by_peer: 35, timeouts: 0, refused_locally: 12, would_refuse: 0 } },
             totals: [("calls".to_string(), 52u64), ("refused_locally".to_string(), 12)].into_iter().collect(),
             probes: None,
             last_transition: Some(Transition { from: "closed".into(), to: "throttling".into(), unix_ms: 1_500, reason: String::new() }),
