@@ -54,16 +54,21 @@ impl Agent {
     fn start(lab: &Lab, profile: &str, extra: &[&str]) -> Self {
         let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile];
         args.extend_from_slice(extra);
-        let child = Command::new(bin()).args(&args).stdin(Stdio::null()).spawn().unwrap();
+        Self::spawn_until(&args, || attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true))
+    }
+
+    /// Runs `flowctl ARGS` and waits (at most 15 s) until `ready`.
+    fn spawn_until(args: &[&str], ready: impl Fn() -> bool) -> Self {
+        let child = Command::new(bin()).args(args).stdin(Stdio::null()).spawn().unwrap();
         let a = Agent(child);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true) {
+            if ready() {
                 return a;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("agent did not come up");
+        panic!("agent {args:?} did not come up");
     }
 
     fn stop(mut self) {
@@ -1168,16 +1173,7 @@ impl Agent {
     /// `flowctl attach --cgroup PATH --profile P`, ready once `status`
     /// shows its breakers.
     fn start_breakers(cgroup: &str, profile: &str) -> Self {
-        let child = Command::new(bin()).args(["attach", "--cgroup", cgroup, "--profile", profile]).stdin(Stdio::null()).spawn().unwrap();
-        let a = Agent(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if breakers_of(cgroup).is_some() {
-                return a;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("breaker agent did not come up");
+        Self::spawn_until(&["attach", "--cgroup", cgroup, "--profile", profile], || breakers_of(cgroup).is_some())
     }
 }
 
