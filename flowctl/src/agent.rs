@@ -104,8 +104,7 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
     let sock = breakers.point.run_dir().join("agent.sock");
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
-    let mut tick = tokio::time::interval(breakers.tick_period());
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = ticker(breakers.tick_period());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
     loop {
         tokio::select! {
@@ -123,8 +122,9 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
                     Err(e) => Response::err(format!("bad request: {e}")),
                 };
                 let _ = reply.send(resp);
-                tick = tokio::time::interval(breakers.tick_period());
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                if tick.period() != breakers.tick_period() {
+                    tick = ticker(breakers.tick_period());
+                }
             }
             conn = listener.accept() => {
                 if let Ok((stream, _)) = conn {
@@ -357,6 +357,14 @@ pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile:
     state.save()
 }
 
+/// An interval for a control loop: a late tick is taken late, not in a
+/// burst to catch up.
+fn ticker(period: Duration) -> tokio::time::Interval {
+    let mut t = tokio::time::interval(period);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    t
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
@@ -380,19 +388,16 @@ async fn serve(
     let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     // `flowctl apply --cgroup` reaches this agent through its cgroup's socket.
     let mut breaker_listener = bind_breaker_socket(io.breakers.as_ref())?;
-    let mut breaker_tick = tokio::time::interval(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
-    breaker_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut breaker_tick = ticker(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
     let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
     let mut cpu_failing = false;
     // The BBR loop runs once per statistics bucket.
-    let mut bbr_tick = tokio::time::interval(Duration::from_nanos(state.stats.bucket_ns));
-    bbr_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut bbr_tick = ticker(Duration::from_nanos(state.stats.bucket_ns));
     let mut bbr = crate::adaptive::BbrLoop::default();
     let mut klim = crate::klimiter_agent::KlimiterLoop::new(&set);
-    let mut klim_tick = tokio::time::interval(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
-    klim_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut klim_tick = ticker(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
@@ -479,9 +484,8 @@ async fn serve(
                         None
                     });
                 }
-                if let Some(b) = io.breakers.as_ref() {
-                    breaker_tick = tokio::time::interval(b.tick_period());
-                    breaker_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                if let Some(b) = io.breakers.as_ref().filter(|b| b.tick_period() != breaker_tick.period()) {
+                    breaker_tick = ticker(b.tick_period());
                 }
                 if set != before {
                     // A new profile: its egress targets, and a new KLimiter
@@ -494,8 +498,7 @@ async fn serve(
                         n.inherit(o);
                     }
                     if let Some(n) = &next {
-                        klim_tick = tokio::time::interval(n.sample_period());
-                        klim_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        klim_tick = ticker(n.sample_period());
                     }
                     klim = next;
                 }
