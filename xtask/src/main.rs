@@ -33,7 +33,7 @@ enum Cmd {
 }
 
 const BPF_LINKER_VERSION: &str = "0.10.3";
-const DEBIAN_PACKAGES: &[&str] = &["iproute2", "nftables", "bpftool", "iputils-ping", "ethtool", "util-linux", "tmux"];
+const DEBIAN_PACKAGES: &[&str] = &["iproute2", "nftables", "bpftool", "iputils-ping", "ethtool", "util-linux", "tmux", "python3"];
 
 pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {:?}", cmd);
