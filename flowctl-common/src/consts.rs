@@ -124,6 +124,10 @@ pub mod map_names {
 
 /// Program names in the XDP object.
 pub const XDP_PROGRAM: &str = "flowctl_xdp";
+/// The same XDP program declaring multi-buffer support (`xdp.frags`, Linux
+/// 5.18+), for interfaces whose frames span several buffers (jumbo MTUs).
+/// The loader loads one of the two; the kernel verifies only that one.
+pub const XDP_PROGRAM_FRAGS: &str = "flowctl_xdp_frags";
 /// The TC egress counter of KLimiter's `egress` baselines.
 pub const EGRESS_PROGRAM: &str = "flowctl_egress";
 

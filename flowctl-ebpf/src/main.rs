@@ -81,6 +81,10 @@ static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> = LruHashMap::pinned(DEFA
 /// (epoch << 32 | established-and-not-completed), updated by compare-and-swap.
 #[map]
 static FLOWCTL_OPEN: Array<u64> = Array::pinned((MAX_RULE_RECORDS * OPEN_BUCKETS) as u32, 0);
+/// The packet in flight on this CPU, as `flowctl_parse` read it (see
+/// `entry`).
+#[map]
+static FLOWCTL_PACKET: PerCpuArray<PacketMeta> = PerCpuArray::with_max_entries(1, 0);
 /// Each CPU's current statistics bucket (see `account`).
 #[map]
 static FLOWCTL_STATS_CLOCK: PerCpuArray<StatsClock> = PerCpuArray::with_max_entries(1, 0);
@@ -98,13 +102,37 @@ static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
 
 #[xdp]
 pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
-    // Three global functions, each verified once on its own: the decision
-    // (parse, classify, stages, counting), then, while `top --keys` watches,
-    // the sampler. Siblings, so their stack frames do not add up past the
-    // verifier's 512 bytes.
-    let v = flowctl_decide(ctx.ctx);
+    let len = (ctx.data_end() - ctx.data()) as u64;
+    entry(&ctx, len)
+}
+
+/// The same program for interfaces whose frames may span several buffers
+/// (an MTU above what one page holds, as on jumbo-frame links): the kernel
+/// attaches only programs that declare multi-buffer support there
+/// (`xdp.frags`, Linux 5.18+). Headers are parsed from the first buffer;
+/// byte counts cover all of them. The loader picks this one where the
+/// kernel has it.
+#[xdp(frags)]
+pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
+    let len = unsafe { aya_ebpf::helpers::bpf_xdp_get_buff_len(ctx.ctx) };
+    entry(&ctx, len)
+}
+
+/// Global functions, each verified once on its own: the parser (every
+/// header layout is walked there and nowhere else), the decision (classify,
+/// stages, counting), then, while `top --keys` watches, the sampler, and
+/// for BBR rules the connection work. The parsed headers travel in a
+/// per-CPU map (`FLOWCTL_PACKET`), not on the stack: the later functions
+/// see them as plain memory, so the parser's paths never multiply theirs,
+/// and no frame holds them. Siblings, so their stack frames do not add up
+/// (the combined call-chain stack must stay under 512 bytes; 6.1 counts
+/// global functions in it too).
+#[inline(always)]
+fn entry(ctx: &XdpContext, len: u64) -> u32 {
+    let parsed = flowctl_parse(ctx.ctx, len);
+    let v = flowctl_decide(parsed, len);
     if v & packed::SAMPLE != 0 {
-        flowctl_sample_key(ctx.ctx, packed::rule_at(v), packed::record(v), packed::code(v));
+        flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
     }
     if v & packed::BBR_ON != 0 {
         let reply = v & packed::BBR_RESET != 0 && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
@@ -114,6 +142,41 @@ pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
         }
     }
     packed::action(v)
+}
+
+/// What `flowctl_parse` found in a frame.
+mod parsed {
+    /// An IP packet; its headers are in `FLOWCTL_PACKET`.
+    pub const IP: u32 = 0;
+    /// Not IP (ARP, LLDP, ...): always passes.
+    pub const NOT_IP: u32 = 1;
+    /// Truncated or malformed: the profile's malformed verdict.
+    pub const MALFORMED: u32 = 2;
+}
+
+/// Parses the frame into this CPU's `FLOWCTL_PACKET` entry (`len`: the
+/// frame's bytes on the wire, all buffers) and says what it found. XDP runs
+/// one packet at a time per CPU (NAPI, softirq), so the entry is this
+/// packet's until the program returns.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return parsed::MALFORMED };
+    match parse::parse(&XdpContext::new(ctx)) {
+        Ok(Some(mut meta)) => {
+            meta.len = len as u32;
+            unsafe { *slot = meta };
+            parsed::IP
+        }
+        Ok(None) => parsed::NOT_IP,
+        Err(()) => parsed::MALFORMED,
+    }
+}
+
+/// The headers `flowctl_parse` left for the packet in flight.
+#[inline(always)]
+fn packet() -> Option<&'static PacketMeta> {
+    FLOWCTL_PACKET.get(0)
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
@@ -155,8 +218,8 @@ mod packed {
 
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_decide(ctx: *mut xdp_md) -> u64 {
-    run(&XdpContext::new(ctx))
+pub extern "C" fn flowctl_decide(parsed: u32, len: u64) -> u64 {
+    run(parsed, len)
 }
 
 #[inline(always)]
@@ -302,13 +365,13 @@ fn reset_bucket(b: &mut StatsBucket, epoch: u64, full: bool) {
 
 /// Sends about one in `every` matched packets' keys to the sampling ring
 /// (`top --keys`); called only while sampling is on. A global function,
-/// verified once on its own. It takes only the context and scalars and
-/// parses the sampled packet again: passing the parsed headers by pointer
-/// would keep every header field live to the end of every path, which
-/// stops the verifier's state pruning and nearly tripled its work.
+/// verified once on its own, taking scalars only and reading the headers
+/// from `FLOWCTL_PACKET` (headers passed by pointer from the decision kept
+/// every field live to the end of every path there, which stopped the
+/// verifier's state pruning and nearly tripled its work).
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32, code: u32) -> u32 {
+pub extern "C" fn flowctl_sample_key(rule_at: u32, record: u32, code: u32) -> u32 {
     let Some(global) = FLOWCTL_GLOBAL.get(0) else { return 0 };
     let every = global.key_sample_every;
     let r = unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() };
@@ -316,8 +379,7 @@ pub extern "C" fn flowctl_sample_key(ctx: *mut xdp_md, rule_at: u32, record: u32
         return 0;
     }
     let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return 0 };
-    let Ok(Some(meta)) = parse::parse(&XdpContext::new(ctx)) else { return 0 };
-    let meta = &meta;
+    let Some(meta) = packet() else { return 0 };
     let dropped = (code != 0) as u32;
     if let Some(mut entry) = FLOWCTL_KEY_SAMPLES.reserve::<KeySample>(0) {
         let s = entry.as_mut_ptr();
@@ -362,21 +424,19 @@ pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
 
 /// Connection work for a BBR rule's TCP packet: the RST reply to a refused
 /// SYN (`reply`; returns the XDP action), else tracking. A global function
-/// that parses the packet again rather than take the headers by pointer (see
-/// `flowctl_sample_key`); one function for both, so the parse is verified
-/// once (separate functions cost 37k and 41k verified instructions).
+/// reading the headers from `FLOWCTL_PACKET` (see `flowctl_sample_key`).
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_connection(ctx: *mut xdp_md, record: u32, code: u32, reply: u32) -> u32 {
     let c = XdpContext::new(ctx);
-    let Ok(Some(meta)) = parse::parse(&c) else { return xdp_action::XDP_DROP };
+    let Some(meta) = packet() else { return xdp_action::XDP_DROP };
     if meta.proto != 6 {
         return xdp_action::XDP_DROP;
     }
     if reply != 0 {
-        return reset(&c, &meta);
+        return reset(&c, meta);
     }
-    track(&meta, record, code);
+    track(meta, record, code);
     xdp_action::XDP_PASS
 }
 
@@ -513,22 +573,20 @@ fn reset(c: &XdpContext, meta: &PacketMeta) -> u32 {
 }
 
 #[inline(always)]
-fn run(ctx: &XdpContext) -> u64 {
+fn run(parsed: u32, wire_len: u64) -> u64 {
     let Some(global) = FLOWCTL_GLOBAL.get(0) else {
         return xdp_action::XDP_PASS as u64;
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let wire_len = (ctx.data_end() - ctx.data()) as u64;
-    let meta = match parse::parse(ctx) {
-        Ok(Some(m)) => m,
-        Ok(None) => {
-            // Not IP (ARP, LLDP, ...): always passes.
-            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
-                c.non_ip_pkts += 1;
-            }
-            return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now) as u64;
+    if parsed == parsed::NOT_IP {
+        if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+            c.non_ip_pkts += 1;
         }
-        Err(()) => {
+        return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now) as u64;
+    }
+    let meta = match packet() {
+        Some(m) if parsed == parsed::IP => m,
+        _ => {
             // Counted whatever the verdict, so a pass policy still shows them.
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.malformed_pkts += 1;
@@ -541,7 +599,7 @@ fn run(ctx: &XdpContext) -> u64 {
             return flowctl_account(d.record, outcome_code(d.outcome), wire_len, 0, now) as u64;
         }
     };
-    let d = enforce(global, &meta, now);
+    let d = enforce(global, meta, now);
     let code = outcome_code(d.outcome);
     let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
     let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);

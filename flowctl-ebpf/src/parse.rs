@@ -222,8 +222,13 @@ fn sum_words<const N: usize>(b: &[u8; N], mut sum: u32) -> u32 {
 /// Rewrites a TCP SYN, in place, into the RST|ACK a closed port answers
 /// with (RFC 9293 3.10.7.1: SEQ 0, ACK = the SYN's SEQ + 1): MACs, addresses
 /// and ports swapped, TTL/hop limit 64, TCP header cut to 20 bytes (the
-/// caller trims the frame), checksums recomputed. IPv4 options are kept;
-/// IPv6 extension headers are not handled (Err: the caller drops).
+/// caller trims the frame), checksums recomputed. IPv4 options and IPv6
+/// extension headers are not handled (Err: the caller drops).
+///
+/// The IP and TCP headers are read and written through one bounds-checked
+/// pointer: the offsets come from `FLOWCTL_PACKET`, so the verifier knows
+/// them only as bounded numbers, and a second pointer computed from the
+/// other offset would carry no checked range of its own.
 #[inline(always)]
 pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
     let l3 = meta.l3_off as usize;
@@ -235,29 +240,15 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
         e.swap(i, i + 6);
         i += 1;
     }
-    let tcp = ptr_at::<[u8; 20]>(ctx, l4)? as *mut [u8; 20];
-    let mut t = unsafe { core::ptr::read_unaligned(tcp) };
-    let ack = be32(&t, 4).wrapping_add(1).to_be_bytes();
-    let mut r = [0u8; 20];
-    r[0] = t[2];
-    r[1] = t[3];
-    r[2] = t[0];
-    r[3] = t[1];
-    r[8] = ack[0];
-    r[9] = ack[1];
-    r[10] = ack[2];
-    r[11] = ack[3];
-    r[12] = 5 << 4;
-    r[13] = 0x14; // RST | ACK
-    t = r;
-    let mut pseudo: u32;
     if meta.family == 4 {
-        let ip = ptr_at::<[u8; 20]>(ctx, l3)? as *mut [u8; 20];
-        let mut h = unsafe { core::ptr::read_unaligned(ip) };
-        let ihl = ((h[0] & 0x0f) as usize) * 4;
-        if ihl != 20 || l4 != l3 + 20 {
+        if l4 != l3 + 20 {
             // Options would need the checksum over a variable length; rare
             // on SYNs, and a drop is still a refusal.
+            return Err(());
+        }
+        let p = ptr_at::<[u8; 40]>(ctx, l3)? as *mut [u8; 40];
+        let mut h = unsafe { core::ptr::read_unaligned(p) };
+        if h[0] != 0x45 {
             return Err(());
         }
         let mut k = 0;
@@ -275,10 +266,15 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
         h[8] = 64;
         h[10] = 0;
         h[11] = 0;
-        let c = fold(sum_words(&h, 0)).to_be_bytes();
+        let mut ip = [0u8; 20];
+        let mut k = 0;
+        while k < 20 {
+            ip[k] = h[k];
+            k += 1;
+        }
+        let c = fold(sum_words(&ip, 0)).to_be_bytes();
         h[10] = c[0];
         h[11] = c[1];
-        unsafe { core::ptr::write_unaligned(ip, h) };
         // Pseudo header: addresses (as now swapped), protocol, TCP length.
         let mut a = [0u8; 8];
         let mut k = 0;
@@ -286,13 +282,14 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
             a[k] = h[12 + k];
             k += 1;
         }
-        pseudo = sum_words(&a, 6 + 20);
+        rst_tcp(&mut h, 20, sum_words(&a, 6 + 20));
+        unsafe { core::ptr::write_unaligned(p, h) };
     } else {
         if l4 != l3 + 40 {
             return Err(());
         }
-        let ip = ptr_at::<[u8; 40]>(ctx, l3)? as *mut [u8; 40];
-        let mut h = unsafe { core::ptr::read_unaligned(ip) };
+        let p = ptr_at::<[u8; 60]>(ctx, l3)? as *mut [u8; 60];
+        let mut h = unsafe { core::ptr::read_unaligned(p) };
         let mut k = 0;
         while k < 16 {
             h.swap(8 + k, 24 + k);
@@ -301,22 +298,41 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
         h[4] = 0;
         h[5] = 20;
         h[7] = 64;
-        unsafe { core::ptr::write_unaligned(ip, h) };
         let mut a = [0u8; 32];
         let mut k = 0;
         while k < 32 {
             a[k] = h[8 + k];
             k += 1;
         }
-        pseudo = sum_words(&a, 6 + 20);
+        rst_tcp(&mut h, 40, sum_words(&a, 6 + 20));
+        unsafe { core::ptr::write_unaligned(p, h) };
     }
-    pseudo = sum_words(&t, pseudo);
-    let c = fold(pseudo).to_be_bytes();
-    t[16] = c[0];
-    t[17] = c[1];
-    unsafe {
-        core::ptr::write_unaligned(tcp, t);
-        core::ptr::write_unaligned(eth, e);
-    }
+    unsafe { core::ptr::write_unaligned(eth, e) };
     Ok(())
+}
+
+/// Replaces the SYN's TCP header at `at` in `h` by the RST|ACK's, with its
+/// checksum over `pseudo` (the pseudo header's sum).
+#[inline(always)]
+fn rst_tcp<const N: usize>(h: &mut [u8; N], at: usize, pseudo: u32) {
+    let ack = be32(h, at + 4).wrapping_add(1).to_be_bytes();
+    let mut r = [0u8; 20];
+    r[0] = h[at + 2];
+    r[1] = h[at + 3];
+    r[2] = h[at];
+    r[3] = h[at + 1];
+    r[8] = ack[0];
+    r[9] = ack[1];
+    r[10] = ack[2];
+    r[11] = ack[3];
+    r[12] = 5 << 4;
+    r[13] = 0x14; // RST | ACK
+    let c = fold(sum_words(&r, pseudo)).to_be_bytes();
+    r[16] = c[0];
+    r[17] = c[1];
+    let mut k = 0;
+    while k < 20 {
+        h[at + k] = r[k];
+        k += 1;
+    }
 }

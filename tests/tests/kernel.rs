@@ -22,14 +22,11 @@ burst = 1
 key = "rule"
 "#;
 
-/// The processed-instruction budget (docs/design.md): the verifier's limit is
-/// 1M for the whole program. The quota stage roughly quadrupled the count
-/// (the bucket stage is verified once with and once without a quota ring).
-/// Counting, key sampling, the BBR test and connection work are global
-/// functions, verified once each (about 300k for the decision, 40k each for
-/// the sampler and the connection work): 388k with everything the XDP
-/// program will have. The budget keeps 2.5x headroom to the kernel's limit.
-const VERIFIER_BUDGET: u32 = 400_000;
+/// The processed-instruction budget (docs/design.md, "Verifier budget"):
+/// half of the verifier's 1M limit, on every kernel this test runs on (the
+/// kernel matrix runs it on 6.1, 6.12 and the host's; older verifiers prune
+/// less, so 6.1 is the worst: about 450k, against 142k on 6.18).
+const VERIFIER_BUDGET: u32 = 500_000;
 
 #[test]
 fn verifier_instruction_budget() {
@@ -38,7 +35,8 @@ fn verifier_instruction_budget() {
     }
     let p = TestPlane::new(&profile(STRICT_UDP_53));
     let n = p.verified_insns();
-    println!("flowctl_xdp: verifier processed {n} instructions (budget {VERIFIER_BUDGET})");
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!("flowctl_xdp: verifier processed {n} instructions on {} (budget {VERIFIER_BUDGET})", kernel.trim());
     assert!(n > 0 && n <= VERIFIER_BUDGET, "{n} processed instructions, budget {VERIFIER_BUDGET}");
 }
 
