@@ -418,8 +418,16 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
                     o.data_in = Some(&frame);
                     o.repeat = 1 << 16;
                     o.attrs = aya::programs::TestRunAttrs::new().xdp_live_frames(64);
-                    prog.test_run(o).expect("live-frames run");
-                    sent.fetch_add(1 << 16, Ordering::Relaxed);
+                    // The kernel ends a run early with EINTR when a signal is
+                    // pending (bpf_test_timer_continue); the frames it sent are
+                    // counted at the receiver, so run again.
+                    match prog.test_run(o) {
+                        Ok(_) => {
+                            sent.fetch_add(1 << 16, Ordering::Relaxed);
+                        }
+                        Err(aya::programs::ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EINTR) => {}
+                        Err(e) => panic!("live-frames run: {e:?}"),
+                    }
                 }
             })
         };
