@@ -123,6 +123,15 @@ impl Host {
     }
 }
 
+/// The environment variable the kernel matrix exports in its VMs (xtask).
+pub const VM_ENV: &str = "FLOWCTL_TEST_VM";
+
+/// Whether this run is in one of the kernel matrix's VMs (TCG, 10-50x
+/// slower): tests assert correctness there (verdicts, counters), not speed.
+pub fn in_vm() -> bool {
+    std::env::var_os(VM_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
 /// "6.12.117+deb12-amd64" -> (6, 12).
 pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
     let mut it = release.split(|c: char| !c.is_ascii_digit());

