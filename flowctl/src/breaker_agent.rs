@@ -82,22 +82,9 @@ pub fn run_dir(cgroup_id: u64) -> PathBuf {
     Path::new(RUN_ROOT).join(format!("cgroup-{cgroup_id}"))
 }
 
-/// Where cgroup v2 is mounted (the first `cgroup2` line of
-/// /proc/self/mounts; `/sys/fs/cgroup` on unified systems).
-pub fn cgroup2_mount() -> Result<PathBuf> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
-    let mut found: Vec<PathBuf> = mounts
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 2 && f[2] == "cgroup2").then(|| PathBuf::from(f[1]))
-        })
-        .collect();
-    found.sort_by_key(|p| p.as_os_str().len());
-    found.into_iter().next().context(
-        "no cgroup v2 hierarchy is mounted (circuit breakers attach to cgroup v2): mount one with `mount -t cgroup2 none /sys/fs/cgroup/unified`",
-    )
-}
+/// Where cgroup v2 is mounted: [`crate::cgroup::cgroup2_mount`], under the
+/// name callers of this module have used.
+pub use crate::cgroup::cgroup2_mount;
 
 fn resolve_under(mount: &Path, p: &Path) -> Result<PathBuf> {
     let full = if p.is_absolute() { p.to_path_buf() } else { mount.join(p) };

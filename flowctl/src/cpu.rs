@@ -108,13 +108,17 @@ pub struct CgroupRoots {
 }
 
 impl Default for CgroupRoots {
+    /// This host's mounts, from /proc/self/mounts ([`crate::cgroup`]): the
+    /// cgroup2 mount (`/sys/fs/cgroup` on pure v2, `/sys/fs/cgroup/unified`
+    /// on hybrid hosts) and the v1 hierarchies carrying cpuacct, cpu and
+    /// cpuset (none on pure v2).
     fn default() -> Self {
-        let p = |s: &str| PathBuf::from(s);
+        let m = crate::cgroup::mounts().unwrap_or_default();
         Self {
-            v2: vec![p("/sys/fs/cgroup"), p("/sys/fs/cgroup/unified")],
-            v1_cpuacct: vec![p("/sys/fs/cgroup/cpuacct"), p("/sys/fs/cgroup/cpu,cpuacct")],
-            v1_cpu: vec![p("/sys/fs/cgroup/cpu"), p("/sys/fs/cgroup/cpu,cpuacct")],
-            v1_cpuset: vec![p("/sys/fs/cgroup/cpuset")],
+            v2: crate::cgroup::v2_of(&m).into_iter().collect(),
+            v1_cpuacct: crate::cgroup::v1_of(&m, "cpuacct"),
+            v1_cpu: crate::cgroup::v1_of(&m, "cpu"),
+            v1_cpuset: crate::cgroup::v1_of(&m, "cpuset"),
         }
     }
 }
@@ -156,10 +160,14 @@ impl CgroupFiles {
                 });
             }
         }
+        let list = |v: &[PathBuf]| match v {
+            [] => "(none mounted)".to_string(),
+            v => v.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+        };
         bail!(
             "cgroup `{cg}` has no CPU accounting: looked for cpu.stat + cpu.max (v2) under {} and cpuacct.usage (v1) under {}; is the path relative to the cgroup mount and does the cgroup exist?",
-            roots.v2.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
-            roots.v1_cpuacct.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            list(&roots.v2),
+            list(&roots.v1_cpuacct)
         )
     }
 

@@ -26,6 +26,7 @@ pub mod agent;
 pub mod commands;
 pub mod control;
 pub mod breaker_agent;
+pub mod cgroup;
 pub mod cpu;
 pub mod dataplane;
 pub mod heavy;

@@ -116,7 +116,7 @@ fn breaker_profile(target: &str, port: u16, extra: &str) -> String {
 }
 
 pub fn run(bin: &Path, quick: bool) {
-    let mount = flowctl::breaker_agent::cgroup2_mount().expect("a cgroup v2 hierarchy");
+    let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
     let home = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("0::")).map(|l| mount.join(l.trim_start_matches("0::").trim_start_matches('/'))))

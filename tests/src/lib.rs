@@ -1,9 +1,12 @@
 //! Helpers for the privileged tests: crafted packets, throwaway network
 //! namespaces joined by veth (removed on drop, also when a test fails), and a
-//! data plane loaded for `BPF_PROG_TEST_RUN` under a unique pin directory.
+//! data plane loaded for `BPF_PROG_TEST_RUN` under a unique pin directory;
+//! and the harness ([`need`]) that reports a test the host cannot run as
+//! ignored.
 
 pub mod breaker_bench;
 pub mod lab;
+pub mod need;
 pub mod overload;
 pub mod packet;
 pub mod testrun;
@@ -14,13 +17,4 @@ pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
     let n = N.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}{}{n}", std::process::id() % 100_000)
-}
-
-/// Skips (by returning true) when not root, printing why.
-pub fn not_root() -> bool {
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root (run `cargo xtask test`)");
-        return true;
-    }
-    false
 }

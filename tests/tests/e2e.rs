@@ -2,7 +2,7 @@
 //! UDP traffic. Bounds come from timestamps the harness records, never from
 //! exact counts or sleeps. Root only; serial.
 
-use flowctl_tests::{lab::Lab, not_root};
+use flowctl_tests::lab::Lab;
 use serde_json::Value;
 use std::{
     io::Write,
@@ -140,11 +140,7 @@ fn blast_from(lab: &Lab, src: &str, dport: u16, pps: u64, secs: f64, max: u64) -
 const UDP_RULE: &str = "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
 [[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n";
 
-#[test]
 fn udp_limit_holds_within_bounds_then_detaches() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fe2e", 211);
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -183,11 +179,7 @@ fn map_ids(iface: &str) -> Vec<u32> {
         .collect()
 }
 
-#[test]
 fn keep_survives_sigkill_and_restart_adopts_state() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fkeep", 212);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n");
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
@@ -214,11 +206,7 @@ fn keep_survives_sigkill_and_restart_adopts_state() {
     agent.stop();
 }
 
-#[test]
 fn apply_through_the_agent_is_all_or_nothing() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fapply", 213);
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -244,11 +232,7 @@ fn apply_through_the_agent_is_all_or_nothing() {
     agent.stop();
 }
 
-#[test]
 fn error_paths_say_how_to_fix() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("ferr", 214);
     let prof = profile_file(UDP_RULE);
     // Missing interface.
@@ -291,11 +275,7 @@ fn error_paths_say_how_to_fix() {
 
 /// New TCP connections: a `connections` rule admits at most b + r*t SYNs;
 /// refused SYNs are dropped, so those connects time out at the client.
-#[test]
 fn tcp_connection_rate_within_bounds() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("ftcp", 215);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7200\nunit = \"connections\"\nrate = \"20/s\"\nburst = 5\nkey = \"src\"\n");
     let server = TcpServer::start(&lab, 7200);
@@ -398,11 +378,7 @@ fn connect_many(lab: &Lab, port: u16, max: u64, budget: Duration) -> (u64, u64, 
 /// A connection quota end to end: "at most 5 new TCP connections per 10 s
 /// per source /24" admits exactly 5 of a stream of connects, refusing the
 /// rest by dropping their SYNs (reason `quota`).
-#[test]
 fn tcp_connection_quota() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fquota", 221);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nquota_table_entries = 4096\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7300\nunit = \"connections\"\nquota = 5\nquota_window = \"10s\"\nkey = \"src_prefix\"\nprefix_v4 = 24\n");
     let server = TcpServer::start(&lab, 7300);
@@ -418,11 +394,7 @@ fn tcp_connection_quota() {
 
 /// An interface that already runs someone else's XDP program is left alone,
 /// with a message that says how to look at and remove it.
-#[test]
 fn foreign_xdp_program_is_not_replaced() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fxdp", 216);
     let prof = profile_file(UDP_RULE);
     let (ns, dev, path, bin) = (lab.ns_srv.clone(), lab.veth_srv.clone(), prof.path().to_string(), bin());
@@ -443,11 +415,7 @@ fn foreign_xdp_program_is_not_replaced() {
 
 /// One agent per attachment; pins of another layout version are refused, and
 /// `--replace` starts over.
-#[test]
 fn one_agent_per_attachment_and_layout_versions_are_checked() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("flock", 217);
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
@@ -490,11 +458,7 @@ fn http_get(ns: &str, addr: &str, path: &str) -> String {
 
 /// The metrics endpoint serves valid text exposition format whose numbers
 /// are the kernel's (the same as `status --json`).
-#[test]
 fn metrics_endpoint_matches_status() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fmet", 218);
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19464"]);
@@ -534,11 +498,7 @@ fn metrics_endpoint_matches_status() {
 
 /// `top --once --json` agrees with what the harness sent, and its totals
 /// with `status`.
-#[test]
 fn top_once_json_agrees_with_traffic() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("ftop", 219);
     let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n");
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -585,11 +545,7 @@ fn top_once_json_agrees_with_traffic() {
 /// `top --keys` names the heaviest sources in order with rates near what
 /// was sent, through the agent and, with the agent gone (--keep), by
 /// sampling itself.
-#[test]
 fn top_keys_finds_the_heaviest_sources() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fkey", 222);
     let srcs = ["10.201.222.10", "10.201.222.11", "10.201.222.12"];
     for a in srcs {
@@ -635,11 +591,7 @@ fn top_keys_finds_the_heaviest_sources() {
 
 /// A real run in a terminal (tmux): the view draws, the sort key works, and
 /// quitting restores the terminal (the alternate screen is gone).
-#[test]
 fn top_runs_in_a_terminal_and_restores_it() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("ftui", 220);
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -773,11 +725,7 @@ fn connect_each(lab: &Lab, port: u16, n: u32, gap: Duration, keep: bool) -> Atte
 /// established ones continue; the refusals are counted by reason; with the
 /// agent killed the stage fails open after the grace period; a restarted
 /// agent adopts the data plane, and below the threshold refuses nothing.
-#[test]
 fn bbr_refuses_connections_beyond_the_limit_and_fails_open() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fbbr", 223);
     // XDP_TX replies on a veth reach the peer only when the peer runs its
     // NAPI; an XDP program there turns it on (GRO alone did not, here).
@@ -874,11 +822,7 @@ bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"
 /// threshold; the agent cuts the low-priority rule first (its admitted
 /// traffic falls with its ratio), shows why in `top`, holds when the gauge
 /// turns to garbage, and releases once the level is low.
-#[test]
 fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fklim", 224);
     let gauge = std::env::temp_dir().join(format!("flowctl-e2e-gauge-{}", std::process::id()));
     std::fs::write(&gauge, "300\n").unwrap();
@@ -940,11 +884,7 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
 /// egress counter on the link to the downstream is the baseline's level.
 /// Both entries start above the threshold; the level is held within 5% of
 /// it, the low-priority entry cut first.
-#[test]
 fn klimiter_holds_an_egress_level_by_cutting_low_priority_first() {
-    if not_root() {
-        return;
-    }
     let lab = Lab::new("fegr", 225);
     // The downstream: a third namespace behind a second veth pair.
     let down = format!("{}d", &lab.ns_srv[..lab.ns_srv.len() - 1]);
@@ -1147,12 +1087,12 @@ struct TestCgroup {
 }
 
 impl TestCgroup {
-    fn new() -> Option<Self> {
-        let mount = flowctl::breaker_agent::cgroup2_mount().ok()?;
+    fn new() -> Self {
+        let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
         let parent = mount.join(flowctl_tests::unique("flowctl-e2e-"));
         std::fs::create_dir(&parent).unwrap();
         std::fs::create_dir(parent.join("app")).unwrap();
-        Some(Self { parent })
+        Self { parent }
     }
     fn app(&self) -> String {
         self.parent.join("app").display().to_string()
@@ -1195,15 +1135,8 @@ fn breaker(cgroup: &str, name: &str) -> Value {
 /// out timing out; exempt targets and processes outside the breaker's
 /// cgroup untouched; dry-run (applied live, state kept) counts without
 /// refusing; a stopped agent's breakers fail open after the grace period.
-#[test]
 fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
-    if not_root() {
-        return;
-    }
-    let Some(cg) = TestCgroup::new() else {
-        eprintln!("no cgroup v2 hierarchy; skipped");
-        return;
-    };
+    let cg = TestCgroup::new();
     let lab = Lab::new("fbrk", 233);
     let down = Downstream::new(&lab, &[7100, 7101]);
     flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
@@ -1321,15 +1254,8 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
 /// handshake timeouts; open refuses everything at once; after the sleep,
 /// half-open probes go out, fail and reopen it; healed, the probes succeed
 /// and close it.
-#[test]
 fn breaker_state_opens_on_timeouts_probes_and_closes() {
-    if not_root() {
-        return;
-    }
-    let Some(cg) = TestCgroup::new() else {
-        eprintln!("no cgroup v2 hierarchy; skipped");
-        return;
-    };
+    let cg = TestCgroup::new();
     let lab = Lab::new("fbst", 234);
     let down = Downstream::new(&lab, &[7200]);
     flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
@@ -1386,4 +1312,30 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     assert!(first_ok <= 2.3, "closed within a pending probe's timeout, the sleep and a tick: {first_ok:.2} s");
     assert_eq!(down.syns(7200) - syn0, count(&after, 0) as u64, "only admitted connects reached the downstream");
     agent.stop();
+}
+
+/// The tests and what each needs (flowctl_tests::need): root for the
+/// namespaces and the agent; the breakers' tests a cgroup v2 hierarchy,
+/// `bpf_set_retval` (5.18), python3 clients and nftables counters.
+fn main() {
+    use flowctl_tests::need::Need::*;
+    flowctl_tests::need::run(flowctl_tests::trials![
+        udp_limit_holds_within_bounds_then_detaches: [Root],
+        keep_survives_sigkill_and_restart_adopts_state: [Root],
+        apply_through_the_agent_is_all_or_nothing: [Root],
+        error_paths_say_how_to_fix: [Root],
+        tcp_connection_rate_within_bounds: [Root],
+        tcp_connection_quota: [Root],
+        foreign_xdp_program_is_not_replaced: [Root],
+        one_agent_per_attachment_and_layout_versions_are_checked: [Root],
+        metrics_endpoint_matches_status: [Root],
+        top_once_json_agrees_with_traffic: [Root],
+        top_keys_finds_the_heaviest_sources: [Root],
+        top_runs_in_a_terminal_and_restores_it: [Root, Command("tmux")],
+        bbr_refuses_connections_beyond_the_limit_and_fails_open: [Root],
+        klimiter_cuts_low_priority_first_and_holds_on_garbage: [Root],
+        klimiter_holds_an_egress_level_by_cutting_low_priority_first: [Root],
+        breaker_sre_fails_fast_at_the_predicted_share_and_recovers: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
+        breaker_state_opens_on_timeouts_probes_and_closes: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
+    ]);
 }

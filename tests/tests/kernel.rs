@@ -2,7 +2,7 @@
 //! Root only; run serially by `cargo xtask test`.
 
 use flowctl_common::{reason, XDP_DROP, XDP_PASS};
-use flowctl_tests::{not_root, packet::*, testrun::TestPlane};
+use flowctl_tests::{packet::*, testrun::TestPlane};
 
 const SMALL: &str = "[settings]\nkey_table_entries = 4096\nsource_cache_entries = 4096\n";
 
@@ -28,11 +28,7 @@ key = "rule"
 /// less, so 6.1 is the worst: about 450k, against 142k on 6.18).
 const VERIFIER_BUDGET: u32 = 500_000;
 
-#[test]
 fn verifier_instruction_budget() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(STRICT_UDP_53));
     let n = p.verified_insns();
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
@@ -40,11 +36,7 @@ fn verifier_instruction_budget() {
     assert!(n > 0 && n <= VERIFIER_BUDGET, "{n} processed instructions, budget {VERIFIER_BUDGET}");
 }
 
-#[test]
 fn bucket_drains_then_refuses_and_counts() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(
         r#"
 [[rule]]
@@ -68,11 +60,7 @@ key = "src"
     assert_eq!(c.offered_bytes, 9 * a.len() as u64);
 }
 
-#[test]
 fn byte_buckets_charge_frame_length() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"bytes\"\nrate = \"1KB/min\"\nburst = \"3000B\"\nkey = \"src\"\n",
     ));
@@ -82,11 +70,7 @@ fn byte_buckets_charge_frame_length() {
     assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP]);
 }
 
-#[test]
 fn connections_unit_counts_only_syns() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"conns\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"1/min\"\nburst = 2\nkey = \"src\"\n",
     ));
@@ -103,11 +87,7 @@ fn connections_unit_counts_only_syns() {
     }
 }
 
-#[test]
 fn dry_run_counts_would_drop_and_passes() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile("[[rule]]\nname = \"dry\"\nrate = \"1/min\"\nburst = 1\naction = \"dry-run\"\n"));
     let f = V4::new([10, 4, 0, 1]).build(L4::Icmp, 10);
     for _ in 0..4 {
@@ -117,11 +97,7 @@ fn dry_run_counts_would_drop_and_passes() {
     assert_eq!((c.passed_pkts, c.would_drop_pkts, c.dropped_total()), (4, 3, 0));
 }
 
-#[test]
 fn pass_rule_exempts_before_later_rules() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"trusted\"\nsrc = \"10.5.0.0/16\"\naction = \"pass\"\n[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n",
     ));
@@ -137,11 +113,7 @@ fn pass_rule_exempts_before_later_rules() {
 
 /// Every header layout reaches the matcher: the strict rule admits the first
 /// packet of a bucket and drops the second.
-#[test]
 fn header_layouts_are_parsed() {
-    if not_root() {
-        return;
-    }
     let udp = L4::Udp { sport: 999, dport: 53 };
     let mut v4opts = V4::new([10, 7, 0, 1]);
     v4opts.options = vec![1, 1, 1, 0]; // NOP NOP NOP EOL
@@ -173,11 +145,7 @@ fn header_layouts_are_parsed() {
     }
 }
 
-#[test]
 fn non_ip_always_passes() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n"));
     for _ in 0..3 {
         assert_eq!(p.run(&arp()), XDP_PASS);
@@ -187,11 +155,7 @@ fn non_ip_always_passes() {
 
 /// Truncation at every byte boundary gets the malformed verdict (default
 /// pass, counted), never a crash or a match on garbage.
-#[test]
 fn truncation_at_every_boundary() {
-    if not_root() {
-        return;
-    }
     let mut v6ext = V6::new([0xfd; 16]);
     v6ext.ext = vec![ext_hopopts(), ext_fragment(0, true)];
     let mut qinq = V4::new([10, 8, 0, 1]);
@@ -227,11 +191,7 @@ fn truncation_at_every_boundary() {
 
 /// Fragments: first fragments are keyed with their L4 header; later fragments
 /// match only port-less rules, else get the fragment verdict.
-#[test]
 fn fragment_policy_v4_and_v6() {
-    if not_root() {
-        return;
-    }
     for drop_fragments in [false, true] {
         let verdict = if drop_fragments { "fragments = \"drop\"\n" } else { "" };
         let text = format!(
@@ -270,11 +230,7 @@ fn fragment_policy_v4_and_v6() {
 /// `apply` keeps buckets of unchanged rules, and a source moved to another
 /// rule is judged by the new rule from the very next packet, although its
 /// per-source cache entry still holds the old classification.
-#[test]
 fn apply_keeps_state_and_reclassifies_cached_sources() {
-    if not_root() {
-        return;
-    }
     let base = "[[rule]]\nname = \"a\"\nsrc = \"10.10.0.0/16\"\nrate = \"1/min\"\nburst = 2\nkey = \"src\"\n";
     let mut p = TestPlane::new(&profile(base));
     let f = V4::new([10, 10, 0, 1]).build(L4::Icmp, 0);
@@ -295,11 +251,7 @@ fn apply_keeps_state_and_reclassifies_cached_sources() {
 }
 
 /// Every key kind builds buckets as documented.
-#[test]
 fn key_kinds_split_buckets() {
-    if not_root() {
-        return;
-    }
     let cases = [("rule", false, false), ("src", true, false), ("src_prefix", false, true), ("dport", false, true), ("src_dport", true, true), ("5tuple", true, true)];
     for (key, split_by_host, split_by_port) in cases {
         let p = TestPlane::new(&profile(&format!("[[rule]]\nname = \"k\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"{key}\"\n")));
@@ -315,11 +267,7 @@ fn key_kinds_split_buckets() {
 
 /// Two threads on different CPUs hammer one key: admissions never exceed
 /// burst + rate * elapsed + 1.
-#[test]
 fn exact_under_concurrency() {
-    if not_root() {
-        return;
-    }
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     assert!(ncpu >= 2, "needs two CPUs");
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hot\"\nrate = \"1000/s\"\nburst = 50\nkey = \"rule\"\n")));
@@ -337,11 +285,7 @@ fn exact_under_concurrency() {
 
 /// A verifier rejection reaches the operator with the verifier's own words:
 /// the bench object's `reject_me` reads the packet unchecked.
-#[test]
 fn verifier_rejection_carries_the_log_tail() {
-    if not_root() {
-        return;
-    }
     let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
     let prog: &mut aya::programs::Xdp = ebpf.program_mut("reject_me").unwrap().try_into().unwrap();
     let err = prog.load().expect_err("the verifier must refuse reject_me");
@@ -354,11 +298,7 @@ fn verifier_rejection_carries_the_log_tail() {
 /// A flood of new sources on one rule evicts another rule's drained key from
 /// the LRU tables; the key comes back still refused (its debt was
 /// remembered), and the flood never touched the other rule's debt region.
-#[test]
 fn eviction_hands_no_fresh_burst_to_refused_keys() {
-    if not_root() {
-        return;
-    }
     let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
         [[rule]]\nname = \"victim\"\nproto = \"icmp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n\
         [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n";
@@ -387,11 +327,7 @@ const QUOTA_RULE: &str = "[[rule]]\nname = \"q\"\nproto = \"udp\"\nquota = 5\nqu
 
 /// A quota rule admits exactly N inside the window, then again once the
 /// window (plus at most one bucket) has passed.
-#[test]
 fn quota_admits_n_per_window() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(QUOTA_RULE));
     let f = V4::new([10, 40, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let start = std::time::Instant::now();
@@ -409,11 +345,7 @@ fn quota_admits_n_per_window() {
 
 /// Stage order: a packet the token bucket refuses uses up no quota, and a
 /// packet the quota refuses takes no token.
-#[test]
 fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
-    if not_root() {
-        return;
-    }
     // Bucket of 2 (1/min), quota of 5 per minute.
     let p = TestPlane::new(&profile("[[rule]]\nname = \"both\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 2\nquota = 5\nquota_window = \"1min\"\nkey = \"src\"\n"));
     let f = V4::new([10, 41, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
@@ -446,11 +378,7 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
 /// Two threads on two CPUs race one quota key across bucket boundaries:
 /// what the kernel admitted equals what the ring counted (nothing lost or
 /// counted twice) and never exceeds N per window.
-#[test]
 fn quota_exact_under_concurrency() {
-    if not_root() {
-        return;
-    }
     // 1000 per 100 ms in 10 buckets of 10 ms: the run crosses many buckets.
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hotq\"\nquota = 1000\nquota_window = \"100ms\"\nquota_buckets = 10\nkey = \"rule\"\n")));
     let frame = V4::new([10, 42, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
@@ -484,11 +412,7 @@ fn quota_exact_under_concurrency() {
     assert_eq!(c.passed_pkts, 150_000, "exactly N admitted");
 }
 
-#[test]
 fn statistics_ring_agrees_with_the_counters() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"web\"\nproto = \"tcp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
     ));
@@ -511,11 +435,7 @@ fn statistics_ring_agrees_with_the_counters() {
     assert_eq!(r.fin_rst, 3);
 }
 
-#[test]
 fn statistics_ring_sums_cpus_exactly() {
-    if not_root() {
-        return;
-    }
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n")));
     let f = V4::new([10, 9, 0, 2]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     flowctl_tests::testrun::hammer_on_two_cpus(&p, &f, 20, 1000);
@@ -525,11 +445,7 @@ fn statistics_ring_sums_cpus_exactly() {
     assert_eq!((r.offered_pkts, r.passed_pkts), (c.offered_pkts, c.passed_pkts), "per-CPU copies neither lose nor double-count");
 }
 
-#[test]
 fn control_level_keeps_what_the_loops_read_and_prunes_the_rest() {
-    if not_root() {
-        return;
-    }
     let full = TestPlane::new(&profile(STRICT_UDP_53));
     let lean = TestPlane::new(&format!("{SMALL}statistics = \"control\"\n{STRICT_UDP_53}"));
     let f = V4::new([10, 9, 0, 3]).build(L4::Udp { sport: 1, dport: 53 }, 10);
@@ -547,11 +463,7 @@ fn control_level_keeps_what_the_loops_read_and_prunes_the_rest() {
     assert!(nl < nf, "the switched-off code is pruned at load");
 }
 
-#[test]
 fn sampled_keys_reach_the_ring_buffer() {
-    if not_root() {
-        return;
-    }
     let mut p = TestPlane::new(&profile("[[rule]]\nname = \"per-src\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n"));
     let f = V4::new([10, 9, 0, 4]).build(L4::Udp { sport: 1, dport: 9 }, 0);
     p.run(&f);
@@ -591,11 +503,7 @@ fn set_bbr(p: &mut TestPlane, rule: &str, overloaded: bool, inflight: u32, max: 
     p.maps.control.set(rec, c, 0).unwrap();
 }
 
-#[test]
 fn bbr_stage_refuses_new_connections_only_while_overloaded() {
-    if not_root() {
-        return;
-    }
     let mut p = TestPlane::new(&profile(BBR_RULE));
     p.set_heartbeat(true);
     let syn = tcp(1, 1000, 0x02, 7, 0);
@@ -622,11 +530,7 @@ fn bbr_stage_refuses_new_connections_only_while_overloaded() {
     assert_eq!(admitted, 4);
 }
 
-#[test]
 fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
-    if not_root() {
-        return;
-    }
     let mut p = TestPlane::new(&profile(&BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\"")));
     p.set_heartbeat(true);
     set_bbr(&mut p, "web", true, 10, 5);
@@ -662,11 +566,7 @@ fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
     assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
 }
 
-#[test]
 fn connections_are_tracked_from_syn_to_fin() {
-    if not_root() {
-        return;
-    }
     let p = TestPlane::new(&profile(BBR_RULE));
     let rec = p.record("web");
     let now = || flowctl::pins::monotonic_ns();
@@ -711,11 +611,7 @@ fn set_admission(p: &mut TestPlane, rule: &str, ppm: u32, per_flow: bool) {
     p.maps.control.set(rec, c, 0).unwrap();
 }
 
-#[test]
 fn admission_ratio_is_per_flow_and_spares_established_tcp() {
-    if not_root() {
-        return;
-    }
     let mut p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n"));
     p.set_heartbeat(true);
     set_admission(&mut p, "all", 500_000, true);
@@ -753,11 +649,7 @@ fn admission_ratio_is_per_flow_and_spares_established_tcp() {
     assert_eq!(p.run(&f), XDP_PASS, "a stale agent's ratio is ignored");
 }
 
-#[test]
 fn profile_admission_ratio_reaches_the_kernel() {
-    if not_root() {
-        return;
-    }
     let mut p = TestPlane::new(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\nadmission_ratio = 0.25\n"));
     p.set_heartbeat(true);
     let admitted = (0..800u32)
@@ -767,4 +659,39 @@ fn profile_admission_ratio_reaches_the_kernel() {
     // Applying the rule without a ratio removes it.
     p.apply(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\n"));
     assert!((0..100u32).all(|i| p.run(&V4::new([10, 61, 0, i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0)) == XDP_PASS));
+}
+
+/// The tests and what each needs (flowctl_tests::need): run as root, each
+/// loads the XDP program for BPF_PROG_TEST_RUN.
+fn main() {
+    use flowctl_tests::need::Need::*;
+    flowctl_tests::need::run(flowctl_tests::trials![
+        verifier_instruction_budget: [Root],
+        bucket_drains_then_refuses_and_counts: [Root],
+        byte_buckets_charge_frame_length: [Root],
+        connections_unit_counts_only_syns: [Root],
+        dry_run_counts_would_drop_and_passes: [Root],
+        pass_rule_exempts_before_later_rules: [Root],
+        header_layouts_are_parsed: [Root],
+        non_ip_always_passes: [Root],
+        truncation_at_every_boundary: [Root],
+        fragment_policy_v4_and_v6: [Root],
+        apply_keeps_state_and_reclassifies_cached_sources: [Root],
+        key_kinds_split_buckets: [Root],
+        exact_under_concurrency: [Root],
+        verifier_rejection_carries_the_log_tail: [Root],
+        eviction_hands_no_fresh_burst_to_refused_keys: [Root],
+        quota_admits_n_per_window: [Root],
+        quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
+        quota_exact_under_concurrency: [Root],
+        statistics_ring_agrees_with_the_counters: [Root],
+        statistics_ring_sums_cpus_exactly: [Root],
+        control_level_keeps_what_the_loops_read_and_prunes_the_rest: [Root],
+        sampled_keys_reach_the_ring_buffer: [Root],
+        bbr_stage_refuses_new_connections_only_while_overloaded: [Root],
+        bbr_reset_answers_a_refused_syn_with_a_valid_rst: [Root],
+        connections_are_tracked_from_syn_to_fin: [Root],
+        admission_ratio_is_per_flow_and_spares_established_tcp: [Root],
+        profile_admission_ratio_reaches_the_kernel: [Root],
+    ]);
 }
