@@ -566,6 +566,43 @@ fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
     assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
 }
 
+/// The same reply for IPv6 (no extension headers): addresses swapped, hop
+/// limit 64, payload length 20, a valid TCP checksum over the v6 pseudo header.
+fn bbr_reset_answers_an_ipv6_syn_with_a_valid_rst() {
+    let mut p = TestPlane::new(&profile(&BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\"")));
+    p.set_heartbeat(true);
+    set_bbr(&mut p, "web", true, 10, 5);
+    let mut src = [0u8; 16];
+    src[0] = 0xfd;
+    src[15] = 7;
+    let mut syn = V6::new(src).build(L4::Tcp { sport: 4321, dport: 80, flags: 0x02 }, 12);
+    syn[54 + 4..54 + 8].copy_from_slice(&0x0102_0304u32.to_be_bytes());
+    let (verdict, out) = p.run_out(&syn);
+    assert_eq!(verdict, 3, "XDP_TX");
+    assert_eq!(out.len(), 14 + 40 + 20, "trimmed to the IPv6 and a bare TCP header");
+    assert_eq!(&out[0..6], &syn[6..12], "back to the sender's MAC");
+    assert_eq!(&out[6..12], &syn[0..6]);
+    assert_eq!(&out[22..38], &syn[38..54], "source and destination swapped");
+    assert_eq!(&out[38..54], &syn[22..38]);
+    assert_eq!(u16::from_be_bytes([out[18], out[19]]), 20, "payload length");
+    assert_eq!(out[21], 64, "hop limit");
+    let t = &out[54..74];
+    assert_eq!(u16::from_be_bytes([t[0], t[1]]), 80);
+    assert_eq!(u16::from_be_bytes([t[2], t[3]]), 4321);
+    assert_eq!(&t[4..8], &[0, 0, 0, 0], "SEQ 0");
+    assert_eq!(u32::from_be_bytes([t[8], t[9], t[10], t[11]]), 0x0102_0305, "ACK = the SYN's SEQ + 1");
+    assert_eq!((t[12], t[13]), (0x50, 0x14), "a 20-byte header with RST|ACK");
+    let mut sum: u32 = 6 + 20;
+    for w in out[22..54].chunks(2).chain(t.chunks(2)) {
+        sum += u16::from_be_bytes([w[0], w[1]]) as u32;
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    assert_eq!(sum, 0xffff, "TCP checksum with the IPv6 pseudo header");
+    assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
+}
+
 fn connections_are_tracked_from_syn_to_fin() {
     let p = TestPlane::new(&profile(BBR_RULE));
     let rec = p.record("web");
@@ -690,6 +727,7 @@ fn main() {
         sampled_keys_reach_the_ring_buffer: [Root],
         bbr_stage_refuses_new_connections_only_while_overloaded: [Root],
         bbr_reset_answers_a_refused_syn_with_a_valid_rst: [Root],
+        bbr_reset_answers_an_ipv6_syn_with_a_valid_rst: [Root],
         connections_are_tracked_from_syn_to_fin: [Root],
         admission_ratio_is_per_flow_and_spares_established_tcp: [Root],
         profile_admission_ratio_reaches_the_kernel: [Root],
