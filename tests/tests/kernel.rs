@@ -542,28 +542,34 @@ fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
     assert_eq!(&out[0..6], &syn[6..12], "back to the sender's MAC");
     assert_eq!(&out[26..30], &syn[30..34], "source and destination swapped");
     assert_eq!(&out[30..34], &syn[26..30]);
-    let t = &out[34..54];
-    assert_eq!(u16::from_be_bytes([t[0], t[1]]), 80);
-    assert_eq!(u16::from_be_bytes([t[2], t[3]]), 4321);
-    assert_eq!(&t[4..8], &[0, 0, 0, 0], "SEQ 0");
-    assert_eq!(u32::from_be_bytes([t[8], t[9], t[10], t[11]]), 0x1234_5679, "ACK = the SYN's SEQ + 1");
-    assert_eq!((t[12], t[13]), (0x50, 0x14), "a 20-byte header with RST|ACK");
-    // Checksums: the one's-complement sum over each covered range is 0xffff.
-    let sum = |b: &[u8], init: u32| {
-        let mut s = init;
-        for w in b.chunks(2) {
-            s += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
-        }
-        while s > 0xffff {
-            s = (s & 0xffff) + (s >> 16);
-        }
-        s
-    };
-    assert_eq!(sum(&out[14..34], 0), 0xffff, "IPv4 header checksum");
+    assert_eq!(ones_sum(&out[14..34], 0), 0xffff, "IPv4 header checksum");
     assert_eq!(u16::from_be_bytes([out[16], out[17]]), 40, "IPv4 total length");
-    let pseudo = sum(&out[26..34], 6 + 20);
-    assert_eq!(sum(t, pseudo), 0xffff, "TCP checksum with the pseudo header");
+    check_rst(&out[34..54], 4321, 0x1234_5679, ones_sum(&out[26..34], 6 + 20));
     assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
+}
+
+/// The one's-complement sum of `b`'s big-endian words on top of `init`,
+/// folded to 16 bits (0xffff over a range that includes a valid checksum).
+fn ones_sum(b: &[u8], init: u32) -> u32 {
+    let mut s = init;
+    for w in b.chunks(2) {
+        s += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+    }
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    s
+}
+
+/// The reply's TCP header `t`: from port 80 back to `sport`, SEQ 0, `ack`,
+/// 20 bytes with RST|ACK, and a checksum valid over the pseudo header's sum.
+fn check_rst(t: &[u8], sport: u16, ack: u32, pseudo: u32) {
+    assert_eq!(u16::from_be_bytes([t[0], t[1]]), 80);
+    assert_eq!(u16::from_be_bytes([t[2], t[3]]), sport);
+    assert_eq!(&t[4..8], &[0, 0, 0, 0], "SEQ 0");
+    assert_eq!(u32::from_be_bytes([t[8], t[9], t[10], t[11]]), ack, "ACK = the SYN's SEQ + 1");
+    assert_eq!((t[12], t[13]), (0x50, 0x14), "a 20-byte header with RST|ACK");
+    assert_eq!(ones_sum(t, pseudo), 0xffff, "TCP checksum with the pseudo header");
 }
 
 /// The same reply for IPv6 (no extension headers): addresses swapped, hop
@@ -586,20 +592,7 @@ fn bbr_reset_answers_an_ipv6_syn_with_a_valid_rst() {
     assert_eq!(&out[38..54], &syn[22..38]);
     assert_eq!(u16::from_be_bytes([out[18], out[19]]), 20, "payload length");
     assert_eq!(out[21], 64, "hop limit");
-    let t = &out[54..74];
-    assert_eq!(u16::from_be_bytes([t[0], t[1]]), 80);
-    assert_eq!(u16::from_be_bytes([t[2], t[3]]), 4321);
-    assert_eq!(&t[4..8], &[0, 0, 0, 0], "SEQ 0");
-    assert_eq!(u32::from_be_bytes([t[8], t[9], t[10], t[11]]), 0x0102_0305, "ACK = the SYN's SEQ + 1");
-    assert_eq!((t[12], t[13]), (0x50, 0x14), "a 20-byte header with RST|ACK");
-    let mut sum: u32 = 6 + 20;
-    for w in out[22..54].chunks(2).chain(t.chunks(2)) {
-        sum += u16::from_be_bytes([w[0], w[1]]) as u32;
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    assert_eq!(sum, 0xffff, "TCP checksum with the IPv6 pseudo header");
+    check_rst(&out[54..74], 4321, 0x0102_0305, ones_sum(&out[22..54], 6 + 20));
     assert_eq!(p.counters("web").dropped_pkts[reason::BBR], 1, "counted as a BBR refusal");
 }
 
