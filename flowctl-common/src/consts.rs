@@ -88,7 +88,7 @@ pub const MAX_IPV6_EXT_HEADERS: u32 = 8;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).

@@ -53,9 +53,14 @@ pub mod reason {
     pub const BBR: usize = 5;
     /// Reserved for the quota stage.
     pub const QUOTA: usize = 6;
+    /// Layouts RFCs say to discard because they hide or rewrite the L4
+    /// header (tiny and overlapping fragments, a first IPv6 fragment
+    /// without its header chain, VLAN stacks deeper than parsed): always
+    /// dropped (docs/classification.md).
+    pub const EVASIVE: usize = 7;
     pub const COUNT: usize = 8;
     pub const NAMES: [&str; COUNT] = [
-        "rate", "malformed", "fragment", "contended", "admission", "bbr", "quota", "reserved",
+        "rate", "malformed", "fragment", "contended", "admission", "bbr", "quota", "evasive",
     ];
 }
 
@@ -292,6 +297,10 @@ pub struct RuleCounters {
     /// Non-first fragments that only port rules could match, whatever their
     /// verdict. Global only.
     pub fragment_pkts: u64,
+    /// Packets whose L4 header lies beyond what the parser walks, matched
+    /// against every rule that could apply (docs/classification.md).
+    /// Global only.
+    pub unparsed_pkts: u64,
     pub dropped_pkts: [u64; crate::types::reason::COUNT],
     pub dropped_bytes: [u64; crate::types::reason::COUNT],
 }
@@ -310,6 +319,7 @@ impl RuleCounters {
         self.non_ip_pkts += o.non_ip_pkts;
         self.malformed_pkts += o.malformed_pkts;
         self.fragment_pkts += o.fragment_pkts;
+        self.unparsed_pkts += o.unparsed_pkts;
         for i in 0..reason::COUNT {
             self.dropped_pkts[i] += o.dropped_pkts[i];
             self.dropped_bytes[i] += o.dropped_bytes[i];
@@ -478,7 +488,7 @@ assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
 assert_layout!(EgressTarget, 24, 4);
-assert_layout!(RuleCounters, 224, 8);
+assert_layout!(RuleCounters, 232, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
 assert_layout!(SrcEntry, 24, 8);
