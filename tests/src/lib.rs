@@ -5,6 +5,7 @@
 //! ignored.
 
 pub mod breaker_bench;
+pub mod fuzz;
 pub mod lab;
 pub mod need;
 pub mod overload;
