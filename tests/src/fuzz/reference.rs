@@ -388,3 +388,61 @@ fn match_rule(p: &RefProfile, src: &IpAddr, proto: u8, dport: Option<u16>) -> Cl
         None => Class::Unmatched,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DNS: &str = "[[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = 53\nrate = \"1000000000/s\"\n";
+
+    /// The regression frames name their class; the reference must give it
+    /// (no root needed: the kernel side is tests/tests/fuzz.rs).
+    #[test]
+    fn regression_frames_have_the_class_they_name() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz-regressions");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = e.path();
+            if path.extension().is_none_or(|x| x != "hex") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let frame = crate::fuzz::run::from_hex(&text).unwrap();
+            let prof = RefProfile::parse(&std::fs::read_to_string(path.with_extension("toml")).unwrap()).unwrap();
+            let want = crate::fuzz::run::hex_comment(&text, "class").expect("a # class: line");
+            let got = classify(&frame, &prof);
+            assert_eq!(got.kind(), want, "{}: {}", path.display(), got.describe(&prof));
+            n += 1;
+        }
+        assert!(n >= 5);
+    }
+
+    #[test]
+    fn unparsed_takes_enforcing_port_rules_and_certain_ones_only() {
+        let text = "[[rule]]\nname = \"dry\"\nproto = \"udp\"\ndport = 53\naction = \"dry-run\"\nrate = \"1/s\"\n\
+                    [[rule]]\nname = \"pass\"\nproto = \"udp\"\ndport = 53\naction = \"pass\"\n\
+                    [[rule]]\nname = \"tcp-any\"\nproto = \"tcp\"\naction = \"pass\"\n\
+                    [[rule]]\nname = \"lim\"\nproto = \"udp\"\ndport = 53\nrate = \"1/s\"\n";
+        let p = RefProfile::parse(text).unwrap();
+        let src = "fd00::1".parse().unwrap();
+        // UDP known: dry and pass skipped (might not apply), tcp-any no candidate, lim taken.
+        assert_eq!(unparsed(&p, &src, Some(17), "").kind(), "unparsed-rule");
+        assert!(matches!(unparsed(&p, &src, Some(17), ""), Class::Unparsed { rule: Some(3), .. }));
+        // TCP known: tcp-any certainly applies.
+        assert!(matches!(unparsed(&p, &src, Some(6), ""), Class::Unparsed { rule: Some(2), .. }));
+        // Unknown: tcp-any is a candidate but not certain (it has a protocol), and passes: skipped; lim taken.
+        assert!(matches!(unparsed(&p, &src, None, ""), Class::Unparsed { rule: Some(3), .. }));
+        let p = RefProfile::parse(DNS.replace("rate = \"1000000000/s\"", "action = \"pass\"").as_str()).unwrap();
+        assert!(matches!(unparsed(&p, &src, None, ""), Class::Unparsed { rule: None, .. }));
+    }
+
+    #[test]
+    fn later_fragments_take_portless_rules_else_the_policy() {
+        let p = RefProfile::parse(&format!("{DNS}[[rule]]\nname = \"udp-all\"\nproto = \"udp\"\nrate = \"1/s\"\n")).unwrap();
+        let src = "10.0.0.1".parse().unwrap();
+        assert_eq!(later_fragment(&p, &src, 17), Class::FragmentRule(1));
+        let p = RefProfile::parse(DNS).unwrap();
+        assert_eq!(later_fragment(&p, &src, 17), Class::FragmentPolicy);
+        assert_eq!(later_fragment(&p, &src, 6), Class::Unmatched);
+    }
+}
