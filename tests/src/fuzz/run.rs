@@ -50,9 +50,13 @@ impl Default for Options {
 pub struct Tally {
     /// `offered_pkts` per rule record (profile order).
     pub offered: Vec<u64>,
+    /// `offered_bytes` per rule record: frame lengths, so that a batch's
+    /// sums also say which frames went where.
+    pub bytes: Vec<u64>,
     /// Every drop counter of each rule's record (rates are huge: none).
     pub rule_drops: Vec<u64>,
     pub global_offered: u64,
+    pub global_bytes: u64,
     pub non_ip: u64,
     pub malformed: u64,
     pub fragment: u64,
@@ -65,13 +69,19 @@ pub struct Tally {
 
 impl Tally {
     pub fn zero(rules: usize) -> Self {
-        Self { offered: vec![0; rules], rule_drops: vec![0; rules], ..Default::default() }
+        Self { offered: vec![0; rules], bytes: vec![0; rules], rule_drops: vec![0; rules], ..Default::default() }
     }
 
-    pub fn add_expect(&mut self, e: &Expect) {
+    pub fn add_expect(&mut self, e: &Expect, len: usize) {
         match e.record {
-            Some(i) => self.offered[i] += 1,
-            None => self.global_offered += 1,
+            Some(i) => {
+                self.offered[i] += 1;
+                self.bytes[i] += len as u64;
+            }
+            None => {
+                self.global_offered += 1;
+                self.global_bytes += len as u64;
+            }
         }
         self.non_ip += e.non_ip as u64;
         self.malformed += e.malformed as u64;
@@ -88,10 +98,12 @@ impl Tally {
         let mut t = Self::zero(n);
         for i in 0..n {
             t.offered[i] = after[i].offered_pkts - before[i].offered_pkts;
+            t.bytes[i] = after[i].offered_bytes - before[i].offered_bytes;
             t.rule_drops[i] = after[i].dropped_total() - before[i].dropped_total();
         }
         let (b, a) = (&before[n], &after[n]);
         t.global_offered = a.offered_pkts - b.offered_pkts;
+        t.global_bytes = a.offered_bytes - b.offered_bytes;
         t.non_ip = a.non_ip_pkts - b.non_ip_pkts;
         t.malformed = a.malformed_pkts - b.malformed_pkts;
         t.fragment = a.fragment_pkts - b.fragment_pkts;
@@ -193,7 +205,7 @@ impl Bench {
         let verdict = self.plane.run(frame);
         let got = Tally::delta(&before, &self.snapshot());
         let mut want = Tally::zero(self.profile.rules.len());
-        want.add_expect(&exp);
+        want.add_expect(&exp, frame.len());
         Outcome { class, exp, want, verdict, got }
     }
 }
@@ -290,11 +302,19 @@ pub struct Summary {
     /// kernel's own duration for one run of the program.
     pub per_call: Duration,
     pub per_run_kernel: Duration,
+    /// Time spent re-running disagreeing batches frame by frame.
+    pub bisect_time: Duration,
 }
 
 impl Summary {
     pub fn frames_per_second(&self) -> f64 {
         self.frames as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// Throughput when every batch agrees: frames over the time not spent
+    /// naming disagreeing frames (what a run on an agreeing kernel gets).
+    pub fn agreeing_frames_per_second(&self) -> f64 {
+        self.frames as f64 / (self.elapsed - self.bisect_time).as_secs_f64()
     }
 }
 
@@ -371,7 +391,7 @@ pub fn run(o: &Options) -> Summary {
                 let class = classify(f, &bench.profile);
                 *s.classes.entry(class.kind()).or_default() += 1;
                 let e = expect(&class, &bench.profile);
-                want.add_expect(&e);
+                want.add_expect(&e, f.len());
                 if bench.plane.run(f) != e.verdict {
                     verdicts_ok = false;
                 }
@@ -383,6 +403,7 @@ pub fn run(o: &Options) -> Summary {
                 continue;
             }
             // Name the frames.
+            let t_bisect = Instant::now();
             for f in &frames {
                 let out = bench.one(f);
                 if out.agrees() {
@@ -405,6 +426,7 @@ pub fn run(o: &Options) -> Summary {
                 by_sig.insert(sig, s.failures.len());
                 s.failures.push(fail);
             }
+            s.bisect_time += t_bisect.elapsed();
         }
         round += 1;
     }
@@ -417,12 +439,14 @@ pub fn report(s: &Summary) -> String {
     let mut r = String::new();
     let _ = writeln!(
         r,
-        "flowctl-fuzz: {} frames, {} profiles in {:.1} s ({:.0} frames/s; loads {:.1} s); {} disagreeing frames, {} distinct",
+        "flowctl-fuzz: {} frames, {} profiles in {:.1} s ({:.0} frames/s; loads {:.1} s; naming disagreeing frames {:.1} s, {:.0} frames/s without); {} disagreeing frames, {} distinct",
         s.frames,
         s.profiles,
         s.elapsed.as_secs_f64(),
         s.frames_per_second(),
         s.load_time.as_secs_f64(),
+        s.bisect_time.as_secs_f64(),
+        s.agreeing_frames_per_second(),
         s.disagreeing_frames,
         s.failures.len()
     );
