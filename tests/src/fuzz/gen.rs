@@ -254,7 +254,7 @@ fn later_offset(rng: &mut Rng) -> u16 {
 
 pub fn frame(rng: &mut Rng, t: &Targets) -> Vec<u8> {
     let mut f = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1];
-    let tags = rng.weighted(&[50, 12, 12, 8, 8, 6, 4]);
+    let tags = rng.weighted(&[55, 12, 12, 8, 8, 3, 2]);
     for _ in 0..tags {
         f.extend(rng.pick(&[0x8100u16, 0x88a8]).to_be_bytes());
         f.extend(rng.u16().to_be_bytes());

@@ -103,6 +103,14 @@ impl Class {
         }
     }
 
+    /// The kind with the reason, for evasive, malformed and unparsed.
+    pub fn reason(&self) -> String {
+        match self {
+            Class::Evasive(w) | Class::Malformed(w) | Class::Unparsed { why: w, .. } => format!("{} ({w})", self.kind()),
+            c => c.kind().to_string(),
+        }
+    }
+
     pub fn describe(&self, p: &RefProfile) -> String {
         let name = |i: &usize| p.rules[*i].name.clone();
         match self {

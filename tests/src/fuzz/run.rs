@@ -234,11 +234,7 @@ impl Outcome {
     /// What makes two disagreements the same: the reference's reason and
     /// what the kernel did instead.
     pub fn signature(&self) -> String {
-        let why = match &self.class {
-            Class::Evasive(w) | Class::Malformed(w) | Class::Unparsed { why: w, .. } => format!("{} ({w})", self.class.kind()),
-            c => c.kind().to_string(),
-        };
-        format!("{why} -> kernel {} {}", self.got.shape(), verdict_name(self.verdict))
+        format!("{} -> kernel {} {}", self.class.reason(), self.got.shape(), verdict_name(self.verdict))
     }
 }
 
@@ -296,8 +292,9 @@ pub struct Summary {
     pub failures: Vec<Failure>,
     /// Frames that disagreed (all signatures).
     pub disagreeing_frames: u64,
-    /// Frames per reference class kind.
-    pub classes: BTreeMap<&'static str, u64>,
+    /// Frames per reference class (with the reason for evasive,
+    /// malformed and unparsed): what the generator covered.
+    pub classes: BTreeMap<String, u64>,
     /// Wall time of one `BPF_PROG_TEST_RUN` call with repeat 1, and the
     /// kernel's own duration for one run of the program.
     pub per_call: Duration,
@@ -389,7 +386,7 @@ pub fn run(o: &Options) -> Summary {
             let before = bench.snapshot();
             for f in &frames {
                 let class = classify(f, &bench.profile);
-                *s.classes.entry(class.kind()).or_default() += 1;
+                *s.classes.entry(class.reason()).or_default() += 1;
                 let e = expect(&class, &bench.profile);
                 want.add_expect(&e, f.len());
                 if bench.plane.run(f) != e.verdict {
@@ -450,8 +447,11 @@ pub fn report(s: &Summary) -> String {
         s.disagreeing_frames,
         s.failures.len()
     );
-    let classes: Vec<String> = s.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
-    let _ = writeln!(r, "classes (reference): {}", classes.join(", "));
+    let _ = writeln!(r, "frames per class (reference):");
+    for (k, n) in &s.classes {
+        let _ = writeln!(r, "  {n:>9} {k}");
+    }
+    let _ = writeln!(r, "disagreements (frames, reference class -> what the kernel moved, an example):");
     for f in &s.failures {
         let _ = writeln!(r, "  {}x {}\n     {}", f.count, f.signature, f.replay_command());
     }
