@@ -68,6 +68,35 @@ pub fn intersects(a: &RuleBitmap, b: &RuleBitmap) -> bool {
     false
 }
 
+/// The rule for a packet whose ports the parser could not reach
+/// (docs/classification.md, "unparsed"): the first rule that could apply
+/// (source matches; protocol too when `proto` is known) and either
+/// certainly applies (no port constraint, and a known protocol or none
+/// required: `no_port`, `any_proto`) or enforces (`enforcing`). A pass or
+/// dry-run rule with a port constraint is passed over, since it might not
+/// apply; an enforcing one is taken, since it might.
+#[inline(always)]
+pub fn first_unparsed(
+    src: &RuleBitmap,
+    proto: Option<&RuleBitmap>,
+    no_port: &RuleBitmap,
+    any_proto: &RuleBitmap,
+    enforcing: &RuleBitmap,
+) -> Option<u32> {
+    let mut i = 0;
+    while i < BITMAP_WORDS {
+        let w = match proto {
+            Some(p) => src.words[i] & p.words[i] & (no_port.words[i] | enforcing.words[i]),
+            None => src.words[i] & ((any_proto.words[i] & no_port.words[i]) | enforcing.words[i]),
+        };
+        if w != 0 {
+            return Some(i as u32 * 64 + lowest_bit(w));
+        }
+        i += 1;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
