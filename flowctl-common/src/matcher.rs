@@ -117,5 +117,23 @@ mod tests {
             let expect = (0..256).find(|&i| a.contains(i) && b.contains(i) && c.contains(i));
             prop_assert_eq!(first_match(&a, &b, &c).map(|x| x as usize), expect);
         }
+
+        /// The unparsed rule, rule by rule as docs/classification.md says:
+        /// the first candidate (source, and protocol when known) that
+        /// certainly applies or enforces.
+        #[test]
+        fn first_unparsed_is_the_first_possible_limit(
+            src: [u64; 4], proto: [u64; 4], no_port: [u64; 4], any_proto: [u64; 4], enforcing: [u64; 4], known: bool,
+        ) {
+            let [src, proto, no_port, any_proto, enforcing] =
+                [src, proto, no_port, any_proto, enforcing].map(|words| RuleBitmap { words });
+            let expect = (0..256).find(|&i| {
+                let candidate = src.contains(i) && (!known || proto.contains(i));
+                let certain = no_port.contains(i) && (known || any_proto.contains(i));
+                candidate && (certain || enforcing.contains(i))
+            });
+            let got = first_unparsed(&src, known.then_some(&proto), &no_port, &any_proto, &enforcing);
+            prop_assert_eq!(got.map(|x| x as usize), expect);
+        }
     }
 }
