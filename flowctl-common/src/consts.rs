@@ -21,6 +21,15 @@ pub const COUNTER_RECORDS: usize = MAX_RULE_RECORDS + 1;
 pub const PORT_NONE: u32 = 65536;
 pub const PORT_INDICES: usize = 65537;
 pub const PROTO_INDICES: usize = 256;
+/// Bitmaps of rules by property per slot in `FLOWCTL_RULE_SETS`.
+pub const RULE_SETS: usize = 2;
+/// Indices into a slot's `FLOWCTL_RULE_SETS` entries.
+pub mod rule_set {
+    /// Rules with action `drop` (they limit).
+    pub const ENFORCING: usize = 0;
+    /// Rules without a protocol constraint.
+    pub const ANY_PROTO: usize = 1;
+}
 /// Distinct source classes per slot: one per distinct prefix in a profile,
 /// plus the two default routes. The LPM trie maps a source to its class; the
 /// class's rule bitmap lives in `SRC_CLASSES`, so the per-source cache stores a
@@ -83,8 +92,14 @@ pub mod globals {
 /// with reason `contended` (see docs/design.md).
 pub const CAS_RETRIES: u32 = 4;
 
-/// IPv6 extension headers walked before giving up with a `malformed` verdict.
+/// IPv6 extension headers the parser walks; a ninth makes the packet
+/// `unparsed` (docs/classification.md).
 pub const MAX_IPV6_EXT_HEADERS: u32 = 8;
+/// VLAN tags the parser walks; a fifth makes the frame `evasive`.
+pub const MAX_VLAN_TAGS: u32 = 4;
+/// Every header the parser reads ends within this many bytes of the frame's
+/// start (the verifier needs a bound; docs/classification.md).
+pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
@@ -100,6 +115,7 @@ pub mod map_names {
     pub const RULES: &str = "FLOWCTL_RULES";
     pub const PROTO_BITS: &str = "FLOWCTL_PROTO_BITS";
     pub const PORT_BITS: &str = "FLOWCTL_PORT_BITS";
+    pub const RULE_SETS: &str = "FLOWCTL_RULE_SETS";
     pub const SRC_TRIE: &str = "FLOWCTL_SRC_TRIE";
     pub const SRC_CLASSES: &str = "FLOWCTL_SRC_CLASSES";
     pub const SRC_CACHE: &str = "FLOWCTL_SRC_CACHE";
@@ -116,8 +132,8 @@ pub mod map_names {
     pub const EGRESS_TARGETS: &str = "FLOWCTL_EGRESS_TARGETS";
     pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 19] = [
-        GLOBAL, RULES, PROTO_BITS, PORT_BITS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
+    pub const ALL: [&str; 20] = [
+        GLOBAL, RULES, PROTO_BITS, PORT_BITS, RULE_SETS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
         CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT, CONNS, OPEN, EGRESS_TARGETS, EGRESS_COUNTS,
     ];
 }

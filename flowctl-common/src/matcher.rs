@@ -68,6 +68,35 @@ pub fn intersects(a: &RuleBitmap, b: &RuleBitmap) -> bool {
     false
 }
 
+/// The rule for a packet whose ports the parser could not reach
+/// (docs/classification.md, "unparsed"): the first rule that could apply
+/// (source matches; protocol too when `proto` is known) and either
+/// certainly applies (no port constraint, and a known protocol or none
+/// required: `no_port`, `any_proto`) or enforces (`enforcing`). A pass or
+/// dry-run rule with a port constraint is passed over, since it might not
+/// apply; an enforcing one is taken, since it might.
+#[inline(always)]
+pub fn first_unparsed(
+    src: &RuleBitmap,
+    proto: Option<&RuleBitmap>,
+    no_port: &RuleBitmap,
+    any_proto: &RuleBitmap,
+    enforcing: &RuleBitmap,
+) -> Option<u32> {
+    let mut i = 0;
+    while i < BITMAP_WORDS {
+        let w = match proto {
+            Some(p) => src.words[i] & p.words[i] & (no_port.words[i] | enforcing.words[i]),
+            None => src.words[i] & ((any_proto.words[i] & no_port.words[i]) | enforcing.words[i]),
+        };
+        if w != 0 {
+            return Some(i as u32 * 64 + lowest_bit(w));
+        }
+        i += 1;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,6 +116,24 @@ mod tests {
             let (a, b, c) = (RuleBitmap { words: a }, RuleBitmap { words: b }, RuleBitmap { words: c });
             let expect = (0..256).find(|&i| a.contains(i) && b.contains(i) && c.contains(i));
             prop_assert_eq!(first_match(&a, &b, &c).map(|x| x as usize), expect);
+        }
+
+        /// The unparsed rule, rule by rule as docs/classification.md says:
+        /// the first candidate (source, and protocol when known) that
+        /// certainly applies or enforces.
+        #[test]
+        fn first_unparsed_is_the_first_possible_limit(
+            src: [u64; 4], proto: [u64; 4], no_port: [u64; 4], any_proto: [u64; 4], enforcing: [u64; 4], known: bool,
+        ) {
+            let [src, proto, no_port, any_proto, enforcing] =
+                [src, proto, no_port, any_proto, enforcing].map(|words| RuleBitmap { words });
+            let expect = (0..256).find(|&i| {
+                let candidate = src.contains(i) && (!known || proto.contains(i));
+                let certain = no_port.contains(i) && (known || any_proto.contains(i));
+                candidate && (certain || enforcing.contains(i))
+            });
+            let got = first_unparsed(&src, known.then_some(&proto), &no_port, &any_proto, &enforcing);
+            prop_assert_eq!(got.map(|x| x as usize), expect);
         }
     }
 }

@@ -3,8 +3,8 @@
 //! [`first_match`](crate::matcher::first_match) the kernel uses.
 
 use crate::{
-    matcher::first_match, RuleBitmap, TrieData, PORT_INDICES, PORT_NONE, PROTO_INDICES,
-    TRIE_TAG_BITS,
+    matcher::first_match, rule_set, RuleBitmap, TrieData, PORT_INDICES, PORT_NONE, PROTO_INDICES,
+    RULE_SETS, TRIE_TAG_BITS,
 };
 use std::net::IpAddr;
 
@@ -59,6 +59,9 @@ pub struct MatchSpec {
     pub src: Option<Cidr>,
     /// Inclusive destination port range.
     pub ports: Option<(u16, u16)>,
+    /// The rule limits (action `drop`): it is taken for packets it might
+    /// match whose ports are unknown (docs/classification.md, "unparsed").
+    pub enforcing: bool,
 }
 
 /// One LPM trie entry.
@@ -80,6 +83,9 @@ pub struct Tables {
     pub trie: Vec<TrieEntry>,
     /// Distinct source bitmaps (at most `MAX_SRC_CLASSES`).
     pub classes: Vec<RuleBitmap>,
+    /// `FLOWCTL_RULE_SETS` of this slot: rules by property, for packets
+    /// whose ports are unknown ([`crate::matcher::first_unparsed`]).
+    pub sets: [RuleBitmap; RULE_SETS],
 }
 
 /// The trie key data of `addr` in `slot`.
@@ -102,7 +108,14 @@ pub fn trie_data(slot: u8, addr: &IpAddr) -> TrieData {
 pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
     let mut proto = vec![RuleBitmap::EMPTY; PROTO_INDICES];
     let mut port = vec![RuleBitmap::EMPTY; PORT_INDICES];
+    let mut sets = [RuleBitmap::EMPTY; RULE_SETS];
     for (i, s) in specs.iter().enumerate() {
+        if s.enforcing {
+            sets[rule_set::ENFORCING].set(i);
+        }
+        if s.proto.is_none() {
+            sets[rule_set::ANY_PROTO].set(i);
+        }
         match s.proto {
             Some(p) => proto[p as usize].set(i),
             None => proto.iter_mut().for_each(|b| b.set(i)),
@@ -148,7 +161,7 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
             TrieEntry { prefix_len: TRIE_TAG_BITS + p.len as u32, data: trie_data(slot, &p.addr), class: class as u32 }
         })
         .collect();
-    Tables { slot, proto, port, trie, classes }
+    Tables { slot, proto, port, trie, classes, sets }
 }
 
 impl Tables {
@@ -206,10 +219,10 @@ mod tests {
     #[test]
     fn first_match_in_profile_order() {
         let specs = vec![
-            MatchSpec { proto: Some(6), src: Some(cidr("10.1.0.0/16")), ports: Some((22, 22)) },
-            MatchSpec { proto: None, src: Some(cidr("10.0.0.0/8")), ports: None },
-            MatchSpec { proto: Some(17), src: None, ports: Some((53, 53)) },
-            MatchSpec { proto: None, src: Some(cidr("2001:db8::/32")), ports: Some((80, 90)) },
+            MatchSpec { proto: Some(6), src: Some(cidr("10.1.0.0/16")), ports: Some((22, 22)), enforcing: true },
+            MatchSpec { proto: None, src: Some(cidr("10.0.0.0/8")), ports: None, enforcing: true },
+            MatchSpec { proto: Some(17), src: None, ports: Some((53, 53)), enforcing: true },
+            MatchSpec { proto: None, src: Some(cidr("2001:db8::/32")), ports: Some((80, 90)), enforcing: true },
         ];
         let t = compile(&specs, 1);
         assert!(t.classes.len() <= t.trie.len());
@@ -243,7 +256,7 @@ mod tests {
             proptest::option::of(arb_cidr()),
             proptest::option::of((0u16..200, 0u16..50).prop_map(|(a, w)| (a, a + w))),
         )
-            .prop_map(|(proto, src, ports)| MatchSpec { proto, src, ports })
+            .prop_map(|(proto, src, ports)| MatchSpec { proto, src, ports, enforcing: true })
     }
 
     proptest! {

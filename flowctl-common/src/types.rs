@@ -71,6 +71,17 @@ pub mod frag {
     pub const LATER: u8 = 2;
 }
 
+/// How much of a packet's L4 the parser reached (`PacketMeta::unparsed`).
+pub mod unparsed {
+    /// Parsed to its L4 header (or a later fragment, which has none).
+    pub const NO: u8 = 0;
+    /// The L4 header lies beyond what the parser walks; the protocol is known.
+    pub const PORTS: u8 = 1;
+    /// The extension header chain goes on past what the parser walks: the
+    /// protocol is unknown too.
+    pub const PROTO: u8 = 2;
+}
+
 /// A set of rule indices (bit i = rule i of the active slot).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -461,6 +472,8 @@ pub struct PacketMeta {
     pub tcp_flags: u8,
     /// `frag::*`.
     pub frag: u8,
+    /// `unparsed::*`: ports (and maybe the protocol) unknown.
+    pub unparsed: u8,
     /// Offsets of the IP and L4 headers from the frame's start (for replies).
     pub l3_off: u16,
     pub l4_off: u16,

@@ -14,6 +14,8 @@
 mod egress;
 mod parse;
 
+use parse::class;
+
 use aya_ebpf::{
     bindings::{xdp_action, xdp_md},
     helpers::bpf_ktime_get_ns,
@@ -33,6 +35,7 @@ use flowctl_common::{
     RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
     DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
     DEBT_SLOTS, DEFAULT_QUOTA_ENTRIES, NO_CLASS, QuotaRing, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
+    rule_set, unparsed, RULE_SETS,
 };
 
 #[map]
@@ -43,6 +46,10 @@ static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned((MAX_RULES * SLOTS) as u
 static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SLOTS) as u32, 0);
 #[map]
 static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOTS) as u32, 0);
+/// Rules by property per slot (`rule_set::*`), for packets whose ports the
+/// parser could not reach.
+#[map]
+static FLOWCTL_RULE_SETS: Array<RuleBitmap> = Array::pinned((RULE_SETS * SLOTS) as u32, 0);
 #[map]
 static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> = LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
 #[map]
@@ -144,33 +151,32 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     packed::action(v)
 }
 
-/// What `flowctl_parse` found in a frame.
-mod parsed {
-    /// An IP packet; its headers are in `FLOWCTL_PACKET`.
-    pub const IP: u32 = 0;
-    /// Not IP (ARP, LLDP, ...): always passes.
-    pub const NOT_IP: u32 = 1;
-    /// Truncated or malformed: the profile's malformed verdict.
-    pub const MALFORMED: u32 = 2;
-}
-
 /// Parses the frame into this CPU's `FLOWCTL_PACKET` entry (`len`: the
-/// frame's bytes on the wire, all buffers) and says what it found. XDP runs
-/// one packet at a time per CPU (NAPI, softirq), so the entry is this
-/// packet's until the program returns.
+/// frame's bytes on the wire, all buffers) and returns its `parse::class`.
+/// XDP runs one packet at a time per CPU (NAPI, softirq), so the entry is
+/// this packet's until the program returns.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
-    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return parsed::MALFORMED };
-    match parse::parse(&XdpContext::new(ctx)) {
-        Ok(Some(mut meta)) => {
-            meta.len = len as u32;
-            unsafe { *slot = meta };
-            parsed::IP
-        }
-        Ok(None) => parsed::NOT_IP,
-        Err(()) => parsed::MALFORMED,
-    }
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse::parse(&XdpContext::new(ctx), len as usize, unsafe { &mut *slot })
+}
+
+/// The IP layer of `flowctl_parse` (see `parse::parse`).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse::parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe { &mut *slot })
+}
+
+/// The L4 header of `flowctl_parse` (see `parse::parse`), at `off` in a
+/// packet that ends at `end`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse::parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
 }
 
 /// The headers `flowctl_parse` left for the packet in flight.
@@ -578,14 +584,17 @@ fn run(parsed: u32, wire_len: u64) -> u64 {
         return xdp_action::XDP_PASS as u64;
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    if parsed == parsed::NOT_IP {
+    if parsed == class::NOT_IP {
         if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
             c.non_ip_pkts += 1;
         }
         return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now) as u64;
     }
+    if parsed == class::EVASIVE {
+        return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Drop(reason::EVASIVE)), wire_len, 0, now) as u64;
+    }
     let meta = match packet() {
-        Some(m) if parsed == parsed::IP => m,
+        Some(m) if parsed == class::IP => m,
         _ => {
             // Counted whatever the verdict, so a pass policy still shows them.
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
@@ -631,7 +640,7 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     let Some(proto_bits) = FLOWCTL_PROTO_BITS.get(proto_idx) else {
         return Decision::unmatched(Outcome::Pass);
     };
-    let port = if meta.frag == frag::LATER || (meta.proto != 6 && meta.proto != 17) {
+    let port = if meta.frag == frag::LATER || meta.unparsed != unparsed::NO || (meta.proto != 6 && meta.proto != 17) {
         PORT_NONE
     } else {
         meta.dport as u32
@@ -639,7 +648,12 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     let Some(port_bits) = FLOWCTL_PORT_BITS.get(slot * PORT_INDICES as u32 + port) else {
         return Decision::unmatched(Outcome::Pass);
     };
-    let Some(rule_idx) = matcher::first_match(src_bits, proto_bits, port_bits) else {
+    let matched = if meta.unparsed == unparsed::NO {
+        matcher::first_match(src_bits, proto_bits, port_bits)
+    } else {
+        unparsed_match(slot, meta, src_bits, proto_bits, port_bits)
+    };
+    let Some(rule_idx) = matched else {
         // A non-first fragment that a port rule might have matched gets the
         // fragment verdict; anything else without a rule passes.
         if meta.frag == frag::LATER && matcher::intersects(src_bits, proto_bits) {
@@ -1089,6 +1103,21 @@ fn remember_debt(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat: u64) {
             }
         }
     }
+}
+
+/// The rule for a packet whose ports the parser could not reach: every
+/// rule that could apply is a candidate (docs/classification.md). Counted
+/// in the global `unparsed_pkts`.
+#[inline(always)]
+fn unparsed_match(slot: u32, meta: &PacketMeta, src: &RuleBitmap, proto: &RuleBitmap, no_port: &RuleBitmap) -> Option<u32> {
+    if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+        c.unparsed_pkts += 1;
+    }
+    let base = slot * RULE_SETS as u32;
+    let enforcing = FLOWCTL_RULE_SETS.get(base + rule_set::ENFORCING as u32)?;
+    let any_proto = FLOWCTL_RULE_SETS.get(base + rule_set::ANY_PROTO as u32)?;
+    let proto = if meta.unparsed == unparsed::PORTS { Some(proto) } else { None };
+    matcher::first_unparsed(src, proto, no_port, any_proto, enforcing)
 }
 
 /// The source's class from the LPM trie of `slot`.

@@ -1,13 +1,15 @@
-//! Header parsing. Every read goes through one bounds check ([`ptr_at`]);
-//! offsets are kept below `MAX_HDR_OFF` so the verifier can bound them.
+//! Header parsing, to the contract of docs/classification.md. Every read
+//! goes through one bounds check ([`ptr_at`]), which also keeps offsets
+//! inside the parse window so the verifier can bound them.
 //!
-//! Verdicts: `Ok(None)` for frames that are not IP (they always pass),
-//! `Err(())` for truncated or malformed headers (the malformed verdict),
-//! `Ok(Some(meta))` otherwise. Non-first fragments have no L4 header: their
-//! ports stay 0 and `frag` says so.
+//! [`parse`] fills a [`PacketMeta`] and says which class the frame is in as
+//! far as its headers decide: IP (to be matched), not IP, malformed or
+//! evasive. Lengths come from the IP headers (the packet's end), never from
+//! what follows them: a stack trims padding, so ports read out of padding
+//! would classify bytes the stack never delivers.
 
 use aya_ebpf::programs::XdpContext;
-use flowctl_common::{frag, PacketMeta, MAX_IPV6_EXT_HEADERS};
+use flowctl_common::{frag, unparsed, PacketMeta, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, PARSE_WINDOW};
 use network_types::{eth::EthHdr, ip::Ipv4Hdr, ip::Ipv6Hdr, tcp::TcpHdr, udp::UdpHdr};
 
 const ETH_P_IP: u16 = 0x0800;
@@ -15,22 +17,35 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const VLAN_LEN: usize = 4;
-/// Headers end before this offset, or the packet counts as malformed.
-const MAX_HDR_OFF: usize = 1024;
 
 const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ROUTING: u8 = 43;
 const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_AH: u8 = 51;
+const IPPROTO_ICMPV6: u8 = 58;
 const IPPROTO_DSTOPTS: u8 = 60;
+
+/// What the headers say about a frame (see docs/classification.md).
+pub mod class {
+    /// IP: match it (the meta says how far the parser got).
+    pub const IP: u32 = 0;
+    /// Not IP (ARP, LLDP, ...): always passes.
+    pub const NOT_IP: u32 = 1;
+    /// What the stack drops itself: the profile's malformed verdict.
+    pub const MALFORMED: u32 = 2;
+    /// Tiny or overlapping fragments, a first IPv6 fragment without its
+    /// chain, too many VLAN tags: always dropped.
+    pub const EVASIVE: u32 = 3;
+}
 
 #[inline(always)]
 fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
     let start = ctx.data();
     let end = ctx.data_end();
-    if off > MAX_HDR_OFF || start + off + core::mem::size_of::<T>() > end {
+    if off > PARSE_WINDOW - core::mem::size_of::<T>() || start + off + core::mem::size_of::<T>() > end {
         return Err(());
     }
     Ok((start + off) as *const T)
@@ -55,42 +70,65 @@ fn be32(b: &[u8], i: usize) -> u32 {
     u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
+/// Parses the frame into `meta` (`len`: its bytes, all buffers) and returns
+/// its [`class`].
 #[inline(always)]
-pub fn parse(ctx: &XdpContext) -> Result<Option<PacketMeta>, ()> {
-    let mut meta = PacketMeta { len: (ctx.data_end() - ctx.data()) as u32, ..PacketMeta::default() };
-    let mut off = EthHdr::LEN;
-    let eth = bytes::<{ EthHdr::LEN }>(ctx, 0)?;
+pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
+    *meta = PacketMeta { len: len as u32, ..PacketMeta::default() };
+    let Ok(eth) = bytes::<{ EthHdr::LEN }>(ctx, 0) else { return class::MALFORMED };
     let mut ether_type = be16(&eth, 12);
-    // Up to two VLAN tags (802.1ad outer, 802.1Q inner, or two 802.1Q).
-    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
-        let tag = bytes::<VLAN_LEN>(ctx, off)?;
+    let mut off = EthHdr::LEN;
+    // VLAN tags (802.1ad and 802.1Q, in any order and number, as nested
+    // VLAN devices deliver them): MAX_VLAN_TAGS, and a frame with more is
+    // evasive (it could hide any IP packet from every rule).
+    let mut tags = 0;
+    while ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        if tags == MAX_VLAN_TAGS {
+            return class::EVASIVE;
+        }
+        let Ok(tag) = bytes::<VLAN_LEN>(ctx, off) else { return class::MALFORMED };
         ether_type = be16(&tag, 2);
         off += VLAN_LEN;
-        if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
-            let tag = bytes::<VLAN_LEN>(ctx, off)?;
-            ether_type = be16(&tag, 2);
-            off += VLAN_LEN;
-        }
+        tags += 1;
     }
     meta.l3_off = off as u16;
-    match ether_type {
-        ETH_P_IP => parse_ipv4(ctx, off, &mut meta)?,
-        ETH_P_IPV6 => parse_ipv6(ctx, off, &mut meta)?,
-        _ => return Ok(None),
+    if ether_type != ETH_P_IP && ether_type != ETH_P_IPV6 {
+        return class::NOT_IP;
     }
-    Ok(Some(meta))
+    // The IP layer and then L4 are global functions, each verified once
+    // with unknown offsets: inline, every VLAN depth (a distinct constant
+    // offset) and every exit of the IPv6 chain walk multiplied the
+    // verifier's work on everything after it.
+    crate::flowctl_parse_ip(ctx.ctx, off as u64, len as u64, (ether_type == ETH_P_IPV6) as u64)
+}
+
+/// The IP header at `off` and what follows (`ipv6`: which version the
+/// EtherType announced).
+#[inline(always)]
+pub fn parse_ip(ctx: &XdpContext, off: usize, len: usize, ipv6: bool, meta: &mut PacketMeta) -> u32 {
+    if ipv6 {
+        parse_ipv6(ctx, off, len, meta)
+    } else {
+        parse_ipv4(ctx, off, len, meta)
+    }
 }
 
 #[inline(always)]
-fn parse_ipv4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
-    let h = bytes::<{ Ipv4Hdr::LEN }>(ctx, off)?;
+fn parse_ipv4(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -> u32 {
+    let Ok(h) = bytes::<{ Ipv4Hdr::LEN }>(ctx, off) else { return class::MALFORMED };
     let vihl = h[0];
     let ihl = ((vihl & 0x0f) as usize) * 4;
     if vihl >> 4 != 4 || ihl < Ipv4Hdr::LEN {
-        return Err(());
+        return class::MALFORMED;
     }
     // The whole header, options included, must be present.
-    ptr_at::<u8>(ctx, off + ihl - 1)?;
+    if ptr_at::<u8>(ctx, off + ihl - 1).is_err() {
+        return class::MALFORMED;
+    }
+    let total = be16(&h, 2) as usize;
+    if total < ihl || off + total > len {
+        return class::MALFORMED;
+    }
     let frags = be16(&h, 6);
     let offset = frags & 0x1fff;
     let more = frags & 0x2000 != 0;
@@ -98,24 +136,51 @@ fn parse_ipv4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(),
     meta.proto = h[9];
     meta.src[0] = be32(&h, 12);
     meta.dst[0] = be32(&h, 16);
-    meta.frag = if offset != 0 {
-        frag::LATER
-    } else if more {
-        frag::FIRST
-    } else {
-        frag::NONE
-    };
-    if meta.frag == frag::LATER {
-        return Ok(());
+    if offset != 0 {
+        meta.frag = frag::LATER;
+        // Offsets 1 and 2 (8 and 16 bytes) overlap the first fragment's TCP
+        // header and could rewrite its flags (RFC 1858 3.2, RFC 3128).
+        if meta.proto == IPPROTO_TCP && offset <= 2 {
+            return class::EVASIVE;
+        }
+        return class::IP;
     }
-    parse_l4(ctx, off + ihl, meta)
+    if more {
+        meta.frag = frag::FIRST;
+    }
+    crate::flowctl_parse_l4(ctx.ctx, (off + ihl) as u64, (off + total) as u64)
+}
+
+/// True for the extension header types the parser walks.
+#[inline(always)]
+fn is_extension(next: u8) -> bool {
+    matches!(next, IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_FRAGMENT | IPPROTO_AH | IPPROTO_DSTOPTS)
+}
+
+/// A header that does not end within the packet: malformed, or in a first
+/// fragment, evasive (RFC 7112: the first fragment holds the whole chain).
+#[inline(always)]
+fn cut_short(meta: &PacketMeta) -> u32 {
+    if meta.frag == frag::FIRST {
+        class::EVASIVE
+    } else {
+        class::MALFORMED
+    }
 }
 
 #[inline(always)]
-fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
-    let h = bytes::<{ Ipv6Hdr::LEN }>(ctx, off)?;
+fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -> u32 {
+    let Ok(h) = bytes::<{ Ipv6Hdr::LEN }>(ctx, off) else { return class::MALFORMED };
     if h[0] >> 4 != 6 {
-        return Err(());
+        return class::MALFORMED;
+    }
+    let payload = be16(&h, 4) as usize;
+    let mut next = h[6];
+    // A zero payload length with hop-by-hop first is a jumbogram (RFC 2675):
+    // the frame's end is the packet's.
+    let end = if payload == 0 && next == IPPROTO_HOPOPTS { len } else { off + Ipv6Hdr::LEN + payload };
+    if end > len {
+        return class::MALFORMED;
     }
     meta.family = 6;
     let mut i = 0;
@@ -124,80 +189,93 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(),
         meta.dst[i] = be32(&h, 24 + i * 4);
         i += 1;
     }
-    let mut next = h[6];
     let mut off = off + Ipv6Hdr::LEN;
-    // Walk extension headers, bounded.
     let mut n = 0;
-    while n < MAX_IPV6_EXT_HEADERS {
-        match next {
-            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
-                let e = bytes::<2>(ctx, off)?;
-                next = e[0];
-                off += (e[1] as usize + 1) * 8;
+    while n < MAX_IPV6_EXT_HEADERS && is_extension(next) {
+        if next == IPPROTO_FRAGMENT {
+            if off + 8 > end {
+                return cut_short(meta);
             }
-            IPPROTO_AH => {
-                // AH length is in 4-byte units, minus 2.
-                let e = bytes::<2>(ctx, off)?;
-                next = e[0];
-                off += (e[1] as usize + 2) * 4;
+            let Ok(e) = bytes::<8>(ctx, off) else { return unparsed_at(meta, next, unparsed::PROTO) };
+            let fo = be16(&e, 2);
+            next = e[0];
+            off += 8;
+            if fo >> 3 != 0 {
+                // A later fragment: what follows is the middle of the
+                // datagram, not headers.
+                meta.frag = frag::LATER;
+                meta.proto = next;
+                return class::IP;
             }
-            IPPROTO_FRAGMENT => {
-                let e = bytes::<8>(ctx, off)?;
-                let nh = e[0];
-                let fo = be16(&e, 2);
-                let offset = fo >> 3;
-                let more = fo & 1 != 0;
-                next = nh;
-                off += 8;
-                if offset != 0 {
-                    meta.frag = frag::LATER;
-                } else if more {
-                    meta.frag = frag::FIRST;
-                }
+            if fo & 1 != 0 {
+                meta.frag = frag::FIRST;
             }
-            _ => break,
-        }
-        if off > MAX_HDR_OFF {
-            return Err(());
+        } else {
+            if off + 2 > end {
+                return cut_short(meta);
+            }
+            let Ok(e) = bytes::<2>(ctx, off) else { return unparsed_at(meta, next, unparsed::PROTO) };
+            // AH counts its length in 4-byte units minus 2, the others in
+            // 8-byte units minus 1.
+            let hlen = if next == IPPROTO_AH { (e[1] as usize + 2) * 4 } else { (e[1] as usize + 1) * 8 };
+            if off + hlen > end {
+                return cut_short(meta);
+            }
+            next = e[0];
+            off += hlen;
         }
         n += 1;
     }
-    if n == MAX_IPV6_EXT_HEADERS {
-        // More extension headers than we walk: malformed by policy.
-        return Err(());
+    if is_extension(next) {
+        // The chain goes on past what the parser walks.
+        return unparsed_at(meta, next, unparsed::PROTO);
     }
     meta.proto = next;
-    if meta.frag == frag::LATER {
-        return Ok(());
-    }
-    parse_l4(ctx, off, meta)
+    crate::flowctl_parse_l4(ctx.ctx, off as u64, end as u64)
 }
 
+/// Marks a packet whose L4 the parser cannot reach (docs/classification.md,
+/// "unparsed"): classified against every rule that could apply.
 #[inline(always)]
-fn parse_l4(ctx: &XdpContext, off: usize, meta: &mut PacketMeta) -> Result<(), ()> {
+fn unparsed_at(meta: &mut PacketMeta, next: u8, how: u8) -> u32 {
+    meta.proto = next;
+    meta.unparsed = how;
+    class::IP
+}
+
+/// The L4 header at `off`, in a packet that ends at `end`.
+#[inline(always)]
+pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta) -> u32 {
     meta.l4_off = off as u16;
+    let need = match meta.proto {
+        IPPROTO_TCP => TcpHdr::LEN,
+        IPPROTO_UDP => UdpHdr::LEN,
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => 4,
+        _ => 0,
+    };
+    if off + need > end {
+        // Not all there: a tiny first fragment (RFC 1858 3.1), or a
+        // truncated packet the stack drops.
+        return cut_short(meta);
+    }
     match meta.proto {
         IPPROTO_TCP => {
-            let t = bytes::<{ TcpHdr::LEN }>(ctx, off)?;
+            let Ok(t) = bytes::<{ TcpHdr::LEN }>(ctx, off) else { return unparsed_at(meta, IPPROTO_TCP, unparsed::PORTS) };
+            if ((t[12] >> 4) as usize) * 4 < TcpHdr::LEN {
+                return class::MALFORMED;
+            }
             meta.sport = be16(&t, 0);
             meta.dport = be16(&t, 2);
-            if ((t[12] >> 4) as usize) * 4 < TcpHdr::LEN {
-                return Err(());
-            }
             meta.tcp_flags = t[13];
         }
         IPPROTO_UDP => {
-            let u = bytes::<{ UdpHdr::LEN }>(ctx, off)?;
+            let Ok(u) = bytes::<{ UdpHdr::LEN }>(ctx, off) else { return unparsed_at(meta, IPPROTO_UDP, unparsed::PORTS) };
             meta.sport = be16(&u, 0);
             meta.dport = be16(&u, 2);
         }
-        1 | 58 => {
-            // ICMP / ICMPv6: type and code must be present.
-            ptr_at::<[u8; 4]>(ctx, off)?;
-        }
         _ => {}
     }
-    Ok(())
+    class::IP
 }
 
 /// Folds a 32-bit one's-complement sum into the 16-bit checksum.

@@ -244,6 +244,7 @@ fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "would_drop_pkts": c.would_drop_pkts,
         "insert_failures": c.insert_failures,
         "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
+        "unparsed_pkts": c.unparsed_pkts,
     })
 }
 

@@ -15,7 +15,7 @@ use aya::{
 use flowctl_common::{
     control_flags, globals, map_names as names, AgentRecord, KeySample, OPEN_BUCKETS, OPEN_BUCKET_NS, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
-    PROTO_INDICES, XDP_PROGRAM,
+    PROTO_INDICES, RULE_SETS, XDP_PROGRAM,
 };
 use std::{fs, path::Path};
 
@@ -104,6 +104,7 @@ pub struct Maps {
     pub rules: Array<MapData, RuleConfig>,
     pub proto: Array<MapData, RuleBitmap>,
     pub port: Array<MapData, RuleBitmap>,
+    pub rule_sets: Array<MapData, RuleBitmap>,
     pub trie: LpmTrie<MapData, TrieData, u32>,
     pub classes: Array<MapData, RuleBitmap>,
     pub counters: PerCpuArray<MapData, RuleCounters>,
@@ -130,6 +131,7 @@ impl Maps {
             rules: Array::try_from(Map::Array(open(&d, names::RULES)?))?,
             proto: Array::try_from(Map::Array(open(&d, names::PROTO_BITS)?))?,
             port: Array::try_from(Map::Array(open(&d, names::PORT_BITS)?))?,
+            rule_sets: Array::try_from(Map::Array(open(&d, names::RULE_SETS)?))?,
             trie: LpmTrie::try_from(Map::LpmTrie(open(&d, names::SRC_TRIE)?))?,
             classes: Array::try_from(Map::Array(open(&d, names::SRC_CLASSES)?))?,
             counters: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::COUNTERS)?))?,
@@ -322,6 +324,9 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     }
     for (i, b) in t.port.iter().enumerate() {
         maps.port.set(slot * PORT_INDICES as u32 + i as u32, b, 0)?;
+    }
+    for (i, b) in t.sets.iter().enumerate() {
+        maps.rule_sets.set(slot * RULE_SETS as u32 + i as u32, b, 0)?;
     }
     // Replace this slot's trie entries.
     let stale: Vec<Key<TrieData>> = maps

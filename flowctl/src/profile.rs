@@ -761,7 +761,7 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             other => return Err(cx.err(a.span(), format!("unknown action `{other}`: use drop, pass or dry-run"))),
         },
     };
-    let spec = MatchSpec { proto, src, ports };
+    let spec = MatchSpec { proto, src, ports, enforcing: action_v == action::DROP };
     let mut rule = Rule {
         name,
         line: line_col(cx.text, span.start).0,

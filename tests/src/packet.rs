@@ -72,6 +72,8 @@ impl V4 {
         let (proto, body) = l4_bytes(l4, payload);
         let mut f = eth(&self.vlans, 0x0800);
         let ihl = 20 + self.options.len();
+        // Later fragments carry no L4 header: 8 bytes fewer.
+        let body: &[u8] = if self.frag.0 == 0 { &body } else { &body[8..] };
         let tot = (ihl + body.len()) as u16;
         let fo = self.frag.0 | if self.frag.1 { 0x2000 } else { 0 };
         f.push(0x40 | (ihl / 4) as u8);
@@ -85,11 +87,7 @@ impl V4 {
         f.extend_from_slice(&self.src);
         f.extend_from_slice(&self.dst);
         f.extend_from_slice(&self.options);
-        if self.frag.0 == 0 {
-            f.extend_from_slice(&body);
-        } else {
-            f.extend_from_slice(&body[8..]); // later fragments carry no L4 header
-        }
+        f.extend_from_slice(body);
         f
     }
 }

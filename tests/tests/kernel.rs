@@ -36,6 +36,128 @@ fn verifier_instruction_budget() {
     assert!(n > 0 && n <= VERIFIER_BUDGET, "{n} processed instructions, budget {VERIFIER_BUDGET}");
 }
 
+/// A dns rule behind a pass rule on another port: what an attacker would
+/// need to slip past (docs/classification.md).
+const NO_BYPASS: &str = r#"
+[[rule]]
+name = "ssh"
+proto = "tcp"
+dport = 22
+action = "pass"
+
+[[rule]]
+name = "dns"
+proto = "udp"
+dport = 53
+rate = "1000000000/s"
+key = "rule"
+"#;
+
+/// `frame` cut to `keep` bytes with its IPv4 total length saying so.
+fn v4_cut(mut frame: Vec<u8>, keep: usize) -> Vec<u8> {
+    frame.truncate(keep);
+    let tot = (keep - 14) as u16;
+    frame[16..18].copy_from_slice(&tot.to_be_bytes());
+    frame
+}
+
+/// A destination-options header of `len` bytes (a multiple of 8, up to
+/// 2048) padded with PadN options.
+fn ext_dstopts_long(len: usize) -> (u8, Vec<u8>) {
+    let mut b = vec![0u8; len];
+    b[1] = (len / 8 - 1) as u8;
+    let mut i = 2;
+    while i < len {
+        let n = (len - i).min(257);
+        if n == 1 {
+            b[i] = 0; // Pad1
+            i += 1;
+            continue;
+        }
+        b[i] = 1; // PadN
+        b[i + 1] = (n - 2) as u8;
+        i += n;
+    }
+    (60, b)
+}
+
+/// Issue 13's layouts, each against an enforcing rule it must not escape:
+/// exactly eight IPv6 extension headers are parsed; a ninth, or an L4
+/// header past the parse window, is matched against every rule that could
+/// apply (a pass rule on another port is passed over, the dns rule is
+/// taken); tiny and overlapping fragments and a first IPv6 fragment without
+/// its chain are dropped whatever `malformed` says; four VLAN tags are
+/// parsed and a fifth is dropped; lying total lengths are malformed.
+fn attacker_layouts_do_not_escape_enforcing_rules() {
+    let p = TestPlane::new(&profile(NO_BYPASS));
+    let udp53 = L4::Udp { sport: 9, dport: 53 };
+    let src6 = [0xfd, 13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+    let mut counted = 0;
+    let mut check = |name: &str, frame: Vec<u8>, want_dns: bool| {
+        let before = p.counters("dns").offered_pkts;
+        p.run(&frame);
+        let got = p.counters("dns").offered_pkts - before;
+        assert_eq!(got, want_dns as u64, "{name}: dns rule offered {got}");
+        counted += want_dns as u64;
+    };
+    // IPv6: hop-by-hop + 7 destination options (8 headers), then UDP/53.
+    let mut v6 = V6::new(src6);
+    v6.ext = std::iter::once(ext_hopopts()).chain((0..7).map(|_| ext_dstopts())).collect();
+    check("8 extension headers", v6.build(udp53, 16), true);
+    // A ninth: unparsed, the protocol unknown; the dns rule enforces, the ssh pass rule might not apply.
+    v6.ext.push(ext_dstopts());
+    check("9 extension headers", v6.build(udp53, 16), true);
+    // One 2 KiB destination-options header puts UDP past the window: unparsed, UDP known.
+    v6.ext = vec![ext_dstopts_long(2048)];
+    check("2 KiB options header", v6.build(udp53, 16), true);
+    // Three and four VLAN tags: parsed.
+    let mut tagged = V4::new([10, 13, 0, 1]);
+    tagged.vlans = vec![10, 20, 30];
+    check("3 VLAN tags", tagged.build(udp53, 16), true);
+    tagged.vlans = vec![10, 20, 30, 40];
+    check("4 VLAN tags", tagged.build(udp53, 16), true);
+    let g0 = p.unmatched();
+    assert_eq!(g0.unparsed_pkts, 2, "the ninth header and the long header are counted unparsed");
+    assert_eq!(g0.malformed_pkts, 0);
+
+    // Evasive: dropped and counted on the global record, whatever `malformed` says.
+    let evasive = |name: &str, frame: Vec<u8>| {
+        let before = p.unmatched().dropped_pkts[reason::EVASIVE];
+        assert_eq!(p.run(&frame), XDP_DROP, "{name}: dropped");
+        assert_eq!(p.unmatched().dropped_pkts[reason::EVASIVE], before + 1, "{name}: counted evasive");
+    };
+    tagged.vlans = vec![10, 20, 30, 40, 50];
+    evasive("5 VLAN tags", tagged.build(udp53, 16));
+    let mut first = V4::new([10, 13, 0, 2]);
+    first.frag = (0, true);
+    let syn = first.build(L4::Tcp { sport: 1000, dport: 53, flags: 0x02 }, 0);
+    evasive("a first fragment with 8 bytes of TCP (RFC 1858)", v4_cut(syn.clone(), 14 + 20 + 8));
+    let udp_first = first.build(udp53, 0);
+    evasive("a first fragment with 4 bytes of UDP", v4_cut(udp_first, 14 + 20 + 4));
+    let mut overlap = V4::new([10, 13, 0, 2]);
+    overlap.frag = (1, false);
+    evasive("a TCP fragment at offset 8 (RFC 3128)", overlap.build(L4::Tcp { sport: 1000, dport: 53, flags: 0x02 }, 16));
+    let mut v6first = V6::new(src6);
+    v6first.ext = vec![ext_fragment(0, true), ext_dstopts_long(64)];
+    let frame = v6first.build(udp53, 16);
+    // Cut inside the destination options that follow the fragment header.
+    let mut cut = frame[..14 + 40 + 8 + 16].to_vec();
+    cut[18..20].copy_from_slice(&(8u16 + 16).to_be_bytes());
+    evasive("a first IPv6 fragment without its chain (RFC 7112)", cut);
+
+    // Lying lengths are malformed (the stack drops them); padding after a
+    // packet is not part of it.
+    let before = p.unmatched().malformed_pkts;
+    let mut long = V4::new([10, 13, 0, 3]).build(udp53, 16);
+    long[16..18].copy_from_slice(&200u16.to_be_bytes());
+    p.run(&long);
+    let mut short = V4::new([10, 13, 0, 3]).build(udp53, 16);
+    short[16..18].copy_from_slice(&24u16.to_be_bytes()); // 4 bytes of UDP, the rest padding
+    p.run(&short);
+    assert_eq!(p.unmatched().malformed_pkts, before + 2, "total length past the frame, and a UDP header in padding");
+    assert_eq!(p.counters("dns").offered_pkts, counted);
+}
+
 fn bucket_drains_then_refuses_and_counts() {
     let p = TestPlane::new(&profile(
         r#"
@@ -697,6 +819,7 @@ fn main() {
     use flowctl_tests::need::Need::*;
     flowctl_tests::need::run(flowctl_tests::trials![
         verifier_instruction_budget: [Root],
+        attacker_layouts_do_not_escape_enforcing_rules: [Root],
         bucket_drains_then_refuses_and_counts: [Root],
         byte_buckets_charge_frame_length: [Root],
         connections_unit_counts_only_syns: [Root],
