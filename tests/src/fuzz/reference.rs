@@ -106,7 +106,9 @@ impl Class {
     /// The kind with the reason, for evasive, malformed and unparsed.
     pub fn reason(&self) -> String {
         match self {
-            Class::Evasive(w) | Class::Malformed(w) | Class::Unparsed { why: w, .. } => format!("{} ({w})", self.kind()),
+            Class::Evasive(w) | Class::Malformed(w) => format!("{} ({w})", self.kind()),
+            Class::Unparsed { why, proto: Some(p), .. } => format!("{} ({why}, protocol {p})", self.kind()),
+            Class::Unparsed { why, proto: None, .. } => format!("{} ({why})", self.kind()),
             c => c.kind().to_string(),
         }
     }
@@ -189,15 +191,13 @@ fn be16(f: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([f[at], f[at + 1]])
 }
 
-/// The minimal L4 header the contract reads for `proto` in this family
-/// (IPv4: TCP, UDP, ICMP; IPv6: TCP, UDP, ICMPv6), or None: no L4 header
-/// is read.
-fn min_l4(proto: u8, v6: bool) -> Option<usize> {
+/// The minimal L4 header the contract reads for `proto` (TCP, UDP, and
+/// ICMP or ICMPv6 in either family), or None: no L4 header is read.
+fn min_l4(proto: u8, _v6: bool) -> Option<usize> {
     match proto {
         P_TCP => Some(20),
         P_UDP => Some(8),
-        P_ICMP if !v6 => Some(4),
-        P_ICMPV6 if v6 => Some(4),
+        P_ICMP | P_ICMPV6 => Some(4),
         _ => None,
     }
 }
@@ -314,15 +314,17 @@ fn ipv6(f: &[u8], l3: usize, p: &RefProfile) -> Class {
         if n == MAX_EXT_HEADERS {
             return unparsed(p, &src, None, "ninth extension header");
         }
-        // An extension header is read as its first 8 bytes (every one is at
-        // least 8 long); the rest is skipped by its length.
-        if at + 8 > end {
+        // An extension header is read as its next-header and length bytes
+        // (the fragment header: all its 8 bytes); the rest is skipped by
+        // its length.
+        let read = if nh == 44 { 8 } else { 2 };
+        if at + read > end {
             return match first {
                 true => Class::Evasive("IPv6 first fragment: header chain past the end"),
                 false => Class::Malformed("extension header beyond the packet's end"),
             };
         }
-        if at + 8 > WINDOW {
+        if at + read > WINDOW {
             return unparsed(p, &src, None, "extension header past the parse window");
         }
         let len = match nh {
