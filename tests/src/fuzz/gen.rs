@@ -374,8 +374,11 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
     if n > 0 && rng.chance(0.4) {
         types[0] = 0;
     }
+    // The aimed header is the last (the L4 header lands at the edge) or the
+    // one before it (the last extension header does).
+    let aimed = if n >= 2 && rng.chance(0.5) { n - 2 } else { n.saturating_sub(1) };
     if aim.is_some() && n > 0 {
-        types[n - 1] = 60;
+        types[aimed] = 60;
     }
     let mut chain: Vec<Vec<u8>> = Vec::new();
     let mut used = 40usize;
@@ -409,7 +412,7 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
             _ => {
                 let mut len = ext_len_field(rng, used < 1200 && room > 2200);
                 if let Some(target) = aim {
-                    if i == n - 1 {
+                    if i == aimed {
                         // The L3 start is what the frame holds so far.
                         let l3 = MAX_FRAME - room;
                         let want = target.saturating_sub(l3 + used) / 8;
