@@ -24,13 +24,14 @@ fn main() {
     let mut o = Options { frames: 0, ..Options::default() };
     let (mut replay, mut profile): (Option<PathBuf>, Option<PathBuf>) = (None, None);
     let mut frames = None;
+    let mut per_profile = None;
     while let Some(a) = args.next() {
         let mut val = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
             "--seed" => o.seed = val().parse().unwrap_or_else(|_| usage()),
             "--out" => o.out = PathBuf::from(val()),
             "--max-failures" => o.max_failures = val().parse().unwrap_or_else(|_| usage()),
-            "--per-profile" => o.frames_per_profile = val().parse().unwrap_or_else(|_| usage()),
+            "--per-profile" => per_profile = Some(val().parse().unwrap_or_else(|_| usage())),
             "--batch" => o.batch = val().parse().unwrap_or_else(|_| usage()),
             "--cpu" => o.cpu = val().parse().unwrap_or_else(|_| usage()),
             "--replay" => replay = Some(PathBuf::from(val())),
@@ -51,6 +52,9 @@ fn main() {
         return;
     }
     o.frames = frames.unwrap_or_else(|| usage());
+    // By default 25,000 frames per profile, and at most 100 profiles (a
+    // load is ~0.25 s): 10M frames run under 100 profiles of 100,000.
+    o.frames_per_profile = per_profile.unwrap_or(o.frames.div_ceil(100).max(25_000)).max(1);
     println!("flowctl-fuzz: {} frames, seed {}, a new profile every {} frames, batches of {}, CPU {}, failures to {}", o.frames, o.seed, o.frames_per_profile, o.batch, o.cpu, o.out.display());
     let s = run::run(&o);
     print!("{}", run::report(&s));
