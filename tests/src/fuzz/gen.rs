@@ -17,10 +17,10 @@ impl Rng {
     /// A generator for stream `k` of `seed` (a profile round, its frames).
     pub fn derive(seed: u64, k: u64) -> Self {
         let mut r = Self::new(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        r.next();
+        r.next_u64();
         r
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -29,24 +29,24 @@ impl Rng {
     }
     /// Uniform in lo..=hi.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
+        lo + self.next_u64() % (hi - lo + 1)
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
     pub fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
     }
     pub fn u8(&mut self) -> u8 {
-        self.next() as u8
+        self.next_u64() as u8
     }
     pub fn u16(&mut self) -> u16 {
-        self.next() as u16
+        self.next_u64() as u16
     }
     /// An index picked by weight.
     pub fn weighted(&mut self, w: &[u32]) -> usize {
         let total: u32 = w.iter().sum();
-        let mut x = (self.next() % total as u64) as u32;
+        let mut x = (self.next_u64() % total as u64) as u32;
         for (i, &wi) in w.iter().enumerate() {
             if x < wi {
                 return i;
@@ -147,20 +147,20 @@ impl Targets {
     fn v4(&self, rng: &mut Rng) -> [u8; 4] {
         if !self.v4.is_empty() && rng.chance(0.7) {
             let (a, len) = self.v4[rng.below(self.v4.len())];
-            let host = if len == 32 { 0 } else { (rng.next() as u32) >> len };
+            let host = if len == 32 { 0 } else { (rng.next_u64() as u32) >> len };
             let mut x = a | host;
             if len > 0 && rng.chance(0.15) {
                 x ^= 1 << (32 - len); // just outside
             }
             return x.to_be_bytes();
         }
-        (rng.next() as u32).to_be_bytes()
+        (rng.next_u64() as u32).to_be_bytes()
     }
 
     fn v6(&self, rng: &mut Rng) -> [u8; 16] {
         if !self.v6.is_empty() && rng.chance(0.7) {
             let (a, len) = self.v6[rng.below(self.v6.len())];
-            let r = (rng.next() as u128) << 64 | rng.next() as u128;
+            let r = (rng.next_u64() as u128) << 64 | rng.next_u64() as u128;
             let host = if len == 128 { 0 } else { r >> len };
             let mut x = a | host;
             if len > 0 && rng.chance(0.15) {
@@ -168,7 +168,7 @@ impl Targets {
             }
             return x.to_be_bytes();
         }
-        let r = (rng.next() as u128) << 64 | rng.next() as u128;
+        let r = (rng.next_u64() as u128) << 64 | rng.next_u64() as u128;
         (r & !(0xff << 120) | (0xfd << 120)).to_be_bytes()
     }
 

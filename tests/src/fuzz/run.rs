@@ -255,7 +255,7 @@ pub fn to_hex(frame: &[u8]) -> String {
 /// A hex file: `#` lines are comments, whitespace is ignored.
 pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
     let digits: String = text.lines().filter(|l| !l.trim_start().starts_with('#')).flat_map(|l| l.chars()).filter(|c| !c.is_whitespace()).collect();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err("odd number of hex digits".into());
     }
     (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).map_err(|e| format!("at {i}: {e}"))).collect()
