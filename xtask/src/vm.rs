@@ -11,7 +11,7 @@
 //! from vng's exit code, so a guest that dies half way is a failure.
 
 use crate::{
-    matrix::{Kernel, KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER},
+    matrix::{Kernel, KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
     root, setup, tee,
 };
 use anyhow::{Context, Result};
@@ -36,27 +36,43 @@ pub fn timeout() -> Duration {
     Duration::from_secs(s)
 }
 
-/// What the guest runs, in order: (log name, executable, arguments).
-fn plan(bins: &[TestBin]) -> Vec<(String, PathBuf, Vec<String>)> {
-    let mut v = Vec::new();
-    for name in KERNEL_TIER {
-        if let Some(b) = bins.iter().find(|b| b.name == *name) {
-            v.push((name.to_string(), b.path.clone(), vec!["--test-threads=1".to_string()]));
-        }
+/// One step of the guest script: a test binary's run, logged as `name`.
+struct Step {
+    name: &'static str,
+    exe: PathBuf,
+    args: Vec<String>,
+    /// Where the XDP gate failed: None, not run; Some, run with these
+    /// arguments instead (the tests that need no XDP program).
+    without_xdp: Option<Option<Vec<String>>>,
+}
+
+const NO_XDP: &str = "not run: the XDP program does not load on this kernel (see xdp-gate)";
+
+fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
+    let exe = |name: &str| bins.iter().find(|b| b.name == name).map(|b| b.path.clone()).with_context(|| format!("no test executable {name}"));
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let serial = "--test-threads=1";
+    let mut v = vec![
+        Step { name: "xdp-gate", exe: exe("kernel")?, args: args(&[serial, "--exact", XDP_GATE]), without_xdp: None },
+        Step { name: "kernel", exe: exe("kernel")?, args: args(&[serial, "--exact", "--skip", XDP_GATE]), without_xdp: Some(None) },
+    ];
+    for name in KERNEL_TIER.iter().filter(|n| **n != "kernel") {
+        v.push(Step { name, exe: exe(name)?, args: args(&[serial]), without_xdp: None });
     }
-    if let Some(b) = bins.iter().find(|b| b.name == "e2e") {
-        let mut args: Vec<String> = ["--test-threads=1", "--exact"].map(String::from).to_vec();
-        args.extend(E2E_SUBSET.iter().map(|s| s.to_string()));
-        v.push(("e2e".to_string(), b.path.clone(), args));
-    }
-    v
+    let subset = |all: bool| {
+        let mut a = args(&[serial, "--exact"]);
+        a.extend(E2E_SUBSET.iter().filter(|t| all || !t.xdp).map(|t| t.name.to_string()));
+        a
+    };
+    v.push(Step { name: "e2e", exe: exe("e2e")?, args: subset(true), without_xdp: Some(Some(subset(false))) });
+    Ok(v)
 }
 
 fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-fn guest_script(out: &Path, flowctl: &Path, plan: &[(String, PathBuf, Vec<String>)]) -> String {
+fn guest_script(out: &Path, flowctl: &Path, plan: &[Step]) -> String {
     let q = |p: &Path| sh_quote(&p.display().to_string());
     let mut s = String::new();
     let _ = write!(
@@ -82,15 +98,36 @@ run() {{
     echo "$rc $start $(date +%s.%N)" > "$OUT/$name.rc"
     echo "==== flowctl-vm $(uname -r): $name exit $rc ===="
 }}
+skip() {{
+    echo "==== flowctl-vm $(uname -r): $1: $2 ===="
+    echo skip > "$OUT/$1.rc"
+}}
 "#,
         out = q(out),
         vm_env = VM_ENV,
         flowctl = q(flowctl),
         tests = q(&root().join("tests")),
     );
-    for (name, exe, args) in plan {
-        let args: Vec<String> = args.iter().map(|a| sh_quote(a)).collect();
-        let _ = writeln!(s, "run {} {} {}", sh_quote(name), q(exe), args.join(" "));
+    let cmd = |exe: &Path, args: &[String]| format!("{} {}", q(exe), args.iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" "));
+    for st in plan {
+        let name = sh_quote(st.name);
+        match &st.without_xdp {
+            None => {
+                let _ = writeln!(s, "run {name} {}", cmd(&st.exe, &st.args));
+            }
+            Some(alt) => {
+                let _ = writeln!(s, "if [ \"$(cut -d' ' -f1 \"$OUT/xdp-gate.rc\")\" = 0 ]; then\n    run {name} {}\nelse", cmd(&st.exe, &st.args));
+                match alt {
+                    None => {
+                        let _ = writeln!(s, "    skip {name} {}", sh_quote(NO_XDP));
+                    }
+                    Some(args) => {
+                        let _ = writeln!(s, "    echo {} > \"$OUT/\"{name}.note\n    run {name} {}", sh_quote("only the tests without XDP: the XDP program does not load here"), cmd(&st.exe, args));
+                    }
+                }
+                s.push_str("fi\n");
+            }
+        }
     }
     s.push_str("sync\necho done > \"$OUT/done\"\n");
     s
@@ -108,7 +145,7 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
     let t0 = Instant::now();
     let fail = |problem: String| KernelRun {
         kernel: name.clone(),
-        rows: vec![Row { tier: "boot".into(), counts: Default::default(), problem: Some(problem), secs: None }],
+        rows: vec![Row::new("boot", Default::default(), Some(problem), None)],
         wall: t0.elapsed(),
         boot_s: None,
         console_tail: None,
@@ -122,7 +159,7 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
     let out = root().join("target/vm-matrix").join(k.version);
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let plan = plan(bins);
+    let plan = plan(bins)?;
     let script = out.join("guest.sh");
     std::fs::write(&script, guest_script(&out, flowctl, &plan))?;
     let limit = timeout();
@@ -143,13 +180,20 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
     let wall = t0.elapsed();
     let boot_s = std::fs::read_to_string(out.join("boot_s")).ok().and_then(|s| s.trim().parse::<f64>().ok());
     let mut rows = Vec::new();
-    for (bin, _, _) in &plan {
+    let mut running_when_killed = true;
+    for st in &plan {
+        let bin = st.name;
         let rc = std::fs::read_to_string(out.join(format!("{bin}.rc"))).ok();
         let counts = tee::Counts::of_text(&std::fs::read_to_string(out.join(format!("{bin}.log"))).unwrap_or_default());
         let mut secs = None;
+        let mut skipped = None;
         let problem = match rc.as_deref().map(|r| r.split_whitespace().collect::<Vec<_>>()) {
-            None if c.status.is_none() => Some("not finished: the VM timed out".to_string()),
+            None if c.status.is_none() && std::mem::take(&mut running_when_killed) => Some("not finished: the VM timed out".to_string()),
             None => Some("not run: the guest stopped before it".to_string()),
+            Some(f) if f.first() == Some(&"skip") => {
+                skipped = Some(NO_XDP.to_string());
+                None
+            }
             Some(f) => {
                 if let (Some(a), Some(b)) = (f.get(1).and_then(|s| s.parse::<f64>().ok()), f.get(2).and_then(|s| s.parse::<f64>().ok())) {
                     secs = Some(b - a);
@@ -161,12 +205,15 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
                 }
             }
         };
-        rows.push(Row { tier: bin.clone(), counts, problem, secs });
+        let mut row = Row::new(bin, counts, problem, secs);
+        row.skipped = skipped;
+        row.note = std::fs::read_to_string(out.join(format!("{bin}.note"))).ok().map(|n| n.trim().to_string());
+        rows.push(row);
     }
     if c.status.is_none() {
-        rows.push(Row { tier: "vm".into(), counts: Default::default(), problem: Some(format!("timed out after {} s: killed", limit.as_secs())), secs: None });
+        rows.push(Row::new("vm", Default::default(), Some(format!("timed out after {} s: killed", limit.as_secs())), None));
     } else if !out.join("done").exists() {
-        rows.push(Row { tier: "vm".into(), counts: Default::default(), problem: Some(format!("the guest script did not finish (vng: {:?})", c.status)), secs: None });
+        rows.push(Row::new("vm", Default::default(), Some(format!("the guest script did not finish (vng: {:?})", c.status)), None));
     }
     let failed = rows.iter().any(|r| r.failed());
     let console_tail = failed.then(|| {
