@@ -288,6 +288,9 @@ fn summary(runs: &[KernelRun]) {
             for n in [&row.problem, &row.skipped, &row.note].into_iter().flatten() {
                 notes.push(n.clone());
             }
+            if !c.skip_lines.is_empty() {
+                notes.push(format!("counted as passed but said: {}", c.skip_lines.join(" | ")));
+            }
             if !c.failed_names.is_empty() {
                 notes.push(format!("failed: {}", c.failed_names.join(" ")));
             }

@@ -23,6 +23,9 @@ pub struct Counts {
     /// How many "test result:" lines were seen (0: the binary never finished).
     pub results: u32,
     pub failed_names: Vec<String>,
+    /// Lines where a test said it skipped itself (`...; skipped`): libtest
+    /// counts such a test as passed.
+    pub skip_lines: Vec<String>,
     in_failures: bool,
 }
 
@@ -46,6 +49,10 @@ impl Counts {
                     "ignored" => self.ignored += n,
                     _ => {}
                 }
+            }
+        } else if line.ends_with("; skipped") || line.starts_with("skipped: ") {
+            if !self.skip_lines.iter().any(|l| l == line) {
+                self.skip_lines.push(line.to_string());
             }
         } else if line == "failures:" {
             self.in_failures = true;
@@ -183,10 +190,11 @@ mod tests {
     #[test]
     fn reads_libtest_results_and_the_failures_list() {
         let text = "running 3 tests\ntest a ... flowctl: attached\nFAILED\ntest b ... ok\n\nfailures:\n\n---- a stdout ----\n\
-thread 'a' panicked at x.rs:1:1:\n    left: 1\nstack backtrace:\n   0: f\n             at y.rs:2\n\nfailures:\n    a\n    c\n\n\
+no cgroup v2 hierarchy at /x; skipped\nthread 'a' panicked at x.rs:1:1:\n    left: 1\nstack backtrace:\n   0: f\n             at y.rs:2\n\nfailures:\n    a\n    c\n\n\
 test result: FAILED. 1 passed; 2 failed; 1 ignored; 0 measured; 10 filtered out; finished in 1.00s\n";
         let c = Counts::of_text(text);
         assert_eq!((c.passed, c.failed, c.ignored, c.results), (1, 2, 1, 1));
         assert_eq!(c.failed_names, ["a", "c"]);
+        assert_eq!(c.skip_lines, ["no cgroup v2 hierarchy at /x; skipped"]);
     }
 }

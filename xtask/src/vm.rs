@@ -50,8 +50,10 @@ const NO_XDP: &str = "not run: the XDP program does not load on this kernel (see
 
 fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
     let exe = |name: &str| bins.iter().find(|b| b.name == name).map(|b| b.path.clone()).with_context(|| format!("no test executable {name}"));
-    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let serial = "--test-threads=1";
+    let args = |a: &[&str]| a.iter().flat_map(|s| s.split(' ')).map(String::from).collect::<Vec<_>>();
+    // Serial, and uncaptured: the console shows what each test prints
+    // (verifier instruction counts, skips), in order.
+    let serial = "--test-threads=1 --nocapture";
     let mut v = vec![
         Step { name: "xdp-gate", exe: exe("kernel")?, args: args(&[serial, "--exact", XDP_GATE]), without_xdp: None },
         Step { name: "kernel", exe: exe("kernel")?, args: args(&[serial, "--exact", "--skip", XDP_GATE]), without_xdp: Some(None) },
