@@ -37,6 +37,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     // Validate first: a bad profile is rejected whole, before anything is touched.
     let set = profile::load(path)?;
     require_root()?;
+    crate::agent::kernel_check(&set, path)?;
     enter(netns)?;
     let id = AttachId::of(iface)?;
     let abs = std::fs::canonicalize(path)?;
