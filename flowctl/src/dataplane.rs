@@ -698,7 +698,7 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
             Ok(l) => (l, "native"),
             Err(e) if is_busy(&e) => return Err(attach_error(e, iface, frags)),
             Err(e) => {
-                tracing::warn!("native XDP is not available on {iface} ({e}); FALLING BACK TO GENERIC (skb) MODE, which is slower");
+                tracing::warn!("native XDP is not available on {iface} ({}); FALLING BACK TO GENERIC (skb) MODE, which is slower", describe(&e));
                 eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
                 (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic")
             }
@@ -715,11 +715,31 @@ fn is_busy(e: &ProgramError) -> bool {
     s.contains("EBUSY") || s.contains("EEXIST") || s.contains("Device or resource busy") || s.contains("File exists")
 }
 
+/// The errno behind a failed attach, when the kernel gave one.
+fn os_error(e: &ProgramError) -> Option<&std::io::Error> {
+    match e {
+        ProgramError::SyscallError(s) => Some(&s.io_error),
+        _ => None,
+    }
+}
+
+/// A program error with its errno (aya's Display leaves it out).
+fn describe(e: &ProgramError) -> String {
+    match os_error(e) {
+        Some(io) => format!("{e}: {io}"),
+        None => e.to_string(),
+    }
+}
+
 fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
-    let range = format!("{e:?}").contains("ERANGE") || format!("{e:?}").contains("os error 34");
+    // veth (drivers/net/veth.c, veth_xdp_set) and other drivers refuse a
+    // single-buffer program in native mode when the MTU does not fit one
+    // page: ERANGE.
+    let range = os_error(&e).and_then(|io| io.raw_os_error()) == Some(libc::ERANGE);
     if range && !frags {
         anyhow!(
-            "attaching XDP to {iface}: {e}: its MTU is too large for a single-buffer XDP program in native mode, and this kernel ({}) lacks multi-buffer XDP (xdp.frags, Linux 5.18+); lower the MTU or use --mode skb",
+            "attaching XDP to {iface}: {}: its MTU is too large for a single-buffer XDP program in native mode, and this kernel ({}) lacks multi-buffer XDP (xdp.frags, Linux 5.18+); lower the MTU or use --mode skb",
+            describe(&e),
             crate::kernel::features::get().release
         )
     } else if is_busy(&e) {
@@ -727,7 +747,7 @@ fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
             "{iface} already has another XDP program attached; flowctl will not replace it. Inspect it with `ip link show {iface}` and remove it with `ip link set dev {iface} xdp off` (or `bpftool net detach xdp dev {iface}`) if it is not needed"
         )
     } else {
-        anyhow!("attaching XDP to {iface}: {e}")
+        anyhow!("attaching XDP to {iface}: {}", describe(&e))
     }
 }
 

@@ -61,6 +61,11 @@ impl Feature {
         Feature::Cgroup2,
     ];
 
+    /// Its name in JSON and in FLOWCTL_DISABLE_FEATURES.
+    pub fn key(self) -> String {
+        serde_json::to_value(self).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+    }
+
     /// What it is, as messages name it.
     pub fn title(self) -> &'static str {
         match self {
@@ -322,7 +327,25 @@ fn probe_all() -> Features {
         Ok(p) => Probe { detail: Some(p.display().to_string()), ..yes(Feature::Cgroup2) },
         Err(_) => Probe { feature: Feature::Cgroup2, available: false, detail: Some("no cgroup2 line in /proc/self/mounts".into()) },
     });
+    disable_from_env(&mut probes, std::env::var("FLOWCTL_DISABLE_FEATURES").ok().as_deref());
     Features { release: release(), probes }
+}
+
+/// `FLOWCTL_DISABLE_FEATURES=tcx,set_retval` makes flowctl act as on a
+/// kernel without them (the names are the JSON ones: `doctor --json`): how
+/// the tests run the fallbacks and the rejections on a kernel that has
+/// everything. A feature can only be taken away, never added.
+fn disable_from_env(probes: &mut [Probe], var: Option<&str>) {
+    let Some(var) = var else { return };
+    for name in var.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        match probes.iter_mut().find(|p| p.feature.key() == name) {
+            Some(p) => {
+                p.available = false;
+                p.detail = Some("disabled by FLOWCTL_DISABLE_FEATURES".into());
+            }
+            None => tracing::warn!("FLOWCTL_DISABLE_FEATURES: no feature `{name}`"),
+        }
+    }
 }
 
 // ---- the raw probes: bpf(2) with just the attributes each needs ----
@@ -513,6 +536,15 @@ mod tests {
         for r in REQUIREMENTS.iter().filter(|r| r.need == Need::Required) {
             assert!(r.feature.min_version().is_some() || r.feature == Feature::Cgroup2, "{r:?}");
         }
+    }
+
+    #[test]
+    fn the_environment_can_take_features_away() {
+        let mut probes = kernel(&[]).probes;
+        disable_from_env(&mut probes, Some("tcx, set_retval,bogus"));
+        let off: Vec<Feature> = probes.iter().filter(|p| !p.available).map(|p| p.feature).collect();
+        assert_eq!(off, vec![Feature::Tcx, Feature::SetRetval]);
+        assert_eq!(Feature::XdpFrags.key(), "xdp_frags");
     }
 
     #[test]
