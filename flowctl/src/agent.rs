@@ -288,7 +288,7 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     }
     dataplane::heartbeat(&mut maps)?;
     let mut ebpf = ebpf;
-    let mut egress = dataplane::Egress::default();
+    let mut egress = dataplane::Egress::for_attachment(&id);
     if let Err(e) = dataplane::set_egress(&mut ebpf, &mut maps, &set, &mut egress) {
         if !adopting {
             let _ = dataplane::detach(&id);

@@ -541,34 +541,92 @@ pub fn load_error(e: ProgramError) -> anyhow::Error {
 }
 
 /// The TC egress counter's attachments, one per interface. With TCX (6.6+)
-/// each is a bpf_link owned here; without it, a netlink `cls_bpf` filter on
-/// the interface's `clsact` qdisc, which flowctl adds when absent. Dropping
-/// this detaches every filter and then removes each qdisc flowctl added,
-/// unless filters of someone else are on it still: nothing is left behind,
-/// and a `clsact` that was there before is left alone. (A SIGKILLed agent
-/// cannot clean up a netlink filter: it stays until the qdisc goes.)
+/// each is a bpf_link owned here, gone with the process. Without TCX, a
+/// netlink `cls_bpf` filter on the interface's `clsact` qdisc, which flowctl
+/// adds when absent. Dropping this detaches every filter and then removes
+/// each qdisc flowctl added, unless filters of someone else are on it
+/// still: nothing is left behind, and a `clsact` that was there before is
+/// left alone. A netlink filter outlives a SIGKILLed agent, so each is
+/// recorded (priority and handle) in the attachment's run directory, and
+/// the next agent of the attachment removes exactly those first.
 #[derive(Default)]
 pub struct Egress {
     attached: Vec<EgressAttach>,
+    /// Where the netlink filters are recorded (None: not recorded).
+    record: Option<std::path::PathBuf>,
 }
 
 struct EgressAttach {
     iface: String,
     ifindex: u32,
     link: Option<aya::programs::tc::SchedClassifierLink>,
+    /// A netlink filter's priority and handle (None: a TCX link).
+    netlink: Option<(u16, u32)>,
+    created_clsact: bool,
+}
+
+/// A netlink filter as recorded for the next agent.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NetlinkRecord {
+    iface: String,
+    ifindex: u32,
+    priority: u16,
+    handle: u32,
     created_clsact: bool,
 }
 
 impl Egress {
+    /// The egress attachments of the agent of `id`, after removing the
+    /// netlink filters (and qdiscs) a killed predecessor left (the caller
+    /// holds the attachment's agent lock, so that agent is gone).
+    pub fn for_attachment(id: &AttachId) -> Self {
+        let record = id.run_dir().join("egress-netlink.json");
+        if let Ok(text) = fs::read_to_string(&record) {
+            let stale: Vec<NetlinkRecord> = serde_json::from_str(&text).unwrap_or_default();
+            for r in stale {
+                if crate::pins::ifindex(&r.iface).ok() != Some(r.ifindex) {
+                    continue; // the interface is gone, and its filters with it
+                }
+                tracing::info!("removing the egress filter a previous agent left on {}", r.iface);
+                if let Ok(link) = aya::programs::tc::SchedClassifierLink::attached(
+                    &r.iface,
+                    aya::programs::TcAttachType::Egress,
+                    r.priority,
+                    aya::programs::tc::TcHandle::from(r.handle),
+                    None,
+                ) {
+                    drop(link); // detaches
+                }
+                if r.created_clsact {
+                    remove_clsact_if_unused(&r.iface, r.ifindex);
+                }
+            }
+            let _ = fs::remove_file(&record);
+        }
+        Self { attached: Vec::new(), record: Some(record) }
+    }
+
     /// The interfaces the counter is attached to.
     pub fn ifaces(&self) -> Vec<&str> {
         self.attached.iter().map(|a| a.iface.as_str()).collect()
     }
 
-    /// Whether `iface`'s attachment is a netlink filter on a `clsact` that
-    /// flowctl added (for tests and doctor).
-    pub fn created_clsact(&self, iface: &str) -> bool {
-        self.attached.iter().any(|a| a.iface == iface && a.created_clsact)
+    fn save(&self) {
+        let Some(path) = &self.record else { return };
+        let recs: Vec<NetlinkRecord> = self
+            .attached
+            .iter()
+            .filter_map(|a| {
+                a.netlink.map(|(priority, handle)| NetlinkRecord { iface: a.iface.clone(), ifindex: a.ifindex, priority, handle, created_clsact: a.created_clsact })
+            })
+            .collect();
+        if recs.is_empty() {
+            let _ = fs::remove_file(path);
+        } else if let Ok(text) = serde_json::to_string(&recs) {
+            if let Err(e) = fs::write(path, text) {
+                tracing::warn!("recording the egress filters at {}: {e}", path.display());
+            }
+        }
     }
 
     /// Detaches everything now (what dropping does).
@@ -576,17 +634,24 @@ impl Egress {
         for mut a in self.attached.drain(..) {
             drop(a.link.take());
             if a.created_clsact {
-                match crate::kernel::tc::clsact_filters(a.ifindex) {
-                    Ok(0) => {
-                        if let Err(e) = crate::kernel::tc::del_clsact(a.ifindex) {
-                            tracing::warn!("removing the clsact qdisc flowctl added to {}: {e}", a.iface);
-                        }
-                    }
-                    Ok(n) => tracing::info!("leaving the clsact qdisc on {}: {n} other filters use it", a.iface),
-                    Err(e) => tracing::warn!("listing the filters on {}: {e}; leaving its clsact qdisc", a.iface),
-                }
+                remove_clsact_if_unused(&a.iface, a.ifindex);
             }
         }
+        self.save();
+    }
+}
+
+/// Removes the `clsact` qdisc flowctl added to `iface` unless filters (of
+/// another agent, or anyone) are still on it.
+fn remove_clsact_if_unused(iface: &str, ifindex: u32) {
+    match crate::kernel::tc::clsact_filters(ifindex) {
+        Ok(0) => {
+            if let Err(e) = crate::kernel::tc::del_clsact(ifindex) {
+                tracing::warn!("removing the clsact qdisc flowctl added to {iface}: {e}");
+            }
+        }
+        Ok(n) => tracing::info!("leaving the clsact qdisc on {iface}: {n} other filters use it"),
+        Err(e) => tracing::warn!("listing the filters on {iface}: {e}; leaving its clsact qdisc"),
     }
 }
 
@@ -630,7 +695,9 @@ pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, egress: &mut 
         if have.contains(&i) {
             continue;
         }
-        egress.attached.push(attach_egress(prog, &i, tcx)?);
+        let a = attach_egress(prog, &i, tcx)?;
+        egress.attached.push(a);
+        egress.save();
     }
     Ok(())
 }
@@ -657,7 +724,10 @@ fn attach_egress(prog: &mut aya::programs::SchedClassifier, iface: &str, tcx: bo
     };
     let attached = prog.attach_with_options(iface, TcAttachType::Egress, options).and_then(|id| prog.take_link(id));
     match attached {
-        Ok(link) => Ok(EgressAttach { iface: iface.to_string(), ifindex, link: Some(link), created_clsact }),
+        Ok(link) => {
+            let netlink = if tcx { None } else { Some((link.priority()?, u32::from(link.handle()?))) };
+            Ok(EgressAttach { iface: iface.to_string(), ifindex, link: Some(link), netlink, created_clsact })
+        }
         Err(e) => {
             if created_clsact {
                 let _ = crate::kernel::tc::del_clsact(ifindex);

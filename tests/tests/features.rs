@@ -69,6 +69,11 @@ impl Agent {
         panic!("agent {args:?} did not come up");
     }
 
+    fn kill9(mut self) {
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+
     fn stop(mut self) {
         unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
         let st = self.0.wait().unwrap();
@@ -232,7 +237,8 @@ fn a_profile_needing_a_missing_feature_is_rejected_whole() {
 
 /// The clsact fallback: with TCX taken away (or absent, on 6.1), the egress
 /// counter goes on a clsact qdisc flowctl adds and removes, or on one that
-/// was there, which stays.
+/// was there, which stays; the filter a SIGKILLed agent left is removed by
+/// the next agent of the attachment.
 #[test]
 fn egress_counter_without_tcx_uses_clsact_and_leaves_nothing() {
     if not_root() {
@@ -270,6 +276,19 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
         });
         println!("preexisting clsact {preexisting}: the egress counter counted {counted} of 50 datagrams");
         assert!((50..=60).contains(&counted), "counted {counted}");
+        let agent = if preexisting {
+            agent
+        } else {
+            // A killed agent cannot remove its netlink filter; the next agent
+            // of the attachment removes exactly that one before adding its own.
+            agent.kill9();
+            let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+            assert!(filters.contains("flowctl_egress"), "the killed agent's filter stays: {filters}");
+            let again = Agent::start(&lab, &prof, &[], "tcx");
+            let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+            assert_eq!(filters.lines().filter(|l| l.contains("flowctl_egress")).count(), 1, "one filter, the new agent's: {filters}");
+            again
+        };
         agent.stop();
         let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
         assert!(!filters.contains("flowctl_egress"), "the filter is gone: {filters}");
