@@ -25,6 +25,8 @@ pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
     if pins::agent_running(&id) {
         eprintln!("note: an agent is running for {iface}; it will exit when it notices (or stop it with Ctrl-C)");
     }
+    // Egress filters a killed agent left (kernels without TCX) go too.
+    drop(dataplane::Egress::for_attachment(&id));
     if dataplane::detach(&id)? {
         out!("detached from {iface}");
     } else {
