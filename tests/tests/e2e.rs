@@ -1239,7 +1239,11 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let dry = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 2.0);
     assert_eq!(count(&dry, LOCAL), 0, "dry-run refuses nothing");
     let syns = down.syns(7100) - syn0;
-    assert!(syns == dry.len() as u64 || (in_vm() && syns > dry.len() as u64), "every connect went out: {syns} SYNs for {} connects (more: SYNs retransmitted, TCG being slow)", dry.len());
+    // Each connect's SYN, and at most one retransmission of it
+    // (tcp_syn_retries = 1 in the client namespace) when the machine is slow
+    // to answer within the initial 1 s RTO.
+    let n = dry.len() as u64;
+    assert!(syns >= n && syns <= 2 * n, "every connect went out: {syns} SYNs for {n} connects");
     let b = breaker(&cg.parent(), "db");
     assert!(b["totals"]["would_refuse"].as_u64().unwrap() > 0 && b["dry_run"] == true, "{b}");
 
