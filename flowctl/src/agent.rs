@@ -80,6 +80,7 @@ fn run_breakers(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals
         bail!("--netns names the namespace of an interface; breakers attach to a cgroup and see connects from every namespace");
     }
     require_root()?;
+    kernel_check(&set, &args.profile)?;
     let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
     let mut breakers = BreakerAgent::start(point, &set, &args.profile)?;
     if let Some(addr) = args.metrics {
@@ -137,11 +138,21 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
     Ok(())
 }
 
+/// Rejects a profile whose parts need a kernel feature this kernel lacks
+/// (`kernel::features::REQUIREMENTS`), naming the feature and the release
+/// that has it.
+pub fn kernel_check(set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
+    crate::kernel::features::check_profile(set).map_err(|e| anyhow::anyhow!("{}: {e:#}", path.display()))
+}
+
 fn apply_breakers_only(breakers: &mut BreakerAgent, path: &std::path::Path) -> Response {
     let set = match profile::load(path) {
         Ok(s) => s,
         Err(e) => return Response::err(e.to_string()),
     };
+    if let Err(e) = kernel_check(&set, path) {
+        return Response::err(format!("{e:#}"));
+    }
     if !set.rules.is_empty() {
         return Response::err(format!("{}: the profile has [[rule]]s, but this agent has no interface (nothing was applied)", path.display()));
     }
@@ -189,6 +200,8 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
         );
     }
     require_root()?;
+    // What the kernel lacks rejects the profile before anything is touched.
+    kernel_check(&set, &args.profile)?;
     // The breakers' cgroups are checked before anything touches the kernel.
     let breaker_point = if !set.breakers.is_empty() {
         let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
@@ -275,8 +288,8 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     }
     dataplane::heartbeat(&mut maps)?;
     let mut ebpf = ebpf;
-    let mut egress_ifaces = Vec::new();
-    if let Err(e) = dataplane::set_egress(&mut ebpf, &mut maps, &set, &mut egress_ifaces) {
+    let mut egress = dataplane::Egress::for_attachment(&id);
+    if let Err(e) = dataplane::set_egress(&mut ebpf, &mut maps, &set, &mut egress) {
         if !adopting {
             let _ = dataplane::detach(&id);
         }
@@ -307,9 +320,12 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     if let Some(b) = &breakers {
         eprintln!("flowctl: {} breakers attached to cgroup {}", b.breakers(), b.point.path.display());
     }
-    let mut io = Io { ebpf: &mut ebpf, egress_ifaces: &mut egress_ifaces, breakers: &mut breakers, cgroup: args.cgroup.clone() };
+    let mut io = Io { ebpf: &mut ebpf, egress: &mut egress, breakers: &mut breakers, cgroup: args.cgroup.clone() };
     let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals, &mut io));
     drop(breakers);
+    // The egress filters (and a clsact qdisc flowctl added) go with the
+    // agent, also under --keep: nothing reads their counts without it.
+    egress.release();
     if args.keep {
         eprintln!("flowctl: agent stopped; the data plane on {iface} keeps enforcing (--keep)");
     } else {
@@ -490,7 +506,7 @@ async fn serve(
                 if set != before {
                     // A new profile: its egress targets, and a new KLimiter
                     // keeping the ratios of entries it still has.
-                    if let Err(e) = dataplane::set_egress(io.ebpf, maps, &set, io.egress_ifaces) {
+                    if let Err(e) = dataplane::set_egress(io.ebpf, maps, &set, io.egress) {
                         tracing::warn!("egress counters: {e:#}");
                     }
                     let mut next = crate::klimiter_agent::KlimiterLoop::new(&set);
@@ -530,7 +546,8 @@ async fn serve(
 /// What the interface agent's loop owns besides the maps.
 struct Io<'a> {
     ebpf: &'a mut aya::Ebpf,
-    egress_ifaces: &'a mut Vec<String>,
+    /// The TC egress counter's attachments (detached when the agent ends).
+    egress: &'a mut dataplane::Egress,
     breakers: &'a mut Option<BreakerAgent>,
     /// `--cgroup`, for breakers a later profile adds.
     cgroup: Option<PathBuf>,
@@ -591,6 +608,9 @@ fn handle(
                 Ok(s) => s,
                 Err(e) => return Response::err(e.to_string()),
             };
+            if let Err(e) = kernel_check(&set, &path) {
+                return Response::err(format!("{e:#}"));
+            }
             // A new CPU source must work before anything is applied.
             let new_cpu = if &set.settings.cpu_source != cpu.source() {
                 match crate::cpu::CpuSignal::new(set.settings.cpu_source.clone()) {

@@ -25,6 +25,8 @@ pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
     if pins::agent_running(&id) {
         eprintln!("note: an agent is running for {iface}; it will exit when it notices (or stop it with Ctrl-C)");
     }
+    // Egress filters a killed agent left (kernels without TCX) go too.
+    drop(dataplane::Egress::for_attachment(&id));
     if dataplane::detach(&id)? {
         out!("detached from {iface}");
     } else {
@@ -37,6 +39,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     // Validate first: a bad profile is rejected whole, before anything is touched.
     let set = profile::load(path)?;
     require_root()?;
+    crate::agent::kernel_check(&set, path)?;
     enter(netns)?;
     let id = AttachId::of(iface)?;
     let abs = std::fs::canonicalize(path)?;

@@ -15,7 +15,7 @@ use aya::{
 use flowctl_common::{
     control_flags, globals, map_names as names, AgentRecord, KeySample, OPEN_BUCKETS, OPEN_BUCKET_NS, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
     RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
-    PROTO_INDICES, RULE_SETS, XDP_PROGRAM,
+    PROTO_INDICES, RULE_SETS, XDP_PROGRAM, XDP_PROGRAM_FRAGS,
 };
 use std::{fs, path::Path};
 
@@ -451,9 +451,64 @@ pub enum Mode {
     Skb,
 }
 
+/// Which of the object's two XDP entry points to load. They are the same
+/// program; `Frags` is built into section `xdp.frags`, so aya loads it with
+/// BPF_F_XDP_HAS_FRAGS (multi-buffer: jumbo frames reach it, and it parses
+/// what is in the first buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpVariant {
+    Frags,
+    Single,
+}
+
+impl XdpVariant {
+    pub fn program(self) -> &'static str {
+        match self {
+            XdpVariant::Frags => XDP_PROGRAM_FRAGS,
+            XdpVariant::Single => XDP_PROGRAM,
+        }
+    }
+
+    /// What `load` chooses: multi-buffer wherever the kernel has it (5.18+).
+    /// The choice depends only on the running kernel, so an agent that
+    /// adopts a pinned link (pins do not outlive a reboot) always re-points
+    /// it at the same variant: the kernel refuses to replace a frags program
+    /// with a single-buffer one on an interface whose MTU needs frags.
+    pub fn for_kernel() -> Self {
+        if crate::kernel::features::get().has(crate::kernel::features::Feature::XdpFrags) {
+            XdpVariant::Frags
+        } else {
+            XdpVariant::Single
+        }
+    }
+}
+
+/// The XDP program `load` loaded into `ebpf` (only the chosen one is loaded,
+/// so the one with a file descriptor is it): attach, adoption and the test
+/// harness all ask here.
+pub fn loaded_xdp(ebpf: &Ebpf) -> Result<&'static str> {
+    for v in [XdpVariant::Frags, XdpVariant::Single] {
+        if let Some(p) = ebpf.program(v.program()) {
+            let x: &Xdp = p.try_into()?;
+            if x.fd().is_ok() {
+                return Ok(v.program());
+            }
+        }
+    }
+    bail!("no XDP program of the object is loaded")
+}
+
 /// Loads the XDP object with its maps pinned under `id`'s pin dir (adopting
-/// maps already pinned there) and the table sizes of `settings`.
+/// maps already pinned there) and the table sizes of `settings`; the XDP
+/// program is the variant this kernel supports (`XdpVariant::for_kernel`).
 pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
+    load_variant(id, settings, XdpVariant::for_kernel())
+}
+
+/// `load` with the XDP variant chosen by the caller (the benchmark tail-calls
+/// into the program from a single-buffer one, and the kernel refuses tail
+/// calls between frags and single-buffer programs).
+pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> Result<Ebpf> {
     let dir = id.pin_dir();
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut ebpf = EbpfLoader::new()
@@ -468,7 +523,7 @@ pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
         .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
-    let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing from object")?.try_into()?;
+    let prog: &mut Xdp = ebpf.program_mut(variant.program()).context("program missing from object")?.try_into()?;
     if let Err(e) = prog.load() {
         return Err(load_error(e));
     }
@@ -490,11 +545,132 @@ pub fn load_error(e: ProgramError) -> anyhow::Error {
     }
 }
 
+/// The TC egress counter's attachments, one per interface. With TCX (6.6+)
+/// each is a bpf_link owned here, gone with the process. Without TCX, a
+/// netlink `cls_bpf` filter on the interface's `clsact` qdisc, which flowctl
+/// adds when absent. Dropping this detaches every filter and then removes
+/// each qdisc flowctl added, unless filters of someone else are on it
+/// still: nothing is left behind, and a `clsact` that was there before is
+/// left alone. A netlink filter outlives a SIGKILLed agent, so each is
+/// recorded (priority and handle) in the attachment's run directory, and
+/// the next agent of the attachment removes exactly those first.
+#[derive(Default)]
+pub struct Egress {
+    attached: Vec<EgressAttach>,
+    /// Where the netlink filters are recorded (None: not recorded).
+    record: Option<std::path::PathBuf>,
+}
+
+struct EgressAttach {
+    iface: String,
+    ifindex: u32,
+    link: Option<aya::programs::tc::SchedClassifierLink>,
+    /// A netlink filter's priority and handle (None: a TCX link).
+    netlink: Option<(u16, u32)>,
+    created_clsact: bool,
+}
+
+/// A netlink filter as recorded for the next agent.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NetlinkRecord {
+    iface: String,
+    ifindex: u32,
+    priority: u16,
+    handle: u32,
+    created_clsact: bool,
+}
+
+impl Egress {
+    /// The egress attachments of the agent of `id`, after removing the
+    /// netlink filters (and qdiscs) a killed predecessor left (the caller
+    /// holds the attachment's agent lock, so that agent is gone).
+    pub fn for_attachment(id: &AttachId) -> Self {
+        let record = id.run_dir().join("egress-netlink.json");
+        if let Ok(text) = fs::read_to_string(&record) {
+            let stale: Vec<NetlinkRecord> = serde_json::from_str(&text).unwrap_or_default();
+            for r in stale {
+                if crate::pins::ifindex(&r.iface).ok() != Some(r.ifindex) {
+                    continue; // the interface is gone, and its filters with it
+                }
+                tracing::info!("removing the egress filter a previous agent left on {}", r.iface);
+                if let Ok(link) = aya::programs::tc::SchedClassifierLink::attached(
+                    &r.iface,
+                    aya::programs::TcAttachType::Egress,
+                    r.priority,
+                    aya::programs::tc::TcHandle::from(r.handle),
+                    None,
+                ) {
+                    drop(link); // detaches
+                }
+                if r.created_clsact {
+                    remove_clsact_if_unused(&r.iface, r.ifindex);
+                }
+            }
+            let _ = fs::remove_file(&record);
+        }
+        Self { attached: Vec::new(), record: Some(record) }
+    }
+
+    /// The interfaces the counter is attached to.
+    pub fn ifaces(&self) -> Vec<&str> {
+        self.attached.iter().map(|a| a.iface.as_str()).collect()
+    }
+
+    fn save(&self) {
+        let Some(path) = &self.record else { return };
+        let recs: Vec<NetlinkRecord> = self
+            .attached
+            .iter()
+            .filter_map(|a| {
+                a.netlink.map(|(priority, handle)| NetlinkRecord { iface: a.iface.clone(), ifindex: a.ifindex, priority, handle, created_clsact: a.created_clsact })
+            })
+            .collect();
+        if recs.is_empty() {
+            let _ = fs::remove_file(path);
+        } else if let Ok(text) = serde_json::to_string(&recs) {
+            if let Err(e) = fs::write(path, text) {
+                tracing::warn!("recording the egress filters at {}: {e}", path.display());
+            }
+        }
+    }
+
+    /// Detaches everything now (what dropping does).
+    pub fn release(&mut self) {
+        for mut a in self.attached.drain(..) {
+            drop(a.link.take());
+            if a.created_clsact {
+                remove_clsact_if_unused(&a.iface, a.ifindex);
+            }
+        }
+        self.save();
+    }
+}
+
+/// Removes the `clsact` qdisc flowctl added to `iface` unless filters (of
+/// another agent, or anyone) are still on it.
+fn remove_clsact_if_unused(iface: &str, ifindex: u32) {
+    match crate::kernel::tc::clsact_filters(ifindex) {
+        Ok(0) => {
+            if let Err(e) = crate::kernel::tc::del_clsact(ifindex) {
+                tracing::warn!("removing the clsact qdisc flowctl added to {iface}: {e}");
+            }
+        }
+        Ok(n) => tracing::info!("leaving the clsact qdisc on {iface}: {n} other filters use it"),
+        Err(e) => tracing::warn!("listing the filters on {iface}: {e}; leaving its clsact qdisc"),
+    }
+}
+
+impl Drop for Egress {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// Writes KLimiter's egress targets (slot order = the profile's egress
 /// baselines) and attaches the TC egress counter to each interface they
-/// name that it is not on yet. The attachments live as long as `ebpf` (the
-/// agent); without an agent nothing needs the counts.
-pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, attached: &mut Vec<String>) -> Result<()> {
+/// name that it is not on yet. The attachments live as long as `egress`
+/// (the agent); without an agent nothing needs the counts.
+pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, egress: &mut Egress) -> Result<()> {
     use crate::profile_klimiter::LevelSource;
     let mut slot = 0u32;
     let mut ifaces = Vec::new();
@@ -510,7 +686,8 @@ pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, attached: &mu
     for s in slot..flowctl_common::MAX_EGRESS_TARGETS as u32 {
         maps.egress_targets.set(s, flowctl_common::EgressTarget::default(), 0)?;
     }
-    if ifaces.iter().all(|i| attached.contains(i)) {
+    let have = egress.ifaces().iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    if ifaces.iter().all(|i| have.contains(i)) {
         return Ok(());
     }
     let prog: &mut aya::programs::SchedClassifier =
@@ -518,22 +695,61 @@ pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, attached: &mu
     if prog.fd().is_err() {
         prog.load().map_err(load_error)?;
     }
+    let tcx = crate::kernel::features::get().has(crate::kernel::features::Feature::Tcx);
     for i in ifaces {
-        if attached.contains(&i) {
+        if have.contains(&i) {
             continue;
         }
-        prog.attach(&i, aya::programs::TcAttachType::Egress)
-            .map_err(|e| anyhow!("attaching the egress counter to {i}: {e} (does the interface exist in this network namespace?)"))?;
-        attached.push(i);
+        let a = attach_egress(prog, &i, tcx)?;
+        egress.attached.push(a);
+        egress.save();
     }
     Ok(())
+}
+
+/// Attaches the egress counter to `iface`: a TCX link where the kernel has
+/// TCX, else a netlink filter on the `clsact` qdisc (added when absent).
+fn attach_egress(prog: &mut aya::programs::SchedClassifier, iface: &str, tcx: bool) -> Result<EgressAttach> {
+    use aya::programs::{
+        tc::{self, NlOptions, TcAttachOptions},
+        LinkOrder, TcAttachType,
+    };
+    let hint = "(does the interface exist in this network namespace?)";
+    let ifindex = crate::pins::ifindex(iface)?;
+    let mut created_clsact = false;
+    let options = if tcx {
+        TcAttachOptions::TcxOrder(LinkOrder::default())
+    } else {
+        match tc::qdisc_add_clsact(iface) {
+            Ok(()) => created_clsact = true,
+            Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => bail!("adding a clsact qdisc to {iface} for the egress counter (no TCX on this kernel): {e} {hint}"),
+        }
+        TcAttachOptions::Netlink(NlOptions::default())
+    };
+    let attached = prog.attach_with_options(iface, TcAttachType::Egress, options).and_then(|id| prog.take_link(id));
+    match attached {
+        Ok(link) => {
+            let netlink = if tcx { None } else { Some((link.priority()?, u32::from(link.handle()?))) };
+            Ok(EgressAttach { iface: iface.to_string(), ifindex, link: Some(link), netlink, created_clsact })
+        }
+        Err(e) => {
+            if created_clsact {
+                let _ = crate::kernel::tc::del_clsact(ifindex);
+            }
+            let how = if tcx { "TCX link" } else { "netlink filter on clsact" };
+            bail!("attaching the egress counter to {iface} ({how}): {e} {hint}")
+        }
+    }
 }
 
 /// Attaches (or, when `link` is pinned already, re-points the pinned link at
 /// the freshly loaded program) and returns the mode in use.
 pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result<String> {
     let link_path = id.pin_dir().join("link");
-    let prog: &mut Xdp = ebpf.program_mut(XDP_PROGRAM).context("program missing")?.try_into()?;
+    let name = loaded_xdp(ebpf)?;
+    let frags = name == XDP_PROGRAM_FRAGS;
+    let prog: &mut Xdp = ebpf.program_mut(name).context("program missing")?.try_into()?;
     if link_path.exists() {
         let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
         let fd_link: FdLink = pinned.into();
@@ -543,7 +759,7 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
             Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOLINK) => {
                 return Err(SeveredLink.into());
             }
-            Err(e) => return Err(anyhow!("re-pointing the pinned XDP link: {e}")),
+            Err(e) => return Err(anyhow!("re-pointing the pinned XDP link at {name}: {e}")),
         };
         let link = prog.take_link(link_id)?;
         std::mem::forget(link); // stays pinned
@@ -551,15 +767,15 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
     }
     let try_mode = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(id.ifindex, m);
     let (link_id, used) = match mode {
-        Mode::Skb => (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface))?, "generic"),
-        Mode::Native => (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface))?, "native"),
+        Mode::Skb => (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic"),
+        Mode::Native => (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface, frags))?, "native"),
         Mode::Auto => match try_mode(prog, XdpMode::Driver) {
             Ok(l) => (l, "native"),
-            Err(e) if is_busy(&e) => return Err(attach_error(e, iface)),
+            Err(e) if is_busy(&e) => return Err(attach_error(e, iface, frags)),
             Err(e) => {
-                tracing::warn!("native XDP is not available on {iface} ({e}); FALLING BACK TO GENERIC (skb) MODE, which is slower");
+                tracing::warn!("native XDP is not available on {iface} ({}); FALLING BACK TO GENERIC (skb) MODE, which is slower", describe(&e));
                 eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
-                (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface))?, "generic")
+                (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic")
             }
         },
     };
@@ -574,13 +790,39 @@ fn is_busy(e: &ProgramError) -> bool {
     s.contains("EBUSY") || s.contains("EEXIST") || s.contains("Device or resource busy") || s.contains("File exists")
 }
 
-fn attach_error(e: ProgramError, iface: &str) -> anyhow::Error {
-    if is_busy(&e) {
+/// The errno behind a failed attach, when the kernel gave one.
+fn os_error(e: &ProgramError) -> Option<&std::io::Error> {
+    match e {
+        ProgramError::SyscallError(s) => Some(&s.io_error),
+        _ => None,
+    }
+}
+
+/// A program error with its errno (aya's Display leaves it out).
+fn describe(e: &ProgramError) -> String {
+    match os_error(e) {
+        Some(io) => format!("{e}: {io}"),
+        None => e.to_string(),
+    }
+}
+
+fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
+    // veth (drivers/net/veth.c, veth_xdp_set) and other drivers refuse a
+    // single-buffer program in native mode when the MTU does not fit one
+    // page: ERANGE.
+    let range = os_error(&e).and_then(|io| io.raw_os_error()) == Some(libc::ERANGE);
+    if range && !frags {
+        anyhow!(
+            "attaching XDP to {iface}: {}: its MTU is too large for a single-buffer XDP program in native mode, and this kernel ({}) lacks multi-buffer XDP (xdp.frags, Linux 5.18+); lower the MTU or use --mode skb",
+            describe(&e),
+            crate::kernel::features::get().release
+        )
+    } else if is_busy(&e) {
         anyhow!(
             "{iface} already has another XDP program attached; flowctl will not replace it. Inspect it with `ip link show {iface}` and remove it with `ip link set dev {iface} xdp off` (or `bpftool net detach xdp dev {iface}`) if it is not needed"
         )
     } else {
-        anyhow!("attaching XDP to {iface}: {e}")
+        anyhow!("attaching XDP to {iface}: {}", describe(&e))
     }
 }
 

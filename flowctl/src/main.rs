@@ -105,6 +105,19 @@ enum Cmd {
     },
     /// Validate a profile without touching the kernel (for CI pipelines).
     Check { profile: PathBuf },
+    /// What this kernel supports, and whether each program verifies here
+    /// (loaded once in a private bpffs; nothing is attached or left behind).
+    /// Exits 1 when a program the profile needs does not verify or a part
+    /// of the profile cannot run.
+    ///
+    /// Example: sudo flowctl doctor --profile rules.toml
+    Doctor {
+        /// Also say, for each part of this profile, whether it can run here.
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Which rule, key and limit apply to a packet, from the kernel's tables.
     ///
     /// Example: flowctl explain eth0 tcp 192.0.2.7 443
@@ -137,6 +150,11 @@ fn main() {
         },
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
+        Cmd::Doctor { profile, json } => match flowctl::doctor::run(profile.as_deref(), json) {
+            Ok(true) => Ok(()),
+            Ok(false) => std::process::exit(1),
+            Err(e) => Err(e),
+        },
         Cmd::Simulate { scenario, out } => flowctl::simulate::command(&scenario, &out),
         Cmd::Top { iface, interval, once, json, keys, count } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));

@@ -10,7 +10,7 @@ use flowctl::{
     pins::{AttachId, AttachState},
     profile,
 };
-use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX, LAYOUT_VERSION, XDP_PROGRAM};
+use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX, LAYOUT_VERSION};
 use std::time::Duration;
 
 pub struct TestPlane {
@@ -29,6 +29,12 @@ impl TestPlane {
     /// As `new`, with the parsed settings changed by `tweak` before loading
     /// (for what profiles cannot say, like the benchmarks' statistics off).
     pub fn new_with(profile_text: &str, tweak: impl FnOnce(&mut profile::Settings)) -> Self {
+        Self::new_variant(profile_text, tweak, dataplane::XdpVariant::for_kernel())
+    }
+
+    /// As `new_with`, with the XDP variant chosen (the benchmark needs the
+    /// single-buffer one: it tail-calls into it from a single-buffer program).
+    pub fn new_variant(profile_text: &str, tweak: impl FnOnce(&mut profile::Settings), variant: dataplane::XdpVariant) -> Self {
         flowctl::pins::ensure_bpffs().expect("bpffs");
         remove_orphaned_test_pins();
         let mut set = profile::parse("test.toml", profile_text).expect("test profile");
@@ -37,7 +43,7 @@ impl TestPlane {
         let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
         let id = AttachId { netns_ino: 1, ifindex };
         let _ = dataplane::detach(&id);
-        let ebpf = dataplane::load(&id, &set.settings).expect("load the XDP program");
+        let ebpf = dataplane::load_variant(&id, &set.settings, variant).expect("load the XDP program");
         let mut maps = Maps::open(&id).expect("open pinned maps");
         let mut state = AttachState {
             layout_version: LAYOUT_VERSION,
@@ -64,8 +70,13 @@ impl TestPlane {
         dataplane::apply(&mut self.maps, &mut self.state, &set).expect("apply");
     }
 
-    fn prog(&self) -> &Xdp {
-        self.ebpf.program(XDP_PROGRAM).unwrap().try_into().unwrap()
+    /// The loaded XDP program (the variant `new` chose for this kernel).
+    pub fn prog(&self) -> &Xdp {
+        self.ebpf.program(self.prog_name()).unwrap().try_into().unwrap()
+    }
+
+    pub fn prog_name(&self) -> &'static str {
+        dataplane::loaded_xdp(&self.ebpf).expect("a loaded XDP program")
     }
 
     /// The program's verdict for one frame.

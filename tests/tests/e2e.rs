@@ -28,6 +28,13 @@ fn profile_file(text: &str) -> tempfile_lite::File {
     tempfile_lite::File::new(text)
 }
 
+/// In a VM of the kernel matrix (`cargo xtask test`): QEMU without KVM is
+/// 10-50x slower, so deadlines and timing bounds are relaxed there, never
+/// the correctness checks.
+fn in_vm() -> bool {
+    std::env::var_os("FLOWCTL_TEST_VM").is_some()
+}
+
 /// A tiny temp-file helper (removes the file on drop).
 mod tempfile_lite {
     pub struct File(pub std::path::PathBuf);
@@ -61,7 +68,7 @@ impl Agent {
     fn spawn_until(args: &[&str], ready: impl Fn() -> bool) -> Self {
         let child = Command::new(bin()).args(args).stdin(Stdio::null()).spawn().unwrap();
         let a = Agent(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let deadline = Instant::now() + Duration::from_secs(if in_vm() { 180 } else { 15 });
         while Instant::now() < deadline {
             if ready() {
                 return a;
@@ -1231,7 +1238,12 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let syn0 = down.syns(7100);
     let dry = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 2.0);
     assert_eq!(count(&dry, LOCAL), 0, "dry-run refuses nothing");
-    assert_eq!(down.syns(7100) - syn0, dry.len() as u64, "every connect went out");
+    let syns = down.syns(7100) - syn0;
+    // Each connect's SYN, and at most one retransmission of it
+    // (tcp_syn_retries = 1 in the client namespace) when the machine is slow
+    // to answer within the initial 1 s RTO.
+    let n = dry.len() as u64;
+    assert!(syns >= n && syns <= 2 * n, "every connect went out: {syns} SYNs for {n} connects");
     let b = breaker(&cg.parent(), "db");
     assert!(b["totals"]["would_refuse"].as_u64().unwrap() > 0 && b["dry_run"] == true, "{b}");
 

@@ -104,8 +104,21 @@ impl Refs {
     }
 }
 
+/// The benchmark's planes load the single-buffer XDP variant explicitly:
+/// `bench_spread` (a single-buffer program) tail-calls into them, and the
+/// kernel refuses tail calls between frags and single-buffer programs;
+/// the live-traffic run re-points one link between them and the reference
+/// programs, which are single-buffer too.
+fn plane(profile: &str) -> TestPlane {
+    plane_with(profile, |_| {})
+}
+
+fn plane_with(profile: &str, tweak: impl FnOnce(&mut flowctl::profile::Settings)) -> TestPlane {
+    TestPlane::new_variant(profile, tweak, flowctl::dataplane::XdpVariant::Single)
+}
+
 fn xdp_fd(plane: &TestPlane) -> ProgramFd {
-    let p: &Xdp = plane.ebpf.program(flowctl_common::XDP_PROGRAM).unwrap().try_into().unwrap();
+    let p: &Xdp = plane.prog();
     p.fd().unwrap().try_clone().unwrap()
 }
 
@@ -163,8 +176,8 @@ fn main() {
     // The bare reference's limit: same generous rate as `measured` for the
     // admit path (the drop path is flowctl-only; the bare program's drop path
     // is the same code with a refusal).
-    let admit = TestPlane::new(&profile);
-    let dropper = TestPlane::new(&drop_profile);
+    let admit = plane(&profile);
+    let dropper = plane(&drop_profile);
     let m = admit.state.rules.iter().position(|r| r.name == "measured").unwrap();
     let set = flowctl::profile::parse("bench", &profile).unwrap();
     refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
@@ -190,15 +203,15 @@ fn main() {
     println!("\n1b. The quota stage: flowctl's admitted path with and without a quota on `measured` (10k keys)");
     let quota_profile = profile.replace("rate = \"100G/s\"", "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16");
     assert_ne!(quota_profile, profile);
-    let with_quota = TestPlane::new(&quota_profile);
+    let with_quota = plane(&quota_profile);
     refs.set_keys(10_000);
     let (qm, _) = refs.interleaved(&[xdp_fd(&admit), xdp_fd(&with_quota)], &frame, 10_000, repeat);
     println!("  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x", qm[0], qm[1], qm[1] / qm[0]);
     drop(with_quota);
 
     println!("\n1c. Statistics rings: flowctl's admitted path with statistics off, \"control\" and \"full\" (10k keys)");
-    let lean = TestPlane::new(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
-    let off = TestPlane::new_with(&profile, |s| s.stats.level = flowctl_common::stats::level::OFF);
+    let lean = plane(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
+    let off = plane_with(&profile, |s| s.stats.level = flowctl_common::stats::level::OFF);
     assert_eq!(lean.state.stats.level, flowctl_common::stats::level::CONTROL);
     let (sm, _) = refs.interleaved(&[xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)], &frame, 10_000, repeat);
     println!(
@@ -209,7 +222,7 @@ fn main() {
 
     println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
     refs.set_keys(10_000);
-    let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, TestPlane::new(&rules_profile(n)))).collect();
+    let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, plane(&rules_profile(n)))).collect();
     let fds: Vec<ProgramFd> = planes.iter().map(|(_, p)| xdp_fd(p)).collect();
     let (med, _) = refs.interleaved(&fds, &frame, 10_000, repeat);
     println!("  8 rules: {:.1} ns/packet   256 rules: {:.1} ns/packet   ratio 256/8: {:.2}x", med[0], med[1], med[1] / med[0]);
@@ -386,7 +399,7 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
         }
     }
     let lab = flowctl_tests::lab::Lab::new("fbench", 230);
-    let mut dropper = TestPlane::new(drop_profile);
+    let mut dropper = plane(drop_profile);
     let slot = Duration::from_millis(500);
     let rounds = if quick { 2 } else { 4 };
     for &n in key_counts {
@@ -447,7 +460,10 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
                 let prog: &mut Xdp = match *name {
                     "ceiling" => refs.ebpf.program_mut("bench_drop").unwrap().try_into().unwrap(),
                     "bare" => refs.ebpf.program_mut("bench_bare").unwrap().try_into().unwrap(),
-                    "flowctl" => dropper.ebpf.program_mut(flowctl_common::XDP_PROGRAM).unwrap().try_into().unwrap(),
+                    "flowctl" => {
+                        let name = dropper.prog_name();
+                        dropper.ebpf.program_mut(name).unwrap().try_into().unwrap()
+                    }
                     _ => refs.ebpf.program_mut("bench_pass").unwrap().try_into().unwrap(),
                 };
                 let lid = prog.attach_to_link(link.take().unwrap()).expect("re-point the link");

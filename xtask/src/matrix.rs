@@ -1,0 +1,310 @@
+//! The test tiers and the kernel matrix.
+//!
+//! On the host kernel: the unit and property tests, then every privileged
+//! test binary (kernel tier: `kernel`, `breaker`, `cgroup`; end-to-end tier:
+//! `e2e`), serially. Then one VM boot per kernel of the matrix (vm.rs) runs
+//! the kernel tier and the end-to-end subset below. Every tier runs even
+//! when an earlier one failed, so that one run reports everything; the
+//! command fails at the end if any did.
+
+use crate::{root, setup, tee, vm};
+use anyhow::{bail, Context, Result};
+use std::{
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+/// A kernel of the matrix: Debian's generic `-amd64` flavour (the
+/// `-cloud-amd64` one has no 9p, so the host's root filesystem cannot be
+/// shared with it).
+pub struct Kernel {
+    /// What `--kernel` takes, and the prefix of the image in /boot.
+    pub version: &'static str,
+    package: Package,
+}
+
+enum Package {
+    /// `prefix` + the newest ABI number in the archive + `suffix`.
+    Newest { prefix: &'static str, suffix: &'static str },
+    Fixed(&'static str),
+}
+
+pub const KERNELS: &[Kernel] = &[
+    // 6.1 LTS: Debian 12's own kernel (and most 6.1-based distributions').
+    Kernel { version: "6.1", package: Package::Newest { prefix: "linux-image-6.1.0-", suffix: "-amd64-unsigned" } },
+    // 6.12 LTS: Debian 12's backports.
+    Kernel { version: "6.12", package: Package::Fixed("linux-image-6.12-amd64") },
+];
+
+pub const BOOT_PREFIX: &str = "/boot/vmlinuz-";
+
+impl Kernel {
+    /// The newest `/boot/vmlinuz-VERSION.*-amd64`.
+    pub fn image(&self) -> Option<PathBuf> {
+        let want = format!("vmlinuz-{}.", self.version);
+        let mut found: Vec<(Vec<u64>, PathBuf)> = std::fs::read_dir("/boot")
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_str()?.to_string();
+                (name.starts_with(&want) && name.ends_with("-amd64")).then(|| (natural(&name), e.path()))
+            })
+            .collect();
+        found.sort();
+        found.pop().map(|(_, p)| p)
+    }
+
+    /// The Debian package that installs this kernel, resolved now.
+    pub fn package(&self) -> Result<String> {
+        match self.package {
+            Package::Newest { prefix, suffix } => setup::newest_package(prefix, suffix),
+            Package::Fixed(name) => Ok(name.to_string()),
+        }
+    }
+}
+
+/// The numbers in a name, for sorting `6.1.0-9` before `6.1.0-54`.
+fn natural(name: &str) -> Vec<u64> {
+    name.split(|c: char| !c.is_ascii_digit()).filter_map(|s| s.parse().ok()).collect()
+}
+
+/// The kernel tier: every test of these binaries runs in each VM.
+pub const KERNEL_TIER: &[&str] = &["kernel", "breaker", "cgroup"];
+
+/// The kernel tier's gate in a VM, run first: a small test that loads the
+/// XDP program. Where it fails (the program does not verify on that kernel),
+/// the other tests that load it would fail the same way, each after a
+/// verification of up to a minute and a half under TCG (27 of them: past
+/// the VM's timeout); they are reported not run, the gate as failed, and
+/// the tests that do not need the XDP program (breakers, CPU readers) run.
+pub const XDP_GATE: &str = "non_ip_always_passes";
+
+/// A test of the end-to-end subset.
+pub struct E2e {
+    pub name: &'static str,
+    /// It loads the XDP program (not run where the gate fails).
+    pub xdp: bool,
+}
+
+/// The end-to-end subset that runs in each VM: the tests that exercise what
+/// differs between kernels, at a cost TCG can carry. The rest of e2e.rs runs
+/// on the host only (CLI error paths, `top`'s terminal, metrics, quotas: the
+/// same user-space code over the same programs).
+pub const E2E_SUBSET: &[E2e] = &[
+    // attach: the XDP program loaded, verified and attached by the agent in
+    // native mode on veth, enforcing a limit; explain; detach on SIGINT.
+    E2e { name: "udp_limit_holds_within_bounds_then_detaches", xdp: true },
+    // apply: a hot reload through the agent's control socket, all or nothing.
+    E2e { name: "apply_through_the_agent_is_all_or_nothing", xdp: true },
+    // SIGKILL/restart: a kept data plane outlives its agent, a restarted one
+    // re-adopts the pinned maps (bpffs, pins, map ids on this kernel).
+    E2e { name: "keep_survives_sigkill_and_restart_adopts_state", xdp: true },
+    // BBR: the SYN stage's XDP_TX RST on veth, the fail-open grace, re-adoption.
+    E2e { name: "bbr_refuses_connections_beyond_the_limit_and_fails_open", xdp: true },
+    // KLimiter egress: the TC egress counter, attached with TCX (6.6+) or a
+    // clsact qdisc (6.1), as the baseline's level.
+    E2e { name: "klimiter_holds_an_egress_level_by_cutting_low_priority_first", xdp: true },
+    // Breakers: the cgroup connect4 and sock_ops programs, bpf_set_retval
+    // (5.18+), on the VMs' pure cgroup v2 hierarchy; no XDP.
+    E2e { name: "breaker_sre_fails_fast_at_the_predicted_share_and_recovers", xdp: false },
+    E2e { name: "breaker_state_opens_on_timeouts_probes_and_closes", xdp: false },
+];
+
+/// Which tiers `cargo xtask test` runs.
+pub struct Selection {
+    pub host: bool,
+    pub vms: Vec<&'static Kernel>,
+    pub full: bool,
+}
+
+impl Selection {
+    /// From `--kernel` values: none or `all` is everything; `host` is the
+    /// unit tier and the host kernel's tiers; `6.1`, `6.12` one VM each.
+    pub fn parse(kernels: &[String], full: bool) -> Result<Self> {
+        let mut s = Selection { host: false, vms: Vec::new(), full };
+        let all = kernels.is_empty() || kernels.iter().any(|k| k == "all");
+        for k in kernels.iter().filter(|k| *k != "all") {
+            if k == "host" {
+                s.host = true;
+            } else if let Some(vm) = KERNELS.iter().find(|v| v.version == k) {
+                if !s.vms.iter().any(|v| v.version == vm.version) {
+                    s.vms.push(vm);
+                }
+            } else {
+                bail!("--kernel {k}: not one of host, all, {}", KERNELS.iter().map(|k| k.version).collect::<Vec<_>>().join(", "));
+            }
+        }
+        if all {
+            s.host = true;
+            s.vms = KERNELS.iter().collect();
+        }
+        Ok(s)
+    }
+}
+
+/// One line of the summary.
+pub struct Row {
+    pub tier: String,
+    pub counts: tee::Counts,
+    /// Why the row failed beyond its failed tests (exit status, no result line, timeout).
+    pub problem: Option<String>,
+    /// Wall time of the tier's binary.
+    pub secs: Option<f64>,
+    /// Not run, and why (not a failure by itself).
+    pub skipped: Option<String>,
+    /// Anything else to say.
+    pub note: Option<String>,
+}
+
+impl Row {
+    pub fn new(tier: &str, counts: tee::Counts, problem: Option<String>, secs: Option<f64>) -> Self {
+        Row { tier: tier.to_string(), counts, problem, secs, skipped: None, note: None }
+    }
+
+    pub fn failed(&self) -> bool {
+        self.problem.is_some() || self.counts.failed > 0
+    }
+}
+
+/// One kernel's rows and wall time.
+pub struct KernelRun {
+    pub kernel: String,
+    pub rows: Vec<Row>,
+    pub wall: Duration,
+    /// For a VM: seconds from launch to the guest script's start, as the guest saw them.
+    pub boot_s: Option<f64>,
+    /// For a failed VM: the console's tail, printed after the summary.
+    pub console_tail: Option<String>,
+}
+
+/// A test executable of flowctl-tests, by its target name.
+pub struct TestBin {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+/// An executable a cargo build wrote, from its JSON messages.
+struct Artifact {
+    name: String,
+    kinds: Vec<String>,
+    /// Built as a test harness.
+    test: bool,
+    path: PathBuf,
+}
+
+fn cargo_executables(args: &[&str]) -> Result<Vec<Artifact>> {
+    let out = Command::new("cargo").args(args).arg("--message-format=json").current_dir(root()).stderr(std::process::Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!("cargo {args:?} failed: {}", out.status);
+    }
+    let mut v = Vec::new();
+    for line in out.stdout.split(|b| *b == b'\n') {
+        let Ok(m) = serde_json::from_slice::<serde_json::Value>(line) else { continue };
+        let (Some(exe), Some(name)) = (m["executable"].as_str(), m["target"]["name"].as_str()) else { continue };
+        let kinds = m["target"]["kind"].as_array().map(|a| a.iter().filter_map(|k| k.as_str().map(String::from)).collect()).unwrap_or_default();
+        v.push(Artifact { name: name.to_string(), kinds, test: m["profile"]["test"].as_bool().unwrap_or(false), path: PathBuf::from(exe) });
+    }
+    Ok(v)
+}
+
+pub fn test(sel: Selection) -> Result<()> {
+    setup::setup()?;
+    let mut runs: Vec<KernelRun> = Vec::new();
+    let t_host = Instant::now();
+    let mut host_rows = Vec::new();
+    if sel.host {
+        // Tier 1: pure logic and property tests (no root).
+        let c = tee::run(
+            Command::new("cargo")
+                .args(["test", "--workspace", "--exclude", "flowctl-tests", "--exclude", "flowctl-ebpf", "--exclude", "flowctl-bench-ebpf", "--no-fail-fast"])
+                .current_dir(root()),
+            tee::Opts { log: None, err_log: None, timeout: None },
+        )?;
+        let problem = (!c.status.is_some_and(|s| s.success())).then(|| format!("cargo test: {:?}", c.status));
+        host_rows.push(Row::new("unit", c.counts, problem, Some(t_host.elapsed().as_secs_f64())));
+    }
+    if !crate::is_root() {
+        bail!("the kernel and end-to-end tiers need root: run `sudo -E cargo xtask test`");
+    }
+    // The real binary for the end-to-end tests, and the privileged tests'
+    // executables (run directly: the same binaries on the host and in the VMs).
+    let flowctl = cargo_executables(&["build", "--package", "flowctl"])?
+        .into_iter()
+        .find(|a| a.name == "flowctl" && a.kinds.iter().any(|k| k == "bin"))
+        .map(|a| a.path)
+        .context("cargo build --package flowctl wrote no flowctl executable")?;
+    let bins: Vec<TestBin> = cargo_executables(&["test", "--package", "flowctl-tests", "--no-run"])?
+        .into_iter()
+        .filter(|a| a.test || a.kinds.iter().any(|k| k == "test"))
+        .map(|a| TestBin { name: a.name, path: a.path })
+        .collect();
+    for want in KERNEL_TIER.iter().chain(["e2e"].iter()) {
+        if !bins.iter().any(|b| b.name == *want) {
+            bail!("no test executable `{want}` in flowctl-tests (tests/tests/{want}.rs)");
+        }
+    }
+    if sel.host {
+        // Tiers 2-3 on the host kernel: the real program under
+        // BPF_PROG_TEST_RUN, then the real binary on veth pairs in
+        // namespaces. Serial: they share the kernel.
+        for b in &bins {
+            let t = Instant::now();
+            let c = tee::run(
+                Command::new(&b.path).arg("--test-threads=1").current_dir(root().join("tests")).env("FLOWCTL_BIN", &flowctl),
+                tee::Opts { log: None, err_log: None, timeout: None },
+            )?;
+            let problem = match c.status {
+                Some(s) if s.success() => None,
+                s => Some(format!("exit {s:?}")),
+            };
+            host_rows.push(Row::new(&b.name, c.counts, problem, Some(t.elapsed().as_secs_f64())));
+        }
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        runs.push(KernelRun { kernel: format!("host {}", release.trim()), rows: host_rows, wall: t_host.elapsed(), boot_s: None, console_tail: None });
+    }
+    for k in &sel.vms {
+        runs.push(vm::run(k, &bins, &flowctl, sel.full)?);
+    }
+    summary(&runs);
+    let failed: Vec<String> = runs.iter().flat_map(|r| r.rows.iter().filter(|x| x.failed()).map(move |x| format!("{} {}", r.kernel, x.tier))).collect();
+    if !failed.is_empty() {
+        bail!("failed tiers: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+fn summary(runs: &[KernelRun]) {
+    for r in runs {
+        if let Some(tail) = &r.console_tail {
+            eprintln!("\n==== {}: the guest console's last lines ====\n{tail}", r.kernel);
+        }
+    }
+    println!("\n{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} notes", "kernel", "tier", "passed", "failed", "ignored", "time", "result");
+    for r in runs {
+        for row in &r.rows {
+            let c = &row.counts;
+            let mut notes = Vec::new();
+            for n in [&row.problem, &row.skipped, &row.note].into_iter().flatten() {
+                notes.push(n.clone());
+            }
+            if !c.skip_lines.is_empty() {
+                notes.push(format!("counted as passed but said: {}", c.skip_lines.join(" | ")));
+            }
+            if !c.failed_names.is_empty() {
+                notes.push(format!("failed: {}", c.failed_names.join(" ")));
+            }
+            let result = if row.failed() {
+                "FAILED"
+            } else if row.skipped.is_some() {
+                "SKIP"
+            } else {
+                "ok"
+            };
+            let secs = row.secs.map(|s| format!("{s:.0}s")).unwrap_or_default();
+            println!("{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} {}", r.kernel, row.tier, c.passed, c.failed, c.ignored, secs, result, notes.join("; "));
+        }
+        let boot = r.boot_s.map(|b| format!(" (boot {b:.0} s)")).unwrap_or_default();
+        println!("{:<22} {:<8} wall {:.0} s{boot}", r.kernel, "total", r.wall.as_secs_f64());
+    }
+}
