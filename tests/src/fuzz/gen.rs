@@ -122,6 +122,9 @@ pub struct Targets {
     v6: Vec<(u128, u8)>,
     ports: Vec<u16>,
     protos: Vec<u8>,
+    /// Longest frame to make: [`MAX_FRAME`] for the single-buffer program;
+    /// more for the multi-buffer one (frames spread over several buffers).
+    pub max_frame: usize,
 }
 
 impl Targets {
@@ -141,7 +144,7 @@ impl Targets {
                 protos.push(pr);
             }
         }
-        Self { v4, v6, ports, protos }
+        Self { v4, v6, ports, protos, max_frame: MAX_FRAME }
     }
 
     fn v4(&self, rng: &mut Rng) -> [u8; 4] {
@@ -196,22 +199,26 @@ impl Targets {
     }
 }
 
-/// Frames stay at most this long (one buffer for BPF_PROG_TEST_RUN).
+/// Frames stay at most this long for the single-buffer program (one
+/// buffer for BPF_PROG_TEST_RUN: 4096 less headroom and shared info).
 pub const MAX_FRAME: usize = 3000;
+/// For the multi-buffer program: a jumbo frame (MTU 9000).
+pub const MAX_JUMBO_FRAME: usize = 9018;
 
-fn payload_len(rng: &mut Rng) -> usize {
-    match rng.weighted(&[30, 50, 15, 5]) {
+fn payload_len(rng: &mut Rng, room: usize) -> usize {
+    match rng.weighted(&[30, 50, 15, 5, if room > MAX_FRAME { 3 } else { 0 }]) {
         0 => 0,
         1 => rng.range(1, 64) as usize,
         2 => rng.range(64, 1400) as usize,
-        _ => rng.range(1400, 2700) as usize,
+        3 => rng.range(1400, 2700) as usize,
+        _ => rng.range(2700, room as u64) as usize,
     }
 }
 
 /// An L4 header (TCP with any data offset and flags, UDP, ICMP) and payload;
 /// random bytes for other protocols.
 fn l4(rng: &mut Rng, t: &Targets, proto: u8, room: usize) -> Vec<u8> {
-    let pay = payload_len(rng).min(room.saturating_sub(60));
+    let pay = payload_len(rng, room).min(room.saturating_sub(60));
     let mut b = match proto {
         6 => {
             let doff: u8 = if rng.chance(0.7) { 5 } else { rng.range(0, 15) as u8 };
@@ -265,12 +272,12 @@ pub fn frame(rng: &mut Rng, t: &Targets) -> Vec<u8> {
     match rng.weighted(&[45, 45, 10]) {
         0 => {
             f.extend(0x0800u16.to_be_bytes());
-            let room = MAX_FRAME - f.len();
+            let room = t.max_frame - f.len();
             f.extend(ipv4(rng, t, room));
         }
         1 => {
             f.extend(0x86ddu16.to_be_bytes());
-            let room = MAX_FRAME - f.len();
+            let room = t.max_frame - f.len();
             f.extend(ipv6(rng, t, room));
         }
         _ => {
@@ -285,7 +292,7 @@ pub fn frame(rng: &mut Rng, t: &Targets) -> Vec<u8> {
         let cut = rng.range(14, f.len() as u64 - 1) as usize;
         f.truncate(cut);
     }
-    f.truncate(MAX_FRAME);
+    f.truncate(t.max_frame);
     f
 }
 
@@ -417,7 +424,7 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
                 if let Some(target) = aim {
                     if i == aimed {
                         // The L3 start is what the frame holds so far.
-                        let l3 = MAX_FRAME - room;
+                        let l3 = t.max_frame - room;
                         let want = target.saturating_sub(l3 + used) / 8;
                         len = want.clamp(1, 256).saturating_sub(1) as u8;
                     }
@@ -492,5 +499,24 @@ mod tests {
             let n = r.range(0, 200) as usize;
             classify(&r.bytes(n), &p);
         }
+    }
+}
+
+#[cfg(test)]
+mod jumbo {
+    use super::*;
+
+    /// With the multi-buffer program's limit, some frames are longer than
+    /// one test-run buffer (3520 bytes) and none longer than the limit.
+    #[test]
+    fn jumbo_frames_are_made() {
+        let mut r = Rng::derive(3, 1);
+        let p = crate::fuzz::reference::RefProfile::parse("[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\naction = \"pass\"\n").unwrap();
+        let mut t = Targets::of(&p);
+        t.max_frame = MAX_JUMBO_FRAME;
+        let lens: Vec<usize> = (0..20_000).map(|_| frame(&mut r, &t).len()).collect();
+        let big = lens.iter().filter(|&&l| l > 3520).count();
+        assert!(big > 100, "{big} frames over one buffer");
+        assert!(lens.iter().all(|&l| l <= MAX_JUMBO_FRAME));
     }
 }

@@ -370,10 +370,13 @@ pub fn run(o: &Options) -> Summary {
             s.per_call = call;
             s.per_run_kernel = kernel;
             if o.verbose {
-                println!("flowctl-fuzz: one BPF_PROG_TEST_RUN (repeat 1) costs {:.2} us wall, {} ns in the program; a program load + apply {:.0} ms", call.as_secs_f64() * 1e6, kernel.as_nanos(), t_load.elapsed().as_secs_f64() * 1e3);
+                println!("flowctl-fuzz: program {}; one BPF_PROG_TEST_RUN (repeat 1) costs {:.2} us wall, {} ns in the program; a program load + apply {:.0} ms", bench.plane.prog_name(), call.as_secs_f64() * 1e6, kernel.as_nanos(), t_load.elapsed().as_secs_f64() * 1e3);
             }
         }
-        let targets = Targets::of(&bench.profile);
+        let mut targets = Targets::of(&bench.profile);
+        if bench.plane.prog_name() == flowctl_common::XDP_PROGRAM_FRAGS {
+            targets.max_frame = gen::MAX_JUMBO_FRAME;
+        }
         let mut frng = Rng::derive(o.seed, round * 2 + 1);
         let this_round = o.frames_per_profile.min(o.frames - s.frames);
         let mut done = 0u64;
