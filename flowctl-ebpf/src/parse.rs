@@ -148,7 +148,9 @@ fn parse_ipv4(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
     if more {
         meta.frag = frag::FIRST;
     }
-    crate::flowctl_parse_l4(ctx.ctx, (off + ihl) as u64, (off + total) as u64)
+    // Inline: IPv4 reaches L4 from one place (IPv6's chain walk, from many,
+    // calls the global function instead), and most traffic is IPv4.
+    parse_l4(ctx, off + ihl, off + total, meta)
 }
 
 /// True for the extension header types the parser walks.
