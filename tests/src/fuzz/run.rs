@@ -10,6 +10,7 @@
 use super::gen::{self, Rng, Targets};
 use super::reference::{classify, expect, Class, Expect, RefProfile};
 use crate::testrun::{pin_to_cpu, TestPlane};
+use flowctl::dataplane::XdpVariant;
 use flowctl_common::{reason, RuleCounters, GLOBAL_COUNTER_INDEX, XDP_DROP, XDP_PASS};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -184,9 +185,14 @@ pub struct Bench {
 }
 
 impl Bench {
+    /// The program this kernel's loader picks.
     pub fn new(text: &str) -> Self {
+        Self::new_variant(text, XdpVariant::for_kernel())
+    }
+
+    pub fn new_variant(text: &str, variant: XdpVariant) -> Self {
         let profile = RefProfile::parse(text).unwrap_or_else(|e| panic!("generated profile rejected: {e}\n{text}"));
-        let plane = TestPlane::new(text);
+        let plane = TestPlane::new_variant(text, |_| {}, variant);
         let mut records: Vec<u32> = profile.rules.iter().map(|r| plane.record(&r.name)).collect();
         records.push(GLOBAL_COUNTER_INDEX);
         Self { plane, profile, text: text.to_string(), records }
@@ -336,6 +342,8 @@ pub struct Summary {
     /// kernel's own duration for one run of the program.
     pub per_call: Duration,
     pub per_run_kernel: Duration,
+    /// Frames per XDP program.
+    pub programs: BTreeMap<&'static str, u64>,
     /// Time spent re-running disagreeing batches frame by frame.
     pub bisect_time: Duration,
 }
@@ -353,13 +361,15 @@ impl Summary {
 }
 
 /// Writes a disagreeing frame and its profile; returns their paths.
-pub fn write_case(out: &Path, n: usize, frame: &[u8], profile: &str, o: &Outcome, p: &RefProfile) -> (PathBuf, PathBuf) {
+pub fn write_case(out: &Path, n: usize, frame: &[u8], b: &Bench, o: &Outcome) -> (PathBuf, PathBuf) {
+    let (profile, p) = (&b.text, &b.profile);
     std::fs::create_dir_all(out).expect("create the output directory");
     let hex = out.join(format!("fail-{n:03}.hex"));
     let prof = out.join(format!("fail-{n:03}.toml"));
     let text = format!(
-        "# class: {}\n# expected: {}\n# kernel: {}\n# length: {}\n{}",
+        "# class: {}\n# program: {}\n# expected: {}\n# kernel: {}\n# length: {}\n{}",
         o.class.kind(),
+        b.plane.prog_name(),
         o.expected_line(p),
         o.kernel_line(p),
         frame.len(),
@@ -398,8 +408,11 @@ pub fn run(o: &Options) -> Summary {
         while RefProfile::parse(&text).is_err() {
             text = gen::profile(&mut prng);
         }
+        // Both entry points: the one this kernel's loader picks, and every
+        // other round the single-buffer one (what kernels before 5.18 run).
+        let variant = if round % 2 == 1 { XdpVariant::Single } else { XdpVariant::for_kernel() };
         let t_load = Instant::now();
-        let bench = Bench::new(&text);
+        let bench = Bench::new_variant(&text, variant);
         s.load_time += t_load.elapsed();
         s.profiles += 1;
         if round == 0 {
@@ -416,6 +429,7 @@ pub fn run(o: &Options) -> Summary {
         }
         let mut frng = Rng::derive(o.seed, round * 2 + 1);
         let this_round = o.frames_per_profile.min(o.frames - s.frames);
+        *s.programs.entry(bench.plane.prog_name()).or_default() += this_round;
         let mut done = 0u64;
         let nrules = bench.profile.rules.len();
         while done < this_round && s.failures.len() < o.max_failures {
@@ -457,7 +471,7 @@ pub fn run(o: &Options) -> Summary {
                 if s.failures.len() >= o.max_failures {
                     continue;
                 }
-                let (hex, prof) = write_case(&o.out, s.failures.len(), f, &bench.text, &out, &bench.profile);
+                let (hex, prof) = write_case(&o.out, s.failures.len(), f, &bench, &out);
                 let fail = Failure { signature: sig.clone(), count: 1, hex, profile: prof, expected: out.expected_line(&bench.profile), kernel: out.kernel_line(&bench.profile) };
                 if o.verbose {
                     println!("DISAGREE [{}] {}\n  reference: {}\n  kernel:    {}\n  reproduce: {}", s.failures.len(), sig, fail.expected, fail.kernel, fail.replay_command());
@@ -489,6 +503,8 @@ pub fn report(s: &Summary) -> String {
         s.disagreeing_frames,
         s.failures.len()
     );
+    let progs: Vec<String> = s.programs.iter().map(|(p, n)| format!("{p} {n}")).collect();
+    let _ = writeln!(r, "frames per program: {}", progs.join(", "));
     let _ = writeln!(r, "frames per class (reference):");
     for (k, n) in &s.classes {
         let _ = writeln!(r, "  {n:>9} {k}");
@@ -505,12 +521,18 @@ pub fn replay(hex: &Path, profile: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(hex).map_err(|e| format!("{}: {e}", hex.display()))?;
     let frame = from_hex(&text).map_err(|e| format!("{}: {e}", hex.display()))?;
     let prof = std::fs::read_to_string(profile).map_err(|e| format!("{}: {e}", profile.display()))?;
-    let b = Bench::new(&prof);
+    // The program the case was found on (`# program:`), else the loader's pick.
+    let variant = match hex_comment(&text, "program").as_deref() {
+        Some(flowctl_common::XDP_PROGRAM) => XdpVariant::Single,
+        _ => XdpVariant::for_kernel(),
+    };
+    let b = Bench::new_variant(&prof, variant);
     let out = b.one(&frame);
     let mut msg = format!(
-        "{} ({} bytes)\n  reference: {}\n  kernel:    {}\n",
+        "{} ({} bytes, {})\n  reference: {}\n  kernel:    {}\n",
         hex.display(),
         frame.len(),
+        b.plane.prog_name(),
         out.expected_line(&b.profile),
         out.kernel_line(&b.profile)
     );
