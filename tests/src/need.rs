@@ -153,7 +153,14 @@ fn on_path(cmd: &str) -> bool {
 /// cannot run here); each runs on a thread of its own, named after it, like
 /// libtest's (the tests enter namespaces per thread), and a panic fails it.
 pub fn run(tests: Vec<Test>) -> ! {
-    let args = Arguments::from_args();
+    let (args, names) = arguments();
+    let tests: Vec<Test> = match &names {
+        None => tests,
+        Some(names) => tests
+            .into_iter()
+            .filter(|t| names.iter().any(|n| if args.exact { t.name == n } else { t.name.contains(n.as_str()) }))
+            .collect(),
+    };
     let host = Host::probe();
     let quiet_list = args.list || matches!(args.format, Some(FormatSetting::Json));
     let mut trials = Vec::with_capacity(tests.len());
@@ -177,6 +184,38 @@ pub fn run(tests: Vec<Test>) -> ! {
         trials.push(trial);
     }
     libtest_mimic::run(&args, trials).exit()
+}
+
+/// libtest's arguments. libtest takes several name filters (`e2e a b c`,
+/// as the kernel matrix runs its subset); libtest-mimic takes one, so with
+/// more than one the names are taken out here and applied to the list.
+fn arguments() -> (Arguments, Option<Vec<String>>) {
+    const WITH_VALUE: &[&str] = &["--test-threads", "--logfile", "--skip", "--color", "--format", "-Z"];
+    let all: Vec<String> = std::env::args().collect();
+    let mut flags = vec![all[0].clone()];
+    let mut names = Vec::new();
+    let mut i = 1;
+    while i < all.len() {
+        let a = &all[i];
+        if WITH_VALUE.contains(&a.as_str()) {
+            flags.push(a.clone());
+            if let Some(v) = all.get(i + 1) {
+                flags.push(v.clone());
+            }
+            i += 2;
+            continue;
+        }
+        if a.starts_with('-') {
+            flags.push(a.clone());
+        } else {
+            names.push(a.clone());
+        }
+        i += 1;
+    }
+    if names.len() <= 1 {
+        return (Arguments::from_args(), None);
+    }
+    (Arguments::from_iter(flags), Some(names))
 }
 
 fn run_on_thread(name: &str, f: fn()) -> Result<Completion, Failed> {
