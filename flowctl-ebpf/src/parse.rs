@@ -275,6 +275,13 @@ pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta)
             meta.sport = be16(&u, 0);
             meta.dport = be16(&u, 2);
         }
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            // Nothing is read from it, but a header past the window is
+            // unparsed like any other (docs/classification.md).
+            if ptr_at::<[u8; 4]>(ctx, off).is_err() {
+                return unparsed_at(meta, meta.proto, unparsed::PORTS);
+            }
+        }
         _ => {}
     }
     class::IP
