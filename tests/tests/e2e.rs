@@ -1228,7 +1228,7 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     // Healthy: every connect succeeds, nothing is refused.
     let server = TcpServer::start(&lab, 7100);
     let healthy = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 0.5);
-    assert!(healthy.len() >= 30 && healthy.iter().all(|a| a.errno == 0), "healthy: {} attempts", healthy.len());
+    assert!(healthy.len() >= if in_vm() { 10 } else { 30 } && healthy.iter().all(|a| a.errno == 0), "healthy: {} attempts", healthy.len());
     assert_eq!(breaker(&cg.parent(), "db")["state"], "closed");
     drop(server);
 
