@@ -106,8 +106,13 @@ pub const E2E_SUBSET: &[E2e] = &[
     // clsact qdisc (6.1), as the baseline's level.
     E2e { name: "klimiter_holds_an_egress_level_by_cutting_low_priority_first", xdp: true },
     // Breakers: the cgroup connect4 and sock_ops programs, bpf_set_retval
-    // (5.18+), on the VMs' pure cgroup v2 hierarchy; no XDP.
-    E2e { name: "breaker_sre_fails_fast_at_the_predicted_share_and_recovers", xdp: false },
+    // (5.18+), on the VMs' pure cgroup v2 hierarchy; no XDP. State mode
+    // covers both hooks (local refusals with the configured errno, handshake
+    // timeouts and probes seen by sock_ops). The SRE-mode test
+    // (breaker_sre_fails_fast_at_the_predicted_share_and_recovers) is left
+    // to the host: ~150 s per VM (a quarter of the subset's time) for the
+    // same hooks, and its predicted refusal shares need request volumes a
+    // Python client under TCG does not reliably make.
     E2e { name: "breaker_state_opens_on_timeouts_probes_and_closes", xdp: false },
 ];
 
