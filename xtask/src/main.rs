@@ -41,6 +41,17 @@ enum Cmd {
     },
     /// Build, make a throwaway veth lab, attach, drive traffic, show counters, clean up.
     Demo,
+    /// The differential fuzzer (docs/classification.md): N generated frames
+    /// through the real XDP program, compared with the reference classifier;
+    /// disagreeing frames go to target/fuzz with a replay command each.
+    Fuzz {
+        /// Frames to run (the test suite runs a smoke of 200,000).
+        #[arg(default_value_t = 10_000_000)]
+        frames: u64,
+        /// Passed to the fuzzer (`--seed S`, `--max-failures K`, `--per-profile M`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Benchmarks: prints ratios measured in one run (docs/benchmarks.md).
     Bench {
         /// Passed to the bench runner (e.g. `quick`).
@@ -86,6 +97,20 @@ fn main() -> Result<()> {
             run(Command::new("cargo")
                 .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-demo"])
                 .env("FLOWCTL_BIN", bin))
+        }
+        Cmd::Fuzz { frames, args } => {
+            setup::setup()?;
+            if !is_root() {
+                bail!("the fuzzer loads the XDP program for BPF_PROG_TEST_RUN: run `sudo -E cargo xtask fuzz {frames}`");
+            }
+            let out = root().join("target/fuzz");
+            run(Command::new("cargo")
+                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-fuzz", "--"])
+                .arg(frames.to_string())
+                .arg("--out")
+                .arg(&out)
+                .args(args)
+                .current_dir(root()))
         }
         Cmd::Bench { args } => {
             setup::setup()?;
