@@ -371,3 +371,34 @@ fn a_single_buffer_program_is_refused_on_a_jumbo_veth() {
     assert!(err.contains("multi-buffer XDP") && err.contains("5.18"), "{err}");
     assert!(attachment(&lab.veth_srv).is_none(), "nothing left attached");
 }
+
+/// Why the benchmark loads the single-buffer variant: `bench_spread` (a
+/// single-buffer program) tail-calls into flowctl's program, and the kernel
+/// refuses a frags program in a program array a single-buffer program
+/// owns (tail calls between the two kinds are not allowed).
+#[test]
+fn tail_calls_need_the_single_buffer_variant() {
+    if not_root() {
+        return;
+    }
+    use aya::{maps::ProgramArray, programs::Xdp};
+    use flowctl::dataplane::XdpVariant;
+    if !flowctl::kernel::features::get().has(flowctl::kernel::features::Feature::XdpFrags) {
+        eprintln!("skipped: this kernel has no multi-buffer XDP (xdp.frags, 5.18+)");
+        return;
+    }
+    let profile = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n[[rule]]\nname = \"a\"\nrate = \"10/s\"\nburst = 5\n";
+    let mut refs = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
+    let spread: &mut Xdp = refs.program_mut("bench_spread").unwrap().try_into().unwrap();
+    spread.load().unwrap();
+    for (variant, ok) in [(XdpVariant::Single, true), (XdpVariant::Frags, false)] {
+        let plane = flowctl_tests::testrun::TestPlane::new_variant(profile, |_| {}, variant);
+        assert_eq!(plane.prog_name(), variant.program());
+        let fd = plane.prog().fd().unwrap().try_clone().unwrap();
+        let mut next: ProgramArray<_> = ProgramArray::try_from(refs.map_mut("BENCH_NEXT").unwrap()).unwrap();
+        let r = next.set(0, &fd, 0);
+        println!("{}: tail call target {}", variant.program(), if r.is_ok() { "accepted" } else { "refused" });
+        assert_eq!(r.is_ok(), ok, "{:?}", r.err());
+        let _ = next.clear_index(&0);
+    }
+}
