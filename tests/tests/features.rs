@@ -56,7 +56,9 @@ impl Agent {
         args.extend_from_slice(extra);
         let child = Command::new(bin()).args(&args).env("FLOWCTL_DISABLE_FEATURES", disable).stdin(Stdio::null()).spawn().unwrap();
         let mut a = Agent(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
+        // Generous: under TCG (the kernel matrix's VMs) verifying the XDP
+        // program alone takes 15-40 s on 6.1.
+        let deadline = Instant::now() + Duration::from_secs(240);
         while Instant::now() < deadline {
             if attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true) {
                 return a;
@@ -84,8 +86,10 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Ok(None) = self.0.try_wait() {
+            // An agent still loading holds SIGINT until it is up, then
+            // detaches: wait for that rather than leave pins behind.
             unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-            let deadline = Instant::now() + Duration::from_secs(5);
+            let deadline = Instant::now() + Duration::from_secs(120);
             while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
                 std::thread::sleep(Duration::from_millis(20));
             }
