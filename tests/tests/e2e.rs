@@ -188,7 +188,9 @@ fn map_ids(iface: &str) -> Vec<u32> {
 
 fn keep_survives_sigkill_and_restart_adopts_state() {
     let lab = Lab::new("fkeep", 212);
-    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n");
+    // One token an hour: the test can take minutes under TCG (two agent
+    // starts, each verifying the program), and must never see a refill.
+    let prof = profile_file("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\n");
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     let ids = map_ids(&lab.veth_srv);
     let (sent, _, _) = blast(&lab, 7100, 200, 0.5, 20);
