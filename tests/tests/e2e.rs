@@ -1292,7 +1292,7 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     let cgp = cg.app();
     let watcher = std::thread::spawn(move || {
         let mut seen: Vec<String> = Vec::new();
-        let end = Instant::now() + Duration::from_secs(if in_vm() { 20 } else { 5 });
+        let end = Instant::now() + Duration::from_secs(if in_vm() { 30 } else { 5 });
         while Instant::now() < end {
             let s = breaker(&cgp, "api")["state"].as_str().unwrap().to_string();
             if seen.last() != Some(&s) {
@@ -1302,7 +1302,7 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
         }
         seen
     });
-    let hole = client(&lab, &cg.app(), 7200, 20, 1.5, 12, if in_vm() { 12.0 } else { 4.0 });
+    let hole = client(&lab, &cg.app(), 7200, 20, 1.5, 12, if in_vm() { 20.0 } else { 4.0 });
     let seen = watcher.join().unwrap();
     println!("states seen while black-holed: {seen:?}");
     assert!(seen.windows(3).any(|w| w == ["open", "half-open", "open"]), "open -> half-open (probes) -> open on a failed probe: {seen:?}");
