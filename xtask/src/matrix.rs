@@ -224,7 +224,7 @@ pub fn test(sel: Selection) -> Result<()> {
             Command::new("cargo")
                 .args(["test", "--workspace", "--exclude", "flowctl-tests", "--exclude", "flowctl-ebpf", "--exclude", "flowctl-bench-ebpf", "--no-fail-fast"])
                 .current_dir(root()),
-            tee::Opts { log: None, err_log: None, timeout: None },
+            tee::Opts { log: None, err_log: None, timeout: None, prefix: None },
         )?;
         let problem = (!c.status.is_some_and(|s| s.success())).then(|| format!("cargo test: {:?}", c.status));
         host_rows.push(Row::new("unit", c.counts, problem, Some(t_host.elapsed().as_secs_f64())));
@@ -257,7 +257,7 @@ pub fn test(sel: Selection) -> Result<()> {
             let t = Instant::now();
             let c = tee::run(
                 Command::new(&b.path).arg("--test-threads=1").current_dir(root().join("tests")).env("FLOWCTL_BIN", &flowctl),
-                tee::Opts { log: None, err_log: None, timeout: None },
+                tee::Opts { log: None, err_log: None, timeout: None, prefix: None },
             )?;
             let problem = match c.status {
                 Some(s) if s.success() => None,
@@ -268,8 +268,16 @@ pub fn test(sel: Selection) -> Result<()> {
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
         runs.push(KernelRun { kernel: format!("host {}", release.trim()), rows: host_rows, wall: t_host.elapsed(), boot_s: None, console_tail: None });
     }
-    for k in &sel.vms {
-        runs.push(vm::run(k, &bins, &flowctl, sel.full)?);
+    // The VMs side by side: each guest runs its tests one at a time, so
+    // under TCG one keeps about one of the machine's two cores busy; in
+    // sequence the matrix took twice as long. Each echoes its console with
+    // its kernel in front; the summary comes after both.
+    let vm_runs: Vec<Result<KernelRun>> = std::thread::scope(|s| {
+        let handles: Vec<_> = sel.vms.iter().map(|k| s.spawn(|| vm::run(k, &bins, &flowctl, sel.full))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a VM's thread panicked")))).collect()
+    });
+    for r in vm_runs {
+        runs.push(r?);
     }
     summary(&runs);
     let failed: Vec<String> = runs.iter().flat_map(|r| r.rows.iter().filter(|x| x.failed()).map(move |x| format!("{} {}", r.kernel, x.tier))).collect();

@@ -90,19 +90,36 @@ pub struct Opts {
     pub err_log: Option<PathBuf>,
     /// Kill the command's process group after this long.
     pub timeout: Option<Duration>,
+    /// Put before every echoed line (the kernel matrix's VMs run side by
+    /// side and echo into one terminal).
+    pub prefix: Option<String>,
 }
 
-/// The process group of the command running under a deadline, for the
-/// signal handler: xtask's own Ctrl-C or SIGTERM must not leave a VM behind
-/// (it runs in its own group, so the terminal's SIGINT does not reach it).
-static GROUP: AtomicI32 = AtomicI32::new(0);
+/// The process groups of the commands running under a deadline (the VMs,
+/// side by side), for the signal handler: xtask's own Ctrl-C or SIGTERM
+/// must not leave a VM behind (each runs in its own group, so the
+/// terminal's SIGINT does not reach it).
+static GROUPS: [AtomicI32; 4] = [AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0)];
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    let g = GROUP.load(Ordering::SeqCst);
-    if g > 0 {
-        unsafe { libc::kill(-g, libc::SIGKILL) };
+    for g in &GROUPS {
+        let g = g.load(Ordering::SeqCst);
+        if g > 0 {
+            unsafe { libc::kill(-g, libc::SIGKILL) };
+        }
     }
     unsafe { libc::_exit(128 + sig) };
+}
+
+/// Records a process group for the signal handler (installed once);
+/// returns its slot.
+fn watch_group(pid: i32) -> Option<usize> {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    });
+    GROUPS.iter().position(|g| g.compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst).is_ok())
 }
 
 pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
@@ -116,13 +133,7 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
     }
     let mut child = cmd.spawn().with_context(|| format!("spawning {cmd:?}"))?;
     let pid = child.id() as i32;
-    if opts.timeout.is_some() {
-        GROUP.store(pid, Ordering::SeqCst);
-        unsafe {
-            libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-            libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        }
-    }
+    let slot = if opts.timeout.is_some() { watch_group(pid) } else { None };
     let err_thread = match (opts.err_log.as_ref(), child.stderr.take()) {
         (Some(path), Some(err)) => {
             let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
@@ -140,6 +151,7 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
         Some(p) => Some(File::create(p).with_context(|| format!("creating {}", p.display()))?),
         None => None,
     };
+    let prefix = opts.prefix.clone().unwrap_or_default();
     let out_thread = std::thread::spawn(move || {
         let mut counts = Counts::default();
         let stdout = std::io::stdout();
@@ -147,7 +159,7 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
             let text = String::from_utf8_lossy(&line).replace('\r', "");
             {
                 let mut o = stdout.lock();
-                let _ = writeln!(o, "{text}");
+                let _ = writeln!(o, "{prefix}{text}");
             }
             if let Some(f) = log.as_mut() {
                 let _ = writeln!(f, "{text}");
@@ -169,12 +181,8 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
         }
         std::thread::sleep(Duration::from_millis(200));
     };
-    if opts.timeout.is_some() {
-        GROUP.store(0, Ordering::SeqCst);
-        unsafe {
-            libc::signal(libc::SIGINT, libc::SIG_DFL);
-            libc::signal(libc::SIGTERM, libc::SIG_DFL);
-        }
+    if let Some(i) = slot {
+        GROUPS[i].store(0, Ordering::SeqCst);
     }
     let counts = out_thread.join().unwrap();
     if let Some(t) = err_thread {

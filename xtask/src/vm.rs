@@ -181,7 +181,12 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
                 .arg("--")
                 .arg(format!("bash {}", sh_quote(&script.display().to_string())))
                 .current_dir(root()),
-            tee::Opts { log: Some(console.clone()), err_log: Some(kmsg.clone()), timeout: Some(limit.saturating_sub(t0.elapsed())) },
+            tee::Opts {
+                log: Some(console.clone()),
+                err_log: Some(kmsg.clone()),
+                timeout: Some(limit.saturating_sub(t0.elapsed())),
+                prefix: Some(format!("[{}] ", k.version)),
+            },
         )?;
         // A guest kernel that dies before the script starts (seen once under
         // TCG: an int3 oops in run_timer_softirq at 1.7 s) is booted once more.
