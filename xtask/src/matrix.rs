@@ -320,4 +320,8 @@ fn summary(runs: &[KernelRun]) {
         let boot = r.boot_s.map(|b| format!(" (boot {b:.0} s)")).unwrap_or_default();
         println!("{:<22} {:<8} wall {:.0} s{boot}", r.kernel, "total", r.wall.as_secs_f64());
     }
+    // One closing line over every tier and kernel, in the plain form CI
+    // readers take ("total: N passed, N failed, N skipped").
+    let sum = |f: fn(&tee::Counts) -> u64| runs.iter().flat_map(|r| r.rows.iter()).map(|row| f(&row.counts)).sum::<u64>();
+    println!("total: {} passed, {} failed, {} skipped", sum(|c| c.passed), sum(|c| c.failed), sum(|c| c.ignored));
 }
