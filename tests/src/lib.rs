@@ -5,6 +5,7 @@
 //! ignored.
 
 pub mod breaker_bench;
+pub mod cli;
 pub mod fuzz;
 pub mod lab;
 pub mod need;

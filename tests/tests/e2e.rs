@@ -3,26 +3,17 @@
 //! exact counts or sleeps. Root only; serial.
 
 use flowctl_tests::lab::Lab;
+use flowctl_tests::cli::{attachment, bin, flowctl, rule};
 use serde_json::Value;
 use std::{
     io::Write,
     net::UdpSocket,
     path::PathBuf,
-    process::{Child, Command, Output, Stdio},
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-fn bin() -> PathBuf {
-    std::env::var_os("FLOWCTL_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/flowctl");
-        assert!(p.exists(), "build flowctl first (cargo xtask test does) or set FLOWCTL_BIN");
-        p
-    })
-}
 
-fn flowctl(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run flowctl")
-}
 
 fn profile_file(text: &str) -> tempfile_lite::File {
     tempfile_lite::File::new(text)
@@ -105,16 +96,7 @@ impl Drop for Agent {
     }
 }
 
-fn attachment(iface: &str) -> Option<Value> {
-    let out = flowctl(&["status", "--json"]);
-    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.as_array()?.iter().find(|a| a["iface"] == iface).cloned()
-}
 
-fn rule(iface: &str, name: &str) -> Value {
-    let a = attachment(iface).expect("attached");
-    a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned().expect("rule in status")
-}
 
 /// Sends UDP from the client namespace's address at about `pps` for `secs`
 /// (at most `max` packets); returns (sent, first send, last send).

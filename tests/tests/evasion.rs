@@ -6,10 +6,12 @@
 //! 1858), an IPv6 datagram behind exactly eight extension headers, and one
 //! behind a 2 KiB destination-options header on a jumbo-MTU link.
 
-use flowctl_tests::lab::{sh, Lab};
+use flowctl_tests::{
+    cli::{attachment, bin},
+    lab::{sh, Lab},
+};
 use std::{
     net::UdpSocket,
-    path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -18,10 +20,6 @@ const SRV6: [u8; 16] = [0xfd, 0x13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
 const CLI6: [u8; 16] = [0xfd, 0x13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
 /// Copies of each layout sent per phase.
 const COPIES: usize = 5;
-
-fn bin() -> PathBuf {
-    std::env::var_os("FLOWCTL_BIN").map(PathBuf::from).expect("FLOWCTL_BIN (cargo xtask test sets it)")
-}
 
 /// The agent, stopped (and the interface detached) on drop.
 struct Agent(Child, String, String);
@@ -44,21 +42,12 @@ fn attach(lab: &Lab, profile: &std::path::Path) -> Agent {
     let agent = Agent(child, lab.veth_srv.clone(), lab.ns_srv.clone());
     let deadline = Instant::now() + Duration::from_secs(if flowctl_tests::need::in_vm() { 180 } else { 20 });
     while Instant::now() < deadline {
-        let out = Command::new(bin()).args(["status", "--json"]).output().unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        if v.as_array().is_some_and(|a| a.iter().any(|x| x["iface"] == lab.veth_srv.as_str() && x["agent_ready"] == true)) {
+        if attachment(&lab.veth_srv).is_some_and(|a| a["agent_ready"] == true) {
             return agent;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!("flowctl attach did not come up");
-}
-
-/// The attachment's entry in `flowctl status --json`.
-fn status_of(iface: &str) -> serde_json::Value {
-    let out = Command::new(bin()).args(["status", "--json"]).output().unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_array().unwrap().iter().find(|x| x["iface"] == iface).cloned().expect("the attachment in status")
 }
 
 fn mac(ns: &str, dev: &str) -> [u8; 6] {
@@ -283,7 +272,7 @@ fn crafted_layouts_do_not_reach_the_socket_behind_a_drained_rule() {
     assert_eq!(syns, 0, "tiny-fragment SYNs reached TCP");
     assert_eq!(d8, 0, "datagrams behind exactly 8 extension headers reached the socket");
     assert_eq!(dl, 0, "datagrams behind a 2 KiB options header reached the socket");
-    let a = status_of(&lab.veth_srv);
+    let a = attachment(&lab.veth_srv).expect("the attachment in status");
     let g = &a["unmatched"];
     println!("unmatched: {g}");
     assert_eq!(g["dropped_by_reason"]["evasive"], 2 * COPIES, "both fragments of each tiny-fragment SYN dropped as evasive");

@@ -10,6 +10,7 @@
 //! bounds its traffic in packets and seconds.
 
 use flowctl_tests::lab::Lab;
+use flowctl_tests::cli::{attachment, bin, rule};
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
@@ -18,13 +19,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-fn bin() -> String {
-    std::env::var("FLOWCTL_BIN").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/flowctl").to_string())
-}
 
-fn flowctl(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run flowctl")
-}
 
 /// A profile in a temp file, removed on drop.
 struct Profile(std::path::PathBuf);
@@ -99,16 +94,7 @@ impl Drop for Agent {
     }
 }
 
-fn attachment(iface: &str) -> Option<Value> {
-    let out = flowctl(&["status", "--json"]);
-    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.as_array()?.iter().find(|a| a["iface"] == iface).cloned()
-}
 
-fn rule(iface: &str, name: &str) -> Value {
-    let a = attachment(iface).expect("attached");
-    a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned().expect("rule in status")
-}
 
 /// Runs `flowctl ARGS` that must exit by itself within `secs` (killed and
 /// failed otherwise).
