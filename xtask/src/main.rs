@@ -5,9 +5,11 @@
 //! kernel, then in one VM per kernel of the matrix (vm.rs). `test` and
 //! `demo` call `setup` first.
 
+mod kernels;
 mod matrix;
 mod setup;
 mod tee;
+mod tiers;
 mod vm;
 
 use anyhow::{bail, Context, Result};

@@ -7,114 +7,18 @@
 //! when an earlier one failed, so that one run reports everything; the
 //! command fails at the end if any did.
 
-use crate::{root, setup, tee, vm};
+use crate::{
+    kernels::{Kernel, KERNELS},
+    root, setup, tee,
+    tiers::{KernelRun, Row, TestBin, KERNEL_TIER},
+    vm,
+};
 use anyhow::{bail, Context, Result};
 use std::{
     path::PathBuf,
     process::Command,
-    time::{Duration, Instant},
+    time::Instant,
 };
-
-/// A kernel of the matrix: Debian's generic `-amd64` flavour (the
-/// `-cloud-amd64` one has no 9p, so the host's root filesystem cannot be
-/// shared with it).
-pub struct Kernel {
-    /// What `--kernel` takes, and the prefix of the image in /boot.
-    pub version: &'static str,
-    package: Package,
-}
-
-enum Package {
-    /// `prefix` + the newest ABI number in the archive + `suffix`.
-    Newest { prefix: &'static str, suffix: &'static str },
-    Fixed(&'static str),
-}
-
-pub const KERNELS: &[Kernel] = &[
-    // 6.1 LTS: Debian 12's own kernel (and most 6.1-based distributions').
-    Kernel { version: "6.1", package: Package::Newest { prefix: "linux-image-6.1.0-", suffix: "-amd64-unsigned" } },
-    // 6.12 LTS: Debian 12's backports.
-    Kernel { version: "6.12", package: Package::Fixed("linux-image-6.12-amd64") },
-];
-
-pub const BOOT_PREFIX: &str = "/boot/vmlinuz-";
-
-impl Kernel {
-    /// The newest `/boot/vmlinuz-VERSION.*-amd64`.
-    pub fn image(&self) -> Option<PathBuf> {
-        let want = format!("vmlinuz-{}.", self.version);
-        let mut found: Vec<(Vec<u64>, PathBuf)> = std::fs::read_dir("/boot")
-            .ok()?
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let name = e.file_name().to_str()?.to_string();
-                (name.starts_with(&want) && name.ends_with("-amd64")).then(|| (natural(&name), e.path()))
-            })
-            .collect();
-        found.sort();
-        found.pop().map(|(_, p)| p)
-    }
-
-    /// The Debian package that installs this kernel, resolved now.
-    pub fn package(&self) -> Result<String> {
-        match self.package {
-            Package::Newest { prefix, suffix } => setup::newest_package(prefix, suffix),
-            Package::Fixed(name) => Ok(name.to_string()),
-        }
-    }
-}
-
-/// The numbers in a name, for sorting `6.1.0-9` before `6.1.0-54`.
-fn natural(name: &str) -> Vec<u64> {
-    name.split(|c: char| !c.is_ascii_digit()).filter_map(|s| s.parse().ok()).collect()
-}
-
-/// The kernel tier: every test of these binaries runs in each VM.
-pub const KERNEL_TIER: &[&str] = &["kernel", "breaker", "cgroup"];
-
-/// The kernel tier's gate in a VM, run first: a small test that loads the
-/// XDP program. Where it fails (the program does not verify on that kernel),
-/// the other tests that load it would fail the same way, each after a
-/// verification of up to a minute and a half under TCG (27 of them: past
-/// the VM's timeout); they are reported not run, the gate as failed, and
-/// the tests that do not need the XDP program (breakers, CPU readers) run.
-pub const XDP_GATE: &str = "non_ip_always_passes";
-
-/// A test of the end-to-end subset.
-pub struct E2e {
-    pub name: &'static str,
-    /// It loads the XDP program (not run where the gate fails).
-    pub xdp: bool,
-}
-
-/// The end-to-end subset that runs in each VM: the tests that exercise what
-/// differs between kernels, at a cost TCG can carry. The rest of e2e.rs runs
-/// on the host only (CLI error paths, `top`'s terminal, metrics, quotas: the
-/// same user-space code over the same programs).
-pub const E2E_SUBSET: &[E2e] = &[
-    // attach: the XDP program loaded, verified and attached by the agent in
-    // native mode on veth, enforcing a limit; explain; detach on SIGINT.
-    E2e { name: "udp_limit_holds_within_bounds_then_detaches", xdp: true },
-    // apply: a hot reload through the agent's control socket, all or nothing.
-    E2e { name: "apply_through_the_agent_is_all_or_nothing", xdp: true },
-    // SIGKILL/restart: a kept data plane outlives its agent, a restarted one
-    // re-adopts the pinned maps (bpffs, pins, map ids on this kernel).
-    E2e { name: "keep_survives_sigkill_and_restart_adopts_state", xdp: true },
-    // BBR: the SYN stage's XDP_TX RST on veth, the fail-open grace, re-adoption.
-    E2e { name: "bbr_refuses_connections_beyond_the_limit_and_fails_open", xdp: true },
-    // KLimiter egress: the TC egress counter, attached with TCX (6.6+) or a
-    // clsact qdisc (6.1), as the baseline's level.
-    E2e { name: "klimiter_holds_an_egress_level_by_cutting_low_priority_first", xdp: true },
-    // Breakers: the cgroup connect4 and sock_ops programs, bpf_set_retval
-    // (5.18+), on the VMs' pure cgroup v2 hierarchy; no XDP. State mode
-    // covers both hooks (local refusals with the configured errno, handshake
-    // timeouts and probes seen by sock_ops). The SRE-mode test
-    // (breaker_sre_fails_fast_at_the_predicted_share_and_recovers) is left
-    // to the host: ~150 s per VM (a quarter of the subset's time) for the
-    // same hooks, and its predicted refusal shares need request volumes a
-    // Python client under TCG does not reliably make.
-    E2e { name: "breaker_state_opens_on_timeouts_probes_and_closes", xdp: false },
-];
 
 /// Which tiers `cargo xtask test` runs.
 pub struct Selection {
@@ -146,47 +50,6 @@ impl Selection {
         }
         Ok(s)
     }
-}
-
-/// One line of the summary.
-pub struct Row {
-    pub tier: String,
-    pub counts: tee::Counts,
-    /// Why the row failed beyond its failed tests (exit status, no result line, timeout).
-    pub problem: Option<String>,
-    /// Wall time of the tier's binary.
-    pub secs: Option<f64>,
-    /// Not run, and why (not a failure by itself).
-    pub skipped: Option<String>,
-    /// Anything else to say.
-    pub note: Option<String>,
-}
-
-impl Row {
-    pub fn new(tier: &str, counts: tee::Counts, problem: Option<String>, secs: Option<f64>) -> Self {
-        Row { tier: tier.to_string(), counts, problem, secs, skipped: None, note: None }
-    }
-
-    pub fn failed(&self) -> bool {
-        self.problem.is_some() || self.counts.failed > 0
-    }
-}
-
-/// One kernel's rows and wall time.
-pub struct KernelRun {
-    pub kernel: String,
-    pub rows: Vec<Row>,
-    pub wall: Duration,
-    /// For a VM: seconds from launch to the guest script's start, as the guest saw them.
-    pub boot_s: Option<f64>,
-    /// For a failed VM: the console's tail, printed after the summary.
-    pub console_tail: Option<String>,
-}
-
-/// A test executable of flowctl-tests, by its target name.
-pub struct TestBin {
-    pub name: String,
-    pub path: PathBuf,
 }
 
 /// An executable a cargo build wrote, from its JSON messages.

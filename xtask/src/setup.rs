@@ -6,9 +6,9 @@
 //! - the Debian packages the host tiers use;
 //! - the kernel matrix's tools: QEMU, a static busybox (virtme-ng's guest
 //!   init needs one), virtme-ng from PyPI and one Debian kernel image per
-//!   kernel of the matrix (`matrix::KERNELS`).
+//!   kernel of the matrix (`kernels::KERNELS`).
 
-use crate::{is_root, matrix, output_ok, run};
+use crate::{is_root, kernels, output_ok, run};
 use anyhow::{bail, Context, Result};
 use std::{
     path::{Path, PathBuf},
@@ -36,7 +36,7 @@ pub fn setup() -> Result<()> {
         installed.push(format!("bpf-linker {BPF_LINKER_VERSION}"));
     }
     let mut missing: Vec<String> = DEBIAN_PACKAGES.iter().chain(VM_DEBIAN_PACKAGES).filter(|p| !dpkg_installed(p)).map(|p| p.to_string()).collect();
-    let missing_kernels: Vec<&matrix::Kernel> = matrix::KERNELS.iter().filter(|k| k.image().is_none()).collect();
+    let missing_kernels: Vec<&kernels::Kernel> = kernels::KERNELS.iter().filter(|k| k.image().is_none()).collect();
     if !missing.is_empty() || !missing_kernels.is_empty() {
         if !is_root() {
             bail!("missing Debian packages {missing:?} or kernel images {:?}: run `sudo cargo xtask setup`", missing_kernels.iter().map(|k| k.version).collect::<Vec<_>>());
@@ -49,7 +49,7 @@ pub fn setup() -> Result<()> {
         args.extend(missing.iter().map(String::as_str));
         apt_get(&args)?;
         for k in &missing_kernels {
-            k.image().with_context(|| format!("installed {:?} but found no {}{}* in /boot", k.package(), matrix::BOOT_PREFIX, k.version))?;
+            k.image().with_context(|| format!("installed {:?} but found no {}{}* in /boot", k.package(), kernels::BOOT_PREFIX, k.version))?;
         }
         installed.extend(missing);
     }
@@ -67,7 +67,7 @@ pub fn setup() -> Result<()> {
 }
 
 fn kernel_list() -> String {
-    matrix::KERNELS
+    kernels::KERNELS
         .iter()
         .map(|k| format!("{} ({})", k.version, k.image().map(|p| p.display().to_string()).unwrap_or_else(|| "missing".into())))
         .collect::<Vec<_>>()
@@ -81,19 +81,6 @@ fn dpkg_installed(p: &str) -> bool {
 /// apt-get, waiting for another apt's lock instead of failing at once.
 fn apt_get(args: &[&str]) -> Result<()> {
     run(Command::new("apt-get").args(["-o", "DPkg::Lock::Timeout=600"]).args(args).env("DEBIAN_FRONTEND", "noninteractive"))
-}
-
-/// The newest package in the archive named `prefix` + ABI number + `suffix`
-/// (e.g. `linux-image-6.1.0-` 57 `-amd64-unsigned`): ABI numbers disappear
-/// from the archive, so the name is resolved when it is installed.
-pub fn newest_package(prefix: &str, suffix: &str) -> Result<String> {
-    let names = output_ok(Command::new("apt-cache").args(["pkgnames", prefix])).unwrap_or_default();
-    names
-        .lines()
-        .filter_map(|n| n.strip_prefix(prefix)?.strip_suffix(suffix)?.parse::<u32>().ok())
-        .max()
-        .map(|abi| format!("{prefix}{abi}{suffix}"))
-        .with_context(|| format!("no package {prefix}N{suffix} in the apt lists (apt-get update?)"))
 }
 
 /// The `vng` to run: on PATH (through pyenv's shims, here), else in the

@@ -11,7 +11,8 @@
 //! from vng's exit code, so a guest that dies half way is a failure.
 
 use crate::{
-    matrix::{Kernel, KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
+    kernels::Kernel,
+    tiers::{KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
     root, setup, tee,
 };
 use anyhow::{Context, Result};
@@ -155,7 +156,7 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
         console_tail: None,
     };
     let Some(image) = k.image() else {
-        return Ok(fail(format!("no {}{}* (cargo xtask setup installs it)", crate::matrix::BOOT_PREFIX, k.version)));
+        return Ok(fail(format!("no {}{}* (cargo xtask setup installs it)", crate::kernels::BOOT_PREFIX, k.version)));
     };
     let Some(vng) = setup::vng() else {
         return Ok(fail("no vng (cargo xtask setup installs virtme-ng)".into()));
