@@ -43,7 +43,8 @@ pub struct Compat {
 
 impl Compat {
     /// Kratos' behaviour in every respect.
-    pub const KRATOS: Self = Self { floor_max_inflight: true, empty_window_zero: true, cooldown_from_first_drop: true };
+    pub const KRATOS: Self =
+        Self { floor_max_inflight: true, empty_window_zero: true, cooldown_from_first_drop: true };
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +63,13 @@ pub struct BbrConfig {
 
 impl Default for BbrConfig {
     fn default() -> Self {
-        Self { cpu_threshold: 800, buckets_per_second: 10, cooldown_ns: 1_000_000_000, release_below: 800, compat: Compat::default() }
+        Self {
+            cpu_threshold: 800,
+            buckets_per_second: 10,
+            cooldown_ns: 1_000_000_000,
+            release_below: 800,
+            compat: Compat::default(),
+        }
     }
 }
 
@@ -115,7 +122,14 @@ pub fn cpu_over(state: &mut BbrState, cfg: &BbrConfig, cpu: u32) -> bool {
 }
 
 /// Whether a new arrival is refused now, and the state after it.
-pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u64, max: Option<u64>, now_ns: u64) -> bool {
+pub fn should_drop(
+    state: &mut BbrState,
+    cfg: &BbrConfig,
+    cpu: u32,
+    in_flight: u64,
+    max: Option<u64>,
+    now_ns: u64,
+) -> bool {
     let over = |max: Option<u64>| in_flight > 1 && max.is_some_and(|m| in_flight > m);
     if !cpu_over(state, cfg, cpu) {
         if state.drop_anchor_ns == 0 {
@@ -138,8 +152,10 @@ pub fn should_drop(state: &mut BbrState, cfg: &BbrConfig, cpu: u32, in_flight: u
 /// Whether the in-flight test is on at all now (CPU over threshold, or
 /// cooling down): what the agent tells the kernel.
 pub fn active(state: &BbrState, cfg: &BbrConfig, cpu: u32, now_ns: u64) -> bool {
-    let over = cpu >= cfg.cpu_threshold || (state.engaged && cpu >= cfg.release_below.min(cfg.cpu_threshold));
-    over || (state.drop_anchor_ns != 0 && now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns)
+    let over = cpu >= cfg.cpu_threshold
+        || (state.engaged && cpu >= cfg.release_below.min(cfg.cpu_threshold));
+    over || (state.drop_anchor_ns != 0
+        && now_ns.saturating_sub(state.drop_anchor_ns) <= cfg.cooldown_ns)
 }
 
 #[cfg(test)]
@@ -153,7 +169,11 @@ mod tests {
     /// the one being filled and is skipped.
     fn aegis_window(pass: impl Fn(u64) -> u64) -> Vec<BbrBucket> {
         (0..9u64)
-            .map(|i| BbrBucket { completed: pass(i), rt_sum_us: (i * 10 + 1..=i * 10 + 10).sum::<u64>() * 1000, rt_count: 10 })
+            .map(|i| BbrBucket {
+                completed: pass(i),
+                rt_sum_us: (i * 10 + 1..=i * 10 + 10).sum::<u64>() * 1000,
+                rt_count: 10,
+            })
             .collect()
     }
 
@@ -177,8 +197,14 @@ mod tests {
             let t0 = 100 * S;
             assert!(!should_drop(&mut st, &cfg, 800, 50, max, t0), "cpu 800, in flight 50: admit");
             assert!(should_drop(&mut st, &cfg, 800, 80, max, t0), "cpu 800, in flight 80: drop");
-            assert!(should_drop(&mut st, &cfg, 700, 80, max, t0 + S / 2), "cpu 700 within 1 s of the drop: drop");
-            assert!(!should_drop(&mut st, &cfg, 700, 80, max, t0 + 2 * S + S / 2), "2 s later: admit");
+            assert!(
+                should_drop(&mut st, &cfg, 700, 80, max, t0 + S / 2),
+                "cpu 700 within 1 s of the drop: drop"
+            );
+            assert!(
+                !should_drop(&mut st, &cfg, 700, 80, max, t0 + 2 * S + S / 2),
+                "2 s later: admit"
+            );
         }
     }
 
@@ -187,7 +213,10 @@ mod tests {
         // maxPass 590, minRT 1 ms, 10 buckets/s: 5.9 in flight.
         let w = [BbrBucket { completed: 590, rt_sum_us: 1000, rt_count: 1 }];
         assert_eq!(max_in_flight(&w, &BbrConfig::default()), Some(6));
-        let floor = BbrConfig { compat: Compat { floor_max_inflight: true, ..Default::default() }, ..Default::default() };
+        let floor = BbrConfig {
+            compat: Compat { floor_max_inflight: true, ..Default::default() },
+            ..Default::default()
+        };
         assert_eq!(max_in_flight(&w, &floor), Some(5));
     }
 
@@ -198,10 +227,16 @@ mod tests {
         assert_eq!(max_in_flight(&[BbrBucket::default(); 9], &cfg), None);
         let mut st = BbrState::default();
         assert!(!should_drop(&mut st, &cfg, 1000, 2, None, S), "nothing known: admit");
-        let zero = BbrConfig { compat: Compat { empty_window_zero: true, ..Default::default() }, ..Default::default() };
+        let zero = BbrConfig {
+            compat: Compat { empty_window_zero: true, ..Default::default() },
+            ..Default::default()
+        };
         let max = max_in_flight(&[], &zero);
         assert_eq!(max, Some(0));
-        assert!(should_drop(&mut st, &zero, 1000, 2, max, S), "the defect: 2 in flight over a limit of 0");
+        assert!(
+            should_drop(&mut st, &zero, 1000, 2, max, S),
+            "the defect: 2 in flight over a limit of 0"
+        );
     }
 
     #[test]
@@ -218,7 +253,10 @@ mod tests {
             should_drop(&mut st, &cfg, 500, 20, max, 3 * S + S / 2)
         };
         assert!(run(Compat::default()), "0.5 s after the last overload: still cooling down");
-        assert!(!run(Compat { cooldown_from_first_drop: true, ..Default::default() }), "Kratos: 3.5 s after the first drop, expired");
+        assert!(
+            !run(Compat { cooldown_from_first_drop: true, ..Default::default() }),
+            "Kratos: 3.5 s after the first drop, expired"
+        );
     }
 
     #[test]
@@ -230,7 +268,10 @@ mod tests {
         for t in 1..=9u64 {
             assert!(should_drop(&mut st, &cfg, 100, 20, Some(10), S + t * S / 10), "cooling down");
         }
-        assert!(!should_drop(&mut st, &cfg, 100, 20, Some(10), S + S + S / 10), "1 s after the overload: open");
+        assert!(
+            !should_drop(&mut st, &cfg, 100, 20, Some(10), S + S + S / 10),
+            "1 s after the overload: open"
+        );
         assert!(!active(&st, &cfg, 100, 3 * S));
     }
 
@@ -239,9 +280,15 @@ mod tests {
         let cfg = BbrConfig { release_below: 650, ..Default::default() };
         let mut st = BbrState::default();
         assert!(should_drop(&mut st, &cfg, 850, 20, Some(10), S));
-        assert!(should_drop(&mut st, &cfg, 700, 20, Some(10), 5 * S), "700 is still over with a release at 650");
+        assert!(
+            should_drop(&mut st, &cfg, 700, 20, Some(10), 5 * S),
+            "700 is still over with a release at 650"
+        );
         assert!(!should_drop(&mut st, &cfg, 600, 20, Some(10), 9 * S), "released");
-        assert!(!should_drop(&mut st, &cfg, 700, 20, Some(10), 10 * S), "700 does not engage it again");
+        assert!(
+            !should_drop(&mut st, &cfg, 700, 20, Some(10), 10 * S),
+            "700 does not engage it again"
+        );
     }
 
     #[test]

@@ -39,8 +39,16 @@ pub mod counter {
     /// Half-open probes let through.
     pub const PROBES: u32 = 7;
     pub const COUNT: u32 = 8;
-    pub const NAMES: [&str; COUNT as usize] =
-        ["calls", "refused_locally", "would_refuse", "attempts", "successes", "refused_by_peer", "timeouts", "probes"];
+    pub const NAMES: [&str; COUNT as usize] = [
+        "calls",
+        "refused_locally",
+        "would_refuse",
+        "attempts",
+        "successes",
+        "refused_by_peer",
+        "timeouts",
+        "probes",
+    ];
 }
 
 /// A downstream a breaker watches: prefix and port range, IPv4 or IPv6
@@ -100,7 +108,10 @@ pub const DEADLINE_INDEX: u32 = 0;
 pub mod probe_word {
     #[inline(always)]
     pub fn pack(epoch: u32, admitted: u32, ok: u32, failed: u32) -> u64 {
-        ((epoch as u64 & 0xffff) << 48) | ((admitted as u64 & 0xffff) << 32) | ((ok as u64 & 0xffff) << 16) | (failed as u64 & 0xffff)
+        ((epoch as u64 & 0xffff) << 48)
+            | ((admitted as u64 & 0xffff) << 32)
+            | ((ok as u64 & 0xffff) << 16)
+            | (failed as u64 & 0xffff)
     }
     #[inline(always)]
     pub fn epoch(w: u64) -> u32 {
@@ -147,7 +158,13 @@ pub const SOCK_MARKS: u32 = 16384;
 /// `min_requests`, capped so probes always get through. Integer math in
 /// parts per million (K in thousandths), usable in the kernel too.
 #[inline(always)]
-pub fn sre_drop_ppm(requests: u64, accepts: u64, k_milli: u64, min_requests: u64, cap_ppm: u32) -> u32 {
+pub fn sre_drop_ppm(
+    requests: u64,
+    accepts: u64,
+    k_milli: u64,
+    min_requests: u64,
+    cap_ppm: u32,
+) -> u32 {
     if requests < min_requests {
         return 0;
     }
@@ -208,7 +225,11 @@ pub struct Window {
 impl Window {
     pub fn new(span_ns: u64, buckets: u32) -> Self {
         let buckets = buckets.clamp(1, MAX_WINDOW_BUCKETS as u32);
-        Self { bucket_ns: (span_ns / buckets as u64).max(1), buckets, ring: [(0, Outcomes::default()); MAX_WINDOW_BUCKETS] }
+        Self {
+            bucket_ns: (span_ns / buckets as u64).max(1),
+            buckets,
+            ring: [(0, Outcomes::default()); MAX_WINDOW_BUCKETS],
+        }
     }
 
     pub fn span_ns(&self) -> u64 {
@@ -245,9 +266,14 @@ impl Window {
 pub enum State {
     Closed,
     /// Refusing everything since `since_ns`.
-    Open { since_ns: u64 },
+    Open {
+        since_ns: u64,
+    },
     /// Letting `probes` attempts through; they decide.
-    HalfOpen { admitted: u32, succeeded: u32 },
+    HalfOpen {
+        admitted: u32,
+        succeeded: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -273,7 +299,10 @@ impl Default for StateConfig {
 pub enum Admit {
     /// Go, stamped with the breaker's epoch; `probe` when it is one of the
     /// half-open probes.
-    Yes { epoch: u32, probe: bool },
+    Yes {
+        epoch: u32,
+        probe: bool,
+    },
     No,
 }
 
@@ -312,7 +341,8 @@ impl Machine {
     pub fn observe_window(&mut self, requests: u64, failures: u64, now_ns: u64) {
         if self.state == State::Closed
             && requests >= self.cfg.min_requests
-            && failures.saturating_mul(1_000_000) > requests.saturating_mul(self.cfg.failure_ppm as u64)
+            && failures.saturating_mul(1_000_000)
+                > requests.saturating_mul(self.cfg.failure_ppm as u64)
         {
             self.to(State::Open { since_ns: now_ns });
         }
@@ -381,9 +411,21 @@ mod tests {
     fn sre_formula() {
         // 1000 requests, 200 accepts, K = 2: (1000 - 400) / 1001.
         assert_eq!(sre_drop_ppm(1000, 200, 2000, 100, 1_000_000), 599_400);
-        assert_eq!(sre_drop_ppm(1000, 500, 2000, 100, 1_000_000), 0, "K x accepts covers the requests");
-        assert_eq!(sre_drop_ppm(99, 0, 2000, 100, 1_000_000), 0, "under the minimum: no throttling");
-        assert_eq!(sre_drop_ppm(1000, 0, 2000, 100, 900_000), 900_000, "capped: probes still get through");
+        assert_eq!(
+            sre_drop_ppm(1000, 500, 2000, 100, 1_000_000),
+            0,
+            "K x accepts covers the requests"
+        );
+        assert_eq!(
+            sre_drop_ppm(99, 0, 2000, 100, 1_000_000),
+            0,
+            "under the minimum: no throttling"
+        );
+        assert_eq!(
+            sre_drop_ppm(1000, 0, 2000, 100, 900_000),
+            900_000,
+            "capped: probes still get through"
+        );
         assert_eq!(sre_drop_ppm(1000, 0, 1500, 100, 1_000_000), 999_000);
     }
 
@@ -451,13 +493,26 @@ mod tests {
     #[test]
     fn probe_word_round_trips() {
         let w = probe_word::pack(0x1_2345, 3, 2, 1);
-        assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (0x2345, 3, 2, 1));
+        assert_eq!(
+            (
+                probe_word::epoch(w),
+                probe_word::admitted(w),
+                probe_word::ok(w),
+                probe_word::failed(w)
+            ),
+            (0x2345, 3, 2, 1)
+        );
         assert_eq!(probe_word::admitted(w + probe_word::ADMITTED_ONE), 4);
     }
 
     #[test]
     fn state_machine_opens_sleeps_probes_and_closes() {
-        let mut m = Machine::new(StateConfig { failure_ppm: 500_000, min_requests: 20, sleep_ns: 5 * S, probes: 2 });
+        let mut m = Machine::new(StateConfig {
+            failure_ppm: 500_000,
+            min_requests: 20,
+            sleep_ns: 5 * S,
+            probes: 2,
+        });
         m.observe_window(10, 10, 0);
         assert_eq!(m.state, State::Closed, "under the minimum");
         m.observe_window(40, 25, S);
@@ -466,7 +521,10 @@ mod tests {
         // Half-open after the sleep: two probes, then refusals.
         let a1 = m.admit(6 * S);
         let a2 = m.admit(6 * S);
-        assert!(matches!(a1, Admit::Yes { probe: true, .. }) && matches!(a2, Admit::Yes { probe: true, .. }));
+        assert!(
+            matches!(a1, Admit::Yes { probe: true, .. })
+                && matches!(a2, Admit::Yes { probe: true, .. })
+        );
         assert_eq!(m.admit(6 * S), Admit::No);
         let Admit::Yes { epoch, .. } = a1 else { unreachable!() };
         m.outcome(epoch, true, true, 7 * S);
@@ -501,7 +559,10 @@ mod tests {
         m.outcome(round1, true, false, 2 * S); // reopens
         m.tick(4 * S); // half-open again, new epoch
         m.outcome(round1, true, true, 4 * S);
-        assert!(matches!(m.state, State::HalfOpen { .. }), "a stale probe does not close the new round");
+        assert!(
+            matches!(m.state, State::HalfOpen { .. }),
+            "a stale probe does not close the new round"
+        );
         let Admit::Yes { epoch, .. } = m.admit(4 * S) else { panic!() };
         m.outcome(epoch, true, true, 4 * S);
         assert_eq!(m.state, State::Closed);

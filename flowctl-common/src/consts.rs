@@ -133,8 +133,26 @@ pub mod map_names {
     pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
     /// Every map the XDP object declares, in the order `status` reports them.
     pub const ALL: [&str; 20] = [
-        GLOBAL, RULES, PROTO_BITS, PORT_BITS, RULE_SETS, SRC_TRIE, SRC_CLASSES, SRC_CACHE, KEYS, COUNTERS,
-        CONTROL, DEBT, QUOTAS, STATS, KEY_SAMPLES, AGENT, CONNS, OPEN, EGRESS_TARGETS, EGRESS_COUNTS,
+        GLOBAL,
+        RULES,
+        PROTO_BITS,
+        PORT_BITS,
+        RULE_SETS,
+        SRC_TRIE,
+        SRC_CLASSES,
+        SRC_CACHE,
+        KEYS,
+        COUNTERS,
+        CONTROL,
+        DEBT,
+        QUOTAS,
+        STATS,
+        KEY_SAMPLES,
+        AGENT,
+        CONNS,
+        OPEN,
+        EGRESS_TARGETS,
+        EGRESS_COUNTS,
     ];
 }
 

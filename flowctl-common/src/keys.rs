@@ -52,7 +52,10 @@ pub fn in_prefix(a: &[u32; 4], p: &[u32; 4], len: u8, family: u8) -> bool {
 #[inline(always)]
 pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
     let kind = rule.key_kind;
-    let by_src = matches!(kind, key_kind::SRC | key_kind::SRC_PREFIX | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE);
+    let by_src = matches!(
+        kind,
+        key_kind::SRC | key_kind::SRC_PREFIX | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE
+    );
     let five = kind == key_kind::FIVE_TUPLE;
     let src = match kind {
         key_kind::SRC | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE => meta.src,
@@ -67,7 +70,11 @@ pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
         family: if by_src { meta.family } else { 0 },
         proto: if five { meta.proto } else { 0 },
         sport: if five { meta.sport } else { 0 },
-        dport: if matches!(kind, key_kind::DPORT | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE) { meta.dport } else { 0 },
+        dport: if matches!(kind, key_kind::DPORT | key_kind::SRC_DPORT | key_kind::FIVE_TUPLE) {
+            meta.dport
+        } else {
+            0
+        },
         _pad: 0,
         src,
         dst: if five { meta.dst } else { [0; 4] },
@@ -84,7 +91,10 @@ pub fn debt_slot(record: u32, k: &BucketKey) -> u32 {
     h ^= ((k.family as u32) | (k.proto as u32) << 8 | (k.sport as u32) << 16).rotate_left(5);
     h ^= (k.dport as u32).rotate_left(11);
     h ^= k.src[0].rotate_left(3) ^ k.src[1].rotate_left(7) ^ k.src[2].rotate_left(13) ^ k.src[3];
-    h ^= k.dst[0].rotate_left(17) ^ k.dst[1].rotate_left(19) ^ k.dst[2].rotate_left(23) ^ k.dst[3].rotate_left(29);
+    h ^= k.dst[0].rotate_left(17)
+        ^ k.dst[1].rotate_left(19)
+        ^ k.dst[2].rotate_left(23)
+        ^ k.dst[3].rotate_left(29);
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;
@@ -112,7 +122,15 @@ mod tests {
     use super::*;
 
     fn meta(src: u32, dport: u16) -> PacketMeta {
-        PacketMeta { src: [src, 0, 0, 0], dst: [0x0a000001, 0, 0, 0], sport: 999, dport, family: 4, proto: 6, ..Default::default() }
+        PacketMeta {
+            src: [src, 0, 0, 0],
+            dst: [0x0a000001, 0, 0, 0],
+            sport: 999,
+            dport,
+            family: 4,
+            proto: 6,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -139,7 +157,12 @@ mod tests {
 
     #[test]
     fn keys_share_exactly_what_they_should() {
-        let mut r = RuleConfig { state_id: 7, key_kind: key_kind::SRC_PREFIX, prefix_v4: 24, ..Default::default() };
+        let mut r = RuleConfig {
+            state_id: 7,
+            key_kind: key_kind::SRC_PREFIX,
+            prefix_v4: 24,
+            ..Default::default()
+        };
         assert_eq!(bucket_key(&meta(0x0a000105, 80), &r), bucket_key(&meta(0x0a0001fe, 443), &r));
         assert_ne!(bucket_key(&meta(0x0a000105, 80), &r), bucket_key(&meta(0x0a000205, 80), &r));
         r.key_kind = key_kind::SRC_DPORT;

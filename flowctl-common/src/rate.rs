@@ -60,7 +60,10 @@ fn parse_scaled(s: &str) -> Result<(u128, u128, &str), RateError> {
     }
     let mut num: u128 = 0;
     for c in int.chars().chain(frac.chars()) {
-        num = num.checked_mul(10).and_then(|n| n.checked_add(c as u128 - '0' as u128)).ok_or(RateError::TooLarge)?;
+        num = num
+            .checked_mul(10)
+            .and_then(|n| n.checked_add(c as u128 - '0' as u128))
+            .ok_or(RateError::TooLarge)?;
     }
     let den = 10u128.pow(frac.len() as u32);
     let rest = rest.trim_start();

@@ -150,7 +150,12 @@ pub fn sum_epochs<'a>(
 
 /// The complete buckets of the last `span` ones before `now`'s (the current,
 /// still-filling bucket is left out), limited to what the ring still holds.
-pub fn complete_span(now_ns: u64, bucket_ns: u64, buckets: u32, span: u32) -> core::ops::Range<u64> {
+pub fn complete_span(
+    now_ns: u64,
+    bucket_ns: u64,
+    buckets: u32,
+    span: u32,
+) -> core::ops::Range<u64> {
     let cur = epoch_of(now_ns, bucket_ns);
     let span = span.min(buckets.saturating_sub(1)) as u64;
     cur.saturating_sub(span).max(1)..cur

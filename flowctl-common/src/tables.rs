@@ -158,7 +158,11 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
                     classes.len() - 1
                 }
             };
-            TrieEntry { prefix_len: TRIE_TAG_BITS + p.len as u32, data: trie_data(slot, &p.addr), class: class as u32 }
+            TrieEntry {
+                prefix_len: TRIE_TAG_BITS + p.len as u32,
+                data: trie_data(slot, &p.addr),
+                class: class as u32,
+            }
         })
         .collect();
     Tables { slot, proto, port, trie, classes, sets }
@@ -205,24 +209,37 @@ mod tests {
 
     /// The obvious linear first-match the tables must agree with.
     fn linear(specs: &[MatchSpec], src: &IpAddr, proto: u8, dport: Option<u16>) -> Option<u32> {
-        specs.iter().position(|s| {
-            s.proto.is_none_or(|p| p == proto)
-                && s.src.is_none_or(|c| c.contains(src))
-                && match (s.ports, dport) {
-                    (None, _) => true,
-                    (Some((lo, hi)), Some(p)) => lo <= p && p <= hi,
-                    (Some(_), None) => false,
-                }
-        }).map(|i| i as u32)
+        specs
+            .iter()
+            .position(|s| {
+                s.proto.is_none_or(|p| p == proto)
+                    && s.src.is_none_or(|c| c.contains(src))
+                    && match (s.ports, dport) {
+                        (None, _) => true,
+                        (Some((lo, hi)), Some(p)) => lo <= p && p <= hi,
+                        (Some(_), None) => false,
+                    }
+            })
+            .map(|i| i as u32)
     }
 
     #[test]
     fn first_match_in_profile_order() {
         let specs = vec![
-            MatchSpec { proto: Some(6), src: Some(cidr("10.1.0.0/16")), ports: Some((22, 22)), enforcing: true },
+            MatchSpec {
+                proto: Some(6),
+                src: Some(cidr("10.1.0.0/16")),
+                ports: Some((22, 22)),
+                enforcing: true,
+            },
             MatchSpec { proto: None, src: Some(cidr("10.0.0.0/8")), ports: None, enforcing: true },
             MatchSpec { proto: Some(17), src: None, ports: Some((53, 53)), enforcing: true },
-            MatchSpec { proto: None, src: Some(cidr("2001:db8::/32")), ports: Some((80, 90)), enforcing: true },
+            MatchSpec {
+                proto: None,
+                src: Some(cidr("2001:db8::/32")),
+                ports: Some((80, 90)),
+                enforcing: true,
+            },
         ];
         let t = compile(&specs, 1);
         assert!(t.classes.len() <= t.trie.len());
@@ -256,7 +273,12 @@ mod tests {
             proptest::option::of(arb_cidr()),
             proptest::option::of((0u16..200, 0u16..50).prop_map(|(a, w)| (a, a + w))),
         )
-            .prop_map(|(proto, src, ports)| MatchSpec { proto, src, ports, enforcing: true })
+            .prop_map(|(proto, src, ports)| MatchSpec {
+                proto,
+                src,
+                ports,
+                enforcing: true,
+            })
     }
 
     proptest! {

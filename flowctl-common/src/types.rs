@@ -59,9 +59,8 @@ pub mod reason {
     /// dropped (docs/classification.md).
     pub const EVASIVE: usize = 7;
     pub const COUNT: usize = 8;
-    pub const NAMES: [&str; COUNT] = [
-        "rate", "malformed", "fragment", "contended", "admission", "bbr", "quota", "evasive",
-    ];
+    pub const NAMES: [&str; COUNT] =
+        ["rate", "malformed", "fragment", "contended", "admission", "bbr", "quota", "evasive"];
 }
 
 /// Fragment position of a packet.
@@ -534,7 +533,10 @@ mod tests {
     fn set_admission_reports_changes_and_bumps_the_version() {
         let mut c = ControlRecord::default();
         assert!(c.set_admission(Some(250_000), true));
-        assert_eq!((c.admission_ppm, c.flags, c.version), (250_000, control_flags::ADMISSION_ACTIVE | control_flags::ADMISSION_PER_FLOW, 1));
+        assert_eq!(
+            (c.admission_ppm, c.flags, c.version),
+            (250_000, control_flags::ADMISSION_ACTIVE | control_flags::ADMISSION_PER_FLOW, 1)
+        );
         assert!(!c.set_admission(Some(250_000), true), "the same setting is no change");
         assert_eq!(c.version, 1);
         assert!(c.set_admission(None, false));

@@ -11,7 +11,11 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::{bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
+    bindings::{
+        bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
+        BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB,
+    },
     helpers::{
         bpf_get_prandom_u32, bpf_ktime_get_ns,
         generated::{bpf_get_current_ancestor_cgroup_id, bpf_get_socket_cookie, bpf_set_retval},
@@ -21,20 +25,25 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockOpsContext},
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
-use flowctl_common::breaker::{counter, probe_word, target_flags, Control, SockMark, Target, DEADLINE_INDEX, MAX_TARGETS, SOCK_MARKS};
+use flowctl_common::breaker::{
+    counter, probe_word, target_flags, Control, SockMark, Target, DEADLINE_INDEX, MAX_TARGETS,
+    SOCK_MARKS,
+};
 
 #[map]
 static FLOWCTL_BREAKER_TARGETS: Array<Target> = Array::with_max_entries(MAX_TARGETS as u32, 0);
 #[map]
 static FLOWCTL_BREAKER_CONTROL: Array<Control> = Array::with_max_entries(MAX_TARGETS as u32, 0);
 #[map]
-static FLOWCTL_BREAKER_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_TARGETS as u32 * counter::COUNT, 0);
+static FLOWCTL_BREAKER_COUNTS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(MAX_TARGETS as u32 * counter::COUNT, 0);
 /// The agent's deadline (`DEADLINE_INDEX`).
 #[map]
 static FLOWCTL_BREAKER_DEADLINE: Array<u64> = Array::with_max_entries(1, 0);
 /// Sockets let through, by cookie, until their handshake's outcome.
 #[map]
-static FLOWCTL_BREAKER_SOCKS: LruHashMap<u64, SockMark> = LruHashMap::with_max_entries(SOCK_MARKS, 0);
+static FLOWCTL_BREAKER_SOCKS: LruHashMap<u64, SockMark> =
+    LruHashMap::with_max_entries(SOCK_MARKS, 0);
 
 const SOCK_STREAM: u32 = 1;
 /// TCP states (include/net/tcp_states.h).
@@ -124,7 +133,13 @@ fn take_probe(c: &mut Control) -> Option<u32> {
         if probe_word::admitted(old) >= c.probes {
             return None;
         }
-        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, old + probe_word::ADMITTED_ONE) };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                p,
+                old,
+                old + probe_word::ADMITTED_ONE,
+            )
+        };
         if ok {
             return Some(probe_word::epoch(old));
         }
@@ -148,7 +163,13 @@ fn probe_outcome(m: &SockMark, inc: u64) {
         if probe_word::epoch(old) != m.epoch {
             return;
         }
-        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, old + inc) };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                p,
+                old,
+                old + inc,
+            )
+        };
         if ok {
             return;
         }
@@ -166,7 +187,9 @@ fn find(family: u8, addr: &[u32; 4], port: u16) -> Option<u32> {
                 && port >= x.port_lo
                 && port <= x.port_hi
                 && flowctl_common::keys::in_prefix(addr, &x.addr, x.prefix_len, family)
-                && (x.cgroup_id == 0 || unsafe { bpf_get_current_ancestor_cgroup_id(x.cgroup_level as i32) } == x.cgroup_id)
+                && (x.cgroup_id == 0
+                    || unsafe { bpf_get_current_ancestor_cgroup_id(x.cgroup_level as i32) }
+                        == x.cgroup_id)
             {
                 return Some(t);
             }
@@ -188,7 +211,11 @@ fn bump(t: u32, which: u32) {
 #[sock_ops]
 pub fn flowctl_sock_ops(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
-    if op != BPF_SOCK_OPS_TCP_CONNECT_CB && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && op != BPF_SOCK_OPS_STATE_CB && op != BPF_SOCK_OPS_RTO_CB {
+    if op != BPF_SOCK_OPS_TCP_CONNECT_CB
+        && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
+        && op != BPF_SOCK_OPS_STATE_CB
+        && op != BPF_SOCK_OPS_RTO_CB
+    {
         return 1;
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut _) };
@@ -197,7 +224,8 @@ pub fn flowctl_sock_ops(ctx: SockOpsContext) -> u32 {
     match op {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
             bump(m.slot, counter::ATTEMPTS);
-            let _ = ctx.set_cb_flags((BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32);
+            let _ =
+                ctx.set_cb_flags((BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32);
         }
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
             if m.decided == 0 {

@@ -2,13 +2,19 @@
 //! downstream endpoints of KLimiter's `egress` baselines (the level of a
 //! protected database, say). Never changes a verdict: every packet passes.
 
-use aya_ebpf::{macros::classifier, macros::map, maps::{Array, PerCpuArray}, programs::TcContext};
+use aya_ebpf::{
+    macros::classifier,
+    macros::map,
+    maps::{Array, PerCpuArray},
+    programs::TcContext,
+};
 use flowctl_common::{tcp_flags, EgressTarget, EGRESS_COUNTERS_PER_TARGET, MAX_EGRESS_TARGETS};
 
 #[map]
 static FLOWCTL_EGRESS_TARGETS: Array<EgressTarget> = Array::pinned(MAX_EGRESS_TARGETS as u32, 0);
 #[map]
-static FLOWCTL_EGRESS_COUNTS: PerCpuArray<u64> = PerCpuArray::pinned((MAX_EGRESS_TARGETS * EGRESS_COUNTERS_PER_TARGET) as u32, 0);
+static FLOWCTL_EGRESS_COUNTS: PerCpuArray<u64> =
+    PerCpuArray::pinned((MAX_EGRESS_TARGETS * EGRESS_COUNTERS_PER_TARGET) as u32, 0);
 
 /// TC_ACT_OK: the packet goes on.
 const TC_ACT_OK: i32 = 0;
@@ -48,7 +54,12 @@ fn count(ctx: &TcContext) -> Option<()> {
             let h = bytes::<40>(ctx, 14)?;
             let mut i = 0;
             while i < 4 {
-                dst[i] = u32::from_be_bytes([h[24 + i * 4], h[25 + i * 4], h[26 + i * 4], h[27 + i * 4]]);
+                dst[i] = u32::from_be_bytes([
+                    h[24 + i * 4],
+                    h[25 + i * 4],
+                    h[26 + i * 4],
+                    h[27 + i * 4],
+                ]);
                 i += 1;
             }
             // Extension headers are not walked: such packets are not counted.
@@ -63,7 +74,9 @@ fn count(ctx: &TcContext) -> Option<()> {
     let dport = u16::from_be_bytes([ports[2], ports[3]]);
     // A UDP datagram may be shorter than a TCP header: read the flags only
     // for TCP.
-    let syn = proto == 6 && bytes::<14>(ctx, l4).is_some_and(|t| t[13] & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN);
+    let syn = proto == 6
+        && bytes::<14>(ctx, l4)
+            .is_some_and(|t| t[13] & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN);
     let mut t = 0;
     while t < MAX_EGRESS_TARGETS as u32 {
         if let Some(target) = FLOWCTL_EGRESS_TARGETS.get(t) {
@@ -90,4 +103,3 @@ fn bump(i: u32) {
         unsafe { *c += 1 };
     }
 }
-

@@ -20,22 +20,24 @@ use aya_ebpf::{
     bindings::{xdp_action, xdp_md},
     helpers::bpf_ktime_get_ns,
     macros::{map, xdp},
-    maps::{lpm_trie::Key, Array, LruHashMap, LpmTrie, PerCpuArray, RingBuf},
+    maps::{lpm_trie::Key, Array, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     programs::XdpContext,
     Global,
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, control_flags, frag, gcra, key_kind,
+    action, conn_state, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
-    matcher, reason, stats, tcp_flags,
+    matcher, reason, rule_set, stats,
+    stats::StatsClock,
+    tcp_flags, unit, unparsed,
     window::{self, Window},
-    stats::StatsClock, unit, conn_state, AgentRecord, BucketKey, ConnEntry, DEFAULT_CONN_ENTRIES, OPEN_BUCKETS, OPEN_BUCKET_NS, ControlRecord, KeySample, StatsBucket, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
-    KEY_SAMPLE_RING_BYTES, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
-    RuleCounters, SrcEntry, SrcKey, TrieData, CAS_RETRIES, COUNTER_RECORDS,
-    DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
-    DEBT_SLOTS, DEFAULT_QUOTA_ENTRIES, NO_CLASS, QuotaRing, PORT_INDICES, PORT_NONE, PROTO_INDICES, SLOTS,
-    rule_set, unparsed, RULE_SETS,
+    AgentRecord, BucketKey, ConnEntry, ControlRecord, GlobalRecord, KeySample, PacketMeta,
+    QuotaRing, RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData,
+    CAS_RETRIES, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_QUOTA_ENTRIES,
+    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX,
+    KEY_SAMPLE_RING_BYTES, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS,
+    OPEN_BUCKET_NS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS, SLOTS,
 };
 
 #[map]
@@ -51,7 +53,8 @@ static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOT
 #[map]
 static FLOWCTL_RULE_SETS: Array<RuleBitmap> = Array::pinned((RULE_SETS * SLOTS) as u32, 0);
 #[map]
-static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> = LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
+static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> =
+    LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
 #[map]
 static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> = Array::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
 #[map]
@@ -60,13 +63,13 @@ static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
 #[map]
 static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
 #[map]
-static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> =
-    PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
+static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> = PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
 #[map]
 static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
 /// Quota window rings, one per key of every quota rule.
 #[map]
-static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> = LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
+static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
+    LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
 /// A zeroed ring to insert from (136 bytes are too many for the stack).
 #[map]
 static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
@@ -83,7 +86,8 @@ static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
 static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
 /// Tracked TCP connections of BBR rules (key: 5-tuple, `state_id` = record).
 #[map]
-static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> = LruHashMap::pinned(DEFAULT_CONN_ENTRIES, 0);
+static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> =
+    LruHashMap::pinned(DEFAULT_CONN_ENTRIES, 0);
 /// BBR rules' open-connection rings: per record, `OPEN_BUCKETS` words of
 /// (epoch << 32 | established-and-not-completed), updated by compare-and-swap.
 #[map]
@@ -142,7 +146,8 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
         flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
     }
     if v & packed::BBR_ON != 0 {
-        let reply = v & packed::BBR_RESET != 0 && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
+        let reply = v & packed::BBR_RESET != 0
+            && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
         let r = flowctl_connection(ctx.ctx, packed::record(v), packed::code(v), reply as u32);
         if reply {
             return r;
@@ -167,7 +172,9 @@ pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
 #[inline(never)]
 pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u64) -> u32 {
     let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
-    parse::parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe { &mut *slot })
+    parse::parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe {
+        &mut *slot
+    })
 }
 
 /// The L4 header of `flowctl_parse` (see `parse::parse`), at `off` in a
@@ -289,7 +296,8 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
         c.offered_pkts += 1;
         c.offered_bytes += len;
         if dropped {
-            if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why)) {
+            if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why))
+            {
                 *p += 1;
                 *b += len;
             }
@@ -424,7 +432,12 @@ pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
     }
     // Admitted (if the later stages agree): counted until the agent's next
     // tick sums the connections itself.
-    unsafe { core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(&mut ctl.bbr_admitted, 1) };
+    unsafe {
+        core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(
+            &mut ctl.bbr_admitted,
+            1,
+        )
+    };
     0
 }
 
@@ -476,7 +489,12 @@ fn track(meta: &PacketMeta, record: u32, code: u32) {
         // Out of flight: take it off the kernel's count since the agent's
         // last tick (the SYN, or the agent's sum, counted it).
         if let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) {
-            unsafe { core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(&mut (*ctl).bbr_admitted, u32::MAX) };
+            unsafe {
+                core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(
+                    &mut (*ctl).bbr_admitted,
+                    u32::MAX,
+                )
+            };
         }
         if e.state == conn_state::ESTABLISHED {
             open_add(record, e.open_epoch as u64, false);
@@ -520,7 +538,8 @@ fn conn_key(m: &PacketMeta, record: u32) -> BucketKey {
 /// overwritten) changes nothing: that connection no longer counts anyway.
 #[inline(always)]
 fn open_add(record: u32, epoch: u64, add: bool) {
-    let idx = record.wrapping_mul(OPEN_BUCKETS as u32).wrapping_add((epoch % OPEN_BUCKETS as u64) as u32);
+    let idx =
+        record.wrapping_mul(OPEN_BUCKETS as u32).wrapping_add((epoch % OPEN_BUCKETS as u64) as u32);
     let Some(p) = FLOWCTL_OPEN.get_ptr_mut(idx) else { return };
     let mut tries = 0;
     while tries < CAS_RETRIES {
@@ -533,7 +552,9 @@ fn open_add(record: u32, epoch: u64, add: bool) {
         } else {
             return;
         };
-        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, new) };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, new)
+        };
         if ok {
             return;
         }
@@ -572,7 +593,9 @@ fn reset(c: &XdpContext, meta: &PacketMeta) -> u32 {
     // Cut the frame after the 20-byte TCP header (the SYN's options go).
     let want = meta.l4_off as i64 + 20;
     let have = (c.data_end() - c.data()) as i64;
-    if have > want && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(c.ctx, (want - have) as i32) } != 0 {
+    if have > want
+        && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(c.ctx, (want - have) as i32) } != 0
+    {
         return xdp_action::XDP_DROP;
     }
     xdp_action::XDP_TX
@@ -588,10 +611,17 @@ fn run(parsed: u32, wire_len: u64) -> u64 {
         if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
             c.non_ip_pkts += 1;
         }
-        return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now) as u64;
+        return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Pass), wire_len, 0, now)
+            as u64;
     }
     if parsed == class::EVASIVE {
-        return flowctl_account(GLOBAL_COUNTER_INDEX, outcome_code(Outcome::Drop(reason::EVASIVE)), wire_len, 0, now) as u64;
+        return flowctl_account(
+            GLOBAL_COUNTER_INDEX,
+            outcome_code(Outcome::Drop(reason::EVASIVE)),
+            wire_len,
+            0,
+            now,
+        ) as u64;
     }
     let meta = match packet() {
         Some(m) if parsed == class::IP => m,
@@ -614,7 +644,8 @@ fn run(parsed: u32, wire_len: u64) -> u64 {
     let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);
     // The rule's BBR flags go along as they are (no branch here: every
     // branch at the end of the decision is walked once per path into it).
-    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0) | (d.bbr as u64 & 3) << 61
+    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0)
+        | (d.bbr as u64 & 3) << 61
 }
 
 #[inline(always)]
@@ -640,7 +671,10 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     let Some(proto_bits) = FLOWCTL_PROTO_BITS.get(proto_idx) else {
         return Decision::unmatched(Outcome::Pass);
     };
-    let port = if meta.frag == frag::LATER || meta.unparsed != unparsed::NO || (meta.proto != 6 && meta.proto != 17) {
+    let port = if meta.frag == frag::LATER
+        || meta.unparsed != unparsed::NO
+        || (meta.proto != 6 && meta.proto != 17)
+    {
         PORT_NONE
     } else {
         meta.dport as u32
@@ -695,7 +729,9 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     let cost = match rule.unit {
         unit::BYTES => meta.len as u64,
         unit::CONNECTIONS => {
-            if meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) != tcp_flags::SYN {
+            if meta.proto != 6
+                || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) != tcp_flags::SYN
+            {
                 return Decision::of(rule, Outcome::Pass);
             }
             1
@@ -708,7 +744,8 @@ fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // connection is never cut by a ratio.
     if let Some(ctl) = FLOWCTL_CONTROL.get(record) {
         if ctl.flags & control_flags::ADMISSION_ACTIVE != 0
-            && (meta.proto != 6 || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN)
+            && (meta.proto != 6
+                || meta.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN)
             && agent_alive(global, now)
             && !admitted_by_ratio(global, meta, ctl)
         {
@@ -783,7 +820,9 @@ fn bucket_stages<Q: QuotaStage>(
             }
             BucketRef::Missing => {
                 let key = bucket_key(meta, rule);
-                let Some(first) = gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns) else {
+                let Some(first) =
+                    gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns)
+                else {
                     // Costlier than the whole bucket, or still in debt:
                     // refused without creating state.
                     return verdict(rule, reason::RATE);
@@ -835,7 +874,9 @@ fn bucket_stages<Q: QuotaStage>(
         // Admitting moves the TAT: clear the mark by rounding up to even.
         let new = unmarked(new);
         let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, new)
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr, old, new,
+            )
         };
         if ok {
             return Decision::of(rule, Outcome::Pass);
@@ -850,11 +891,21 @@ fn bucket_stages<Q: QuotaStage>(
 /// key that keeps being refused pays for the debt slot once, not per packet.
 /// The mark makes the TAT 1 ns later, never earlier.
 #[inline(always)]
-fn refuse_rate(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat_ptr: *mut u64, old: u64) -> Decision {
+fn refuse_rate(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    record: u32,
+    tat_ptr: *mut u64,
+    old: u64,
+) -> Decision {
     if old & DEBT_MARK == 0 {
         remember_debt(rule, meta, record, old);
         unsafe {
-            let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat_ptr, old, old | DEBT_MARK);
+            let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr,
+                old,
+                old | DEBT_MARK,
+            );
         }
     }
     verdict(rule, reason::RATE)
@@ -899,7 +950,14 @@ impl Quota {
                 }
             }
         }
-        Self { ring, window, epoch: window.epoch(now), limit: rule.quota_limit as u64, past: 0, committed: false }
+        Self {
+            ring,
+            window,
+            epoch: window.epoch(now),
+            limit: rule.quota_limit as u64,
+            past: 0,
+            committed: false,
+        }
     }
 
     #[inline(always)]
@@ -931,7 +989,6 @@ impl Quota {
         self.past = sum.saturating_sub(current);
         window::quota_admits(sum, cost, self.limit)
     }
-
 }
 
 impl QuotaStage for Quota {
@@ -953,7 +1010,11 @@ impl QuotaStage for Quota {
                 return QuotaCommit::Full;
             }
             let new = window::bumped(old, self.epoch, cost as u32);
-            let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(cur, old, new) };
+            let (_, ok) = unsafe {
+                atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                    cur, old, new,
+                )
+            };
             if ok {
                 self.committed = true;
                 return QuotaCommit::Done;
@@ -977,7 +1038,11 @@ impl QuotaStage for Quota {
         let (e, c) = window::unpack(old);
         if e == self.epoch as u32 && (c as u64) >= cost {
             unsafe {
-                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(cur, old, window::pack(self.epoch, c - cost as u32));
+                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                    cur,
+                    old,
+                    window::pack(self.epoch, c - cost as u32),
+                );
             }
         }
         self.committed = false;
@@ -987,7 +1052,8 @@ impl QuotaStage for Quota {
 /// Drop (or, in dry-run, count a would-drop and pass) for `why`.
 #[inline(always)]
 fn verdict(rule: &RuleConfig, why: usize) -> Decision {
-    let outcome = if rule.action == action::DRY_RUN { Outcome::WouldDrop } else { Outcome::Drop(why) };
+    let outcome =
+        if rule.action == action::DRY_RUN { Outcome::WouldDrop } else { Outcome::Drop(why) };
     Decision::of(rule, outcome)
 }
 
@@ -1109,7 +1175,13 @@ fn remember_debt(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat: u64) {
 /// rule that could apply is a candidate (docs/classification.md). Counted
 /// in the global `unparsed_pkts`.
 #[inline(always)]
-fn unparsed_match(slot: u32, meta: &PacketMeta, src: &RuleBitmap, proto: &RuleBitmap, no_port: &RuleBitmap) -> Option<u32> {
+fn unparsed_match(
+    slot: u32,
+    meta: &PacketMeta,
+    src: &RuleBitmap,
+    proto: &RuleBitmap,
+    no_port: &RuleBitmap,
+) -> Option<u32> {
     if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
         c.unparsed_pkts += 1;
     }

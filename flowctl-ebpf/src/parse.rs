@@ -9,7 +9,9 @@
 //! would classify bytes the stack never delivers.
 
 use aya_ebpf::programs::XdpContext;
-use flowctl_common::{frag, unparsed, PacketMeta, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, PARSE_WINDOW};
+use flowctl_common::{
+    frag, unparsed, PacketMeta, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, PARSE_WINDOW,
+};
 use network_types::{eth::EthHdr, ip::Ipv4Hdr, ip::Ipv6Hdr, tcp::TcpHdr, udp::UdpHdr};
 
 const ETH_P_IP: u16 = 0x0800;
@@ -45,7 +47,9 @@ pub mod class {
 fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
     let start = ctx.data();
     let end = ctx.data_end();
-    if off > PARSE_WINDOW - core::mem::size_of::<T>() || start + off + core::mem::size_of::<T>() > end {
+    if off > PARSE_WINDOW - core::mem::size_of::<T>()
+        || start + off + core::mem::size_of::<T>() > end
+    {
         return Err(());
     }
     Ok((start + off) as *const T)
@@ -105,7 +109,13 @@ pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
 /// The IP header at `off` and what follows (`ipv6`: which version the
 /// EtherType announced).
 #[inline(always)]
-pub fn parse_ip(ctx: &XdpContext, off: usize, len: usize, ipv6: bool, meta: &mut PacketMeta) -> u32 {
+pub fn parse_ip(
+    ctx: &XdpContext,
+    off: usize,
+    len: usize,
+    ipv6: bool,
+    meta: &mut PacketMeta,
+) -> u32 {
     if ipv6 {
         parse_ipv6(ctx, off, len, meta)
     } else {
@@ -156,7 +166,10 @@ fn parse_ipv4(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
 /// True for the extension header types the parser walks.
 #[inline(always)]
 fn is_extension(next: u8) -> bool {
-    matches!(next, IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_FRAGMENT | IPPROTO_AH | IPPROTO_DSTOPTS)
+    matches!(
+        next,
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_FRAGMENT | IPPROTO_AH | IPPROTO_DSTOPTS
+    )
 }
 
 /// A header that does not end within the packet: malformed, or in a first
@@ -180,7 +193,8 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
     let mut next = h[6];
     // A zero payload length with hop-by-hop first is a jumbogram (RFC 2675):
     // the frame's end is the packet's.
-    let end = if payload == 0 && next == IPPROTO_HOPOPTS { len } else { off + Ipv6Hdr::LEN + payload };
+    let end =
+        if payload == 0 && next == IPPROTO_HOPOPTS { len } else { off + Ipv6Hdr::LEN + payload };
     if end > len {
         return class::MALFORMED;
     }
@@ -198,7 +212,9 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
             if off + 8 > end {
                 return cut_short(meta);
             }
-            let Ok(e) = bytes::<8>(ctx, off) else { return unparsed_at(meta, next, unparsed::PROTO) };
+            let Ok(e) = bytes::<8>(ctx, off) else {
+                return unparsed_at(meta, next, unparsed::PROTO);
+            };
             let fo = be16(&e, 2);
             next = e[0];
             off += 8;
@@ -216,10 +232,13 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
             if off + 2 > end {
                 return cut_short(meta);
             }
-            let Ok(e) = bytes::<2>(ctx, off) else { return unparsed_at(meta, next, unparsed::PROTO) };
+            let Ok(e) = bytes::<2>(ctx, off) else {
+                return unparsed_at(meta, next, unparsed::PROTO);
+            };
             // AH counts its length in 4-byte units minus 2, the others in
             // 8-byte units minus 1.
-            let hlen = if next == IPPROTO_AH { (e[1] as usize + 2) * 4 } else { (e[1] as usize + 1) * 8 };
+            let hlen =
+                if next == IPPROTO_AH { (e[1] as usize + 2) * 4 } else { (e[1] as usize + 1) * 8 };
             if off + hlen > end {
                 return cut_short(meta);
             }
@@ -262,7 +281,9 @@ pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta)
     }
     match meta.proto {
         IPPROTO_TCP => {
-            let Ok(t) = bytes::<{ TcpHdr::LEN }>(ctx, off) else { return unparsed_at(meta, IPPROTO_TCP, unparsed::PORTS) };
+            let Ok(t) = bytes::<{ TcpHdr::LEN }>(ctx, off) else {
+                return unparsed_at(meta, IPPROTO_TCP, unparsed::PORTS);
+            };
             if ((t[12] >> 4) as usize) * 4 < TcpHdr::LEN {
                 return class::MALFORMED;
             }
@@ -271,7 +292,9 @@ pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta)
             meta.tcp_flags = t[13];
         }
         IPPROTO_UDP => {
-            let Ok(u) = bytes::<{ UdpHdr::LEN }>(ctx, off) else { return unparsed_at(meta, IPPROTO_UDP, unparsed::PORTS) };
+            let Ok(u) = bytes::<{ UdpHdr::LEN }>(ctx, off) else {
+                return unparsed_at(meta, IPPROTO_UDP, unparsed::PORTS);
+            };
             meta.sport = be16(&u, 0);
             meta.dport = be16(&u, 2);
         }

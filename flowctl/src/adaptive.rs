@@ -55,7 +55,14 @@ impl BbrLoop {
     /// Evaluates every BBR rule of `set` at `now_ns` with CPU signal `cpu`
     /// (per-mille; `NO_CPU_SIGNAL` reads as idle) and writes the control
     /// records.
-    pub fn tick(&mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet, cpu: u32, now_ns: u64) -> Result<()> {
+    pub fn tick(
+        &mut self,
+        maps: &mut Maps,
+        state: &AttachState,
+        set: &RuleSet,
+        cpu: u32,
+        now_ns: u64,
+    ) -> Result<()> {
         let cpu = if cpu == NO_CPU_SIGNAL { 0 } else { cpu };
         let shape = state.stats;
         self.rules.retain(|name, _| set.rules.iter().any(|r| &r.name == name && r.bbr.is_some()));
@@ -68,12 +75,24 @@ impl BbrLoop {
                 l.drops_seen = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
             }
             // The window: the buckets before the one being filled.
-            let epochs = stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, b.buckets.saturating_sub(1));
+            let epochs = stats::complete_span(
+                now_ns,
+                shape.bucket_ns,
+                shape.buckets,
+                b.buckets.saturating_sub(1),
+            );
             l.buckets.retain(|e, _| epochs.contains(e));
             for e in epochs.clone() {
                 if !l.buckets.contains_key(&e) {
                     let s = maps.stats_epochs(rs.record, &shape, e..e + 1)?;
-                    l.buckets.insert(e, BbrBucket { completed: s.completed, rt_sum_us: s.rt_sum_us, rt_count: s.rt_count });
+                    l.buckets.insert(
+                        e,
+                        BbrBucket {
+                            completed: s.completed,
+                            rt_sum_us: s.rt_sum_us,
+                            rt_count: s.rt_count,
+                        },
+                    );
                 }
             }
             let window: Vec<BbrBucket> = l.buckets.values().copied().collect();
@@ -83,7 +102,10 @@ impl BbrLoop {
             // the CPU is over threshold (`bbr::should_drop`'s rule).
             let drops = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
             let over = bbr::cpu_over(&mut l.state, &cfg, cpu);
-            if drops > l.drops_seen && over && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop) {
+            if drops > l.drops_seen
+                && over
+                && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop)
+            {
                 l.state.drop_anchor_ns = now_ns;
             }
             l.drops_seen = drops;

@@ -52,7 +52,10 @@ pub fn run(args: AttachArgs) -> Result<()> {
     // held until the loop starts, and then detaches cleanly.
     let signals = rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
-        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
     })?;
     match args.iface.clone() {
         Some(iface) => run_with(args, iface, &rt, signals),
@@ -84,7 +87,10 @@ fn run_breakers(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals
     let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
     let mut breakers = BreakerAgent::start(point, &set, &args.profile)?;
     if let Some(addr) = args.metrics {
-        crate::metrics::spawn(addr, crate::metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
+        crate::metrics::spawn(
+            addr,
+            crate::metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) },
+        )?;
     }
     eprintln!(
         "flowctl: {} breakers from {} attached to cgroup {}; Ctrl-C to detach",
@@ -104,7 +110,8 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
     let (mut int, mut term) = signals;
     let sock = breakers.point.run_dir().join("agent.sock");
     let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
+    let listener = tokio::net::UnixListener::bind(&sock)
+        .with_context(|| format!("binding {}", sock.display()))?;
     let mut tick = ticker(breakers.tick_period());
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
     loop {
@@ -142,7 +149,8 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
 /// (`kernel::features::REQUIREMENTS`), naming the feature and the release
 /// that has it.
 pub fn kernel_check(set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
-    crate::kernel::features::check_profile(set).map_err(|e| anyhow::anyhow!("{}: {e:#}", path.display()))
+    crate::kernel::features::check_profile(set)
+        .map_err(|e| anyhow::anyhow!("{}: {e:#}", path.display()))
 }
 
 fn apply_breakers_only(breakers: &mut BreakerAgent, path: &std::path::Path) -> Response {
@@ -154,7 +162,10 @@ fn apply_breakers_only(breakers: &mut BreakerAgent, path: &std::path::Path) -> R
         return Response::err(format!("{e:#}"));
     }
     if !set.rules.is_empty() {
-        return Response::err(format!("{}: the profile has [[rule]]s, but this agent has no interface (nothing was applied)", path.display()));
+        return Response::err(format!(
+            "{}: the profile has [[rule]]s, but this agent has no interface (nothing was applied)",
+            path.display()
+        ));
     }
     if set.breakers.is_empty() {
         return Response::err(format!("{}: the profile has no [[breaker]]; stop the agent to detach the breakers (nothing was applied)", path.display()));
@@ -173,16 +184,17 @@ fn read_request(stream: tokio::net::UnixStream, tx: tokio::sync::mpsc::Sender<Pe
         let (r, mut w) = stream.into_split();
         let mut line = String::new();
         let mut reader = BufReader::new(r);
-        let resp = match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
-            Ok(Ok(n)) if n > 0 => {
-                let (rtx, rrx) = tokio::sync::oneshot::channel();
-                if tx.send((line, rtx)).await.is_err() {
-                    return;
+        let resp =
+            match tokio::time::timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
+                Ok(Ok(n)) if n > 0 => {
+                    let (rtx, rrx) = tokio::sync::oneshot::channel();
+                    if tx.send((line, rtx)).await.is_err() {
+                        return;
+                    }
+                    rrx.await.unwrap_or_else(|_| Response::err("the agent is stopping"))
                 }
-                rrx.await.unwrap_or_else(|_| Response::err("the agent is stopping"))
-            }
-            _ => Response::err("no request received"),
-        };
+                _ => Response::err("no request received"),
+            };
         if let Ok(mut out) = serde_json::to_string(&resp) {
             out.push('\n');
             let _ = w.write_all(out.as_bytes()).await;
@@ -190,7 +202,12 @@ fn read_request(stream: tokio::net::UnixStream, tx: tokio::sync::mpsc::Sender<Pe
     });
 }
 
-fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signals: Signals) -> Result<()> {
+fn run_with(
+    args: AttachArgs,
+    iface: String,
+    rt: &tokio::runtime::Runtime,
+    signals: Signals,
+) -> Result<()> {
     let set = profile::load(&args.profile)?;
     if set.rules.is_empty() {
         bail!(
@@ -240,7 +257,12 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
                 other
             ),
         }
-        for (name, want) in [(map_names::KEYS, set.settings.key_table_entries), (map_names::SRC_CACHE, set.settings.source_cache_entries), (map_names::QUOTAS, set.settings.quota_table_entries), (map_names::CONNS, set.settings.connection_table_entries)] {
+        for (name, want) in [
+            (map_names::KEYS, set.settings.key_table_entries),
+            (map_names::SRC_CACHE, set.settings.source_cache_entries),
+            (map_names::QUOTAS, set.settings.quota_table_entries),
+            (map_names::CONNS, set.settings.connection_table_entries),
+        ] {
             if let Some(have) = dataplane::pinned_max_entries(&id, name) {
                 if have != want {
                     bail!("the pinned {name} has {have} entries but the profile asks for {want}; table sizes can only change with --replace (which resets bucket state)");
@@ -253,7 +275,10 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
         Err(e) if e.is::<dataplane::SeveredLink>() => {
             // Pins of an interface that no longer exists (its namespace was
             // deleted and the inode and ifindex reused): nothing to adopt.
-            eprintln!("flowctl: warning: removing stale pins at {} (their interface is gone)", id.pin_dir().display());
+            eprintln!(
+                "flowctl: warning: removing stale pins at {} (their interface is gone)",
+                id.pin_dir().display()
+            );
             dataplane::detach(&id)?;
             adopting = false;
             load_and_attach(&id, &set, &iface, args.mode, false)?
@@ -295,17 +320,24 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
         }
         return Err(e);
     }
-    let mut breakers = match breaker_point.map(|p| BreakerAgent::start(p, &set, &args.profile)).transpose() {
-        Ok(b) => b,
-        Err(e) => {
-            if !adopting {
-                let _ = dataplane::detach(&id);
+    let mut breakers =
+        match breaker_point.map(|p| BreakerAgent::start(p, &set, &args.profile)).transpose() {
+            Ok(b) => b,
+            Err(e) => {
+                if !adopting {
+                    let _ = dataplane::detach(&id);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
-    };
+        };
     if let Some(addr) = args.metrics {
-        crate::metrics::spawn(addr, crate::metrics::Scope { iface: Some(id), cgroup_id: breakers.as_ref().map(|b| b.point.id) })?;
+        crate::metrics::spawn(
+            addr,
+            crate::metrics::Scope {
+                iface: Some(id),
+                cgroup_id: breakers.as_ref().map(|b| b.point.id),
+            },
+        )?;
     }
     let verb = if adopting { "adopted the pinned data plane on" } else { "attached to" };
     eprintln!(
@@ -318,9 +350,18 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     );
     let local = tokio::task::LocalSet::new();
     if let Some(b) = &breakers {
-        eprintln!("flowctl: {} breakers attached to cgroup {}", b.breakers(), b.point.path.display());
+        eprintln!(
+            "flowctl: {} breakers attached to cgroup {}",
+            b.breakers(),
+            b.point.path.display()
+        );
     }
-    let mut io = Io { ebpf: &mut ebpf, egress: &mut egress, breakers: &mut breakers, cgroup: args.cgroup.clone() };
+    let mut io = Io {
+        ebpf: &mut ebpf,
+        egress: &mut egress,
+        breakers: &mut breakers,
+        cgroup: args.cgroup.clone(),
+    };
     let result = local.block_on(rt, serve(&id, &mut maps, &mut state, set, cpu, signals, &mut io));
     drop(breakers);
     // The egress filters (and a clsact qdisc flowctl added) go with the
@@ -337,7 +378,13 @@ fn run_with(args: AttachArgs, iface: String, rt: &tokio::runtime::Runtime, signa
     result
 }
 
-fn load_and_attach(id: &AttachId, set: &profile::RuleSet, iface: &str, mode: Mode, adopting: bool) -> Result<(aya::Ebpf, String)> {
+fn load_and_attach(
+    id: &AttachId,
+    set: &profile::RuleSet,
+    iface: &str,
+    mode: Mode,
+    adopting: bool,
+) -> Result<(aya::Ebpf, String)> {
     let cleanup = |e: anyhow::Error| {
         if !adopting {
             let _ = dataplane::detach(id);
@@ -351,11 +398,24 @@ fn load_and_attach(id: &AttachId, set: &profile::RuleSet, iface: &str, mode: Mod
 
 /// Applies `set` to an attachment and records it (state, active profile).
 /// Both the agent and an agent-less `apply` come through here.
-pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile::RuleSet, path: &std::path::Path) -> Result<()> {
+pub fn apply_and_record(
+    maps: &mut Maps,
+    state: &mut AttachState,
+    set: &profile::RuleSet,
+    path: &std::path::Path,
+) -> Result<()> {
     let s = &set.settings;
-    if (s.key_table_entries, s.source_cache_entries, s.quota_table_entries, s.connection_table_entries)
-        != (state.key_table_entries, state.source_cache_entries, state.quota_table_entries, state.connection_table_entries)
-    {
+    if (
+        s.key_table_entries,
+        s.source_cache_entries,
+        s.quota_table_entries,
+        s.connection_table_entries,
+    ) != (
+        state.key_table_entries,
+        state.source_cache_entries,
+        state.quota_table_entries,
+        state.connection_table_entries,
+    ) {
         bail!("table sizes differ from the attached data plane's; they can only change by re-attaching with --replace (nothing was applied)");
     }
     if s.stats != state.stats {
@@ -369,7 +429,8 @@ pub fn apply_and_record(maps: &mut Maps, state: &mut AttachState, set: &profile:
     let abs = std::fs::canonicalize(path).unwrap_or(path.to_path_buf());
     state.profile_path = abs.display().to_string();
     std::fs::create_dir_all(state.id.run_dir())?;
-    std::fs::copy(path, state.id.run_dir().join("profile.toml")).context("saving the active profile")?;
+    std::fs::copy(path, state.id.run_dir().join("profile.toml"))
+        .context("saving the active profile")?;
     state.save()
 }
 
@@ -382,7 +443,10 @@ fn ticker(period: Duration) -> tokio::time::Interval {
 }
 
 fn now_unix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// A request read by a connection task, with the channel for its answer.
@@ -401,10 +465,12 @@ async fn serve(
     let (mut int, mut term) = signals;
     let sock = control::socket_path(id);
     let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
+    let listener = tokio::net::UnixListener::bind(&sock)
+        .with_context(|| format!("binding {}", sock.display()))?;
     // `flowctl apply --cgroup` reaches this agent through its cgroup's socket.
     let mut breaker_listener = bind_breaker_socket(io.breakers.as_ref())?;
-    let mut breaker_tick = ticker(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
+    let mut breaker_tick =
+        ticker(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
     let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
@@ -413,7 +479,8 @@ async fn serve(
     let mut bbr_tick = ticker(Duration::from_nanos(state.stats.bucket_ns));
     let mut bbr = crate::adaptive::BbrLoop::default();
     let mut klim = crate::klimiter_agent::KlimiterLoop::new(&set);
-    let mut klim_tick = ticker(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
+    let mut klim_tick =
+        ticker(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
     let mut keys = match crate::heavy::KeyWatcher::open(id) {
@@ -559,7 +626,8 @@ fn bind_breaker_socket(b: Option<&BreakerAgent>) -> Result<BreakerListener> {
     let Some(b) = b else { return Ok(None) };
     let p = b.point.run_dir().join("agent.sock");
     let _ = std::fs::remove_file(&p);
-    let l = tokio::net::UnixListener::bind(&p).with_context(|| format!("binding {}", p.display()))?;
+    let l =
+        tokio::net::UnixListener::bind(&p).with_context(|| format!("binding {}", p.display()))?;
     Ok(Some((b.point.id, l, p)))
 }
 
@@ -572,7 +640,11 @@ enum BreakerChange {
     Start(CgroupPoint),
 }
 
-fn plan_breakers(io: &Io<'_>, set: &profile::RuleSet, path: &std::path::Path) -> Result<BreakerChange> {
+fn plan_breakers(
+    io: &Io<'_>,
+    set: &profile::RuleSet,
+    path: &std::path::Path,
+) -> Result<BreakerChange> {
     Ok(match (io.breakers.as_ref(), set.breakers.is_empty()) {
         (None, true) => BreakerChange::None,
         (Some(_), true) => BreakerChange::Stop,
@@ -615,13 +687,21 @@ fn handle(
             let new_cpu = if &set.settings.cpu_source != cpu.source() {
                 match crate::cpu::CpuSignal::new(set.settings.cpu_source.clone()) {
                     Ok(c) => Some(c),
-                    Err(e) => return Response::err(format!("{}: the cpu source: {e:#} (nothing was applied)", path.display())),
+                    Err(e) => {
+                        return Response::err(format!(
+                            "{}: the cpu source: {e:#} (nothing was applied)",
+                            path.display()
+                        ))
+                    }
                 }
             } else {
                 None
             };
             if set.rules.is_empty() {
-                return Response::err(format!("{}: the profile has no [[rule]] for this interface (nothing was applied)", path.display()));
+                return Response::err(format!(
+                    "{}: the profile has no [[rule]] for this interface (nothing was applied)",
+                    path.display()
+                ));
             }
             let change = match plan_breakers(io, &set, &path) {
                 Ok(c) => c,
@@ -646,15 +726,25 @@ fn handle(
             match result {
                 Ok(()) if new_cpu.is_some() => {
                     *cpu = new_cpu.expect("checked");
-                    Response::ok(format!("applied {n} rules (generation {}); CPU signal now from {:?}", maps.global().map(|g| g.generation).unwrap_or(0), cpu.source()))
+                    Response::ok(format!(
+                        "applied {n} rules (generation {}); CPU signal now from {:?}",
+                        maps.global().map(|g| g.generation).unwrap_or(0),
+                        cpu.source()
+                    ))
                 }
-                Ok(()) => Response::ok(format!("applied {n} rules (generation {})", maps.global().map(|g| g.generation).unwrap_or(0))),
+                Ok(()) => Response::ok(format!(
+                    "applied {n} rules (generation {})",
+                    maps.global().map(|g| g.generation).unwrap_or(0)
+                )),
                 Err(e) => Response::err(format!("{e:#}")),
             }
         }
         Request::Keys { rule, top } => {
-            let Some(w) = keys else { return Response::err("key sampling is unavailable in this agent (see its log)") };
-            let report = w.ask(maps).and_then(|()| crate::heavy::rule_report(w, maps, state, &rule, top));
+            let Some(w) = keys else {
+                return Response::err("key sampling is unavailable in this agent (see its log)");
+            };
+            let report =
+                w.ask(maps).and_then(|()| crate::heavy::rule_report(w, maps, state, &rule, top));
             match report.and_then(|r| Ok(serde_json::to_value(r)?)) {
                 Ok(v) => Response { ok: true, message: String::new(), data: Some(v) },
                 Err(e) => Response::err(format!("{e:#}")),

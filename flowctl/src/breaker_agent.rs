@@ -31,8 +31,8 @@ use aya::{
 };
 use flowctl_common::{
     breaker::{
-        counter, probe_word, sre_drop_ppm, target_flags, Control, Machine, Outcomes, State, Target, Window, DEADLINE_INDEX,
-        MAX_TARGETS,
+        counter, probe_word, sre_drop_ppm, target_flags, Control, Machine, Outcomes, State, Target,
+        Window, DEADLINE_INDEX, MAX_TARGETS,
     },
     RUN_ROOT,
 };
@@ -69,7 +69,8 @@ impl CgroupPoint {
             None => mount.clone(),
             Some(p) => resolve_under(&mount, p)?,
         };
-        let id = std::fs::metadata(&path).with_context(|| format!("cgroup {}", path.display()))?.ino();
+        let id =
+            std::fs::metadata(&path).with_context(|| format!("cgroup {}", path.display()))?.ino();
         Ok(Self { mount, path, id })
     }
 
@@ -88,8 +89,14 @@ pub use crate::cgroup::cgroup2_mount;
 
 fn resolve_under(mount: &Path, p: &Path) -> Result<PathBuf> {
     let full = if p.is_absolute() { p.to_path_buf() } else { mount.join(p) };
-    let full = std::fs::canonicalize(&full)
-        .with_context(|| format!("no cgroup {} (create it with `mkdir {}`, under the cgroup v2 mount {})", full.display(), full.display(), mount.display()))?;
+    let full = std::fs::canonicalize(&full).with_context(|| {
+        format!(
+            "no cgroup {} (create it with `mkdir {}`, under the cgroup v2 mount {})",
+            full.display(),
+            full.display(),
+            mount.display()
+        )
+    })?;
     if !full.starts_with(mount) {
         bail!("{} is not in the cgroup v2 hierarchy at {}", full.display(), mount.display());
     }
@@ -102,7 +109,9 @@ fn resolve_under(mount: &Path, p: &Path) -> Result<PathBuf> {
 /// A breaker's `cgroup`, checked against the attach point: its id and depth.
 fn breaker_cgroup(point: &CgroupPoint, b: &Breaker, file: &Path) -> Result<(u64, u32)> {
     let Some(c) = &b.cgroup else { return Ok((0, 0)) };
-    let path = resolve_under(&point.mount, Path::new(c)).map_err(|e| anyhow::anyhow!("{}:{}: breaker `{}`: {e:#}", file.display(), b.line, b.name))?;
+    let path = resolve_under(&point.mount, Path::new(c)).map_err(|e| {
+        anyhow::anyhow!("{}:{}: breaker `{}`: {e:#}", file.display(), b.line, b.name)
+    })?;
     if !path.starts_with(&point.path) {
         bail!(
             "{}:{}: breaker `{}`: cgroup {} is outside the attach point {}: its processes would never reach the hooks (attach with --cgroup at a common ancestor)",
@@ -119,13 +128,27 @@ fn breaker_cgroup(point: &CgroupPoint, b: &Breaker, file: &Path) -> Result<(u64,
 
 fn target_record(t: &TargetSpec, flags: u8, cgroup: (u64, u32)) -> Target {
     let (addr, family) = addr_words(&t.net.addr);
-    Target { addr, prefix_len: t.net.len, family, flags, port_lo: t.ports.0, port_hi: t.ports.1, cgroup_id: cgroup.0, cgroup_level: cgroup.1, ..Default::default() }
+    Target {
+        addr,
+        prefix_len: t.net.len,
+        family,
+        flags,
+        port_lo: t.ports.0,
+        port_hi: t.ports.1,
+        cgroup_id: cgroup.0,
+        cgroup_level: cgroup.1,
+        ..Default::default()
+    }
 }
 
 /// The kernel's target table for a profile: every exempt target first (the
 /// hooks take the first match), then the breakers; `slots[i]` is breaker
 /// i's slot.
-fn layout(point: &CgroupPoint, breakers: &[Breaker], file: &Path) -> Result<(Vec<Target>, Vec<u32>)> {
+fn layout(
+    point: &CgroupPoint,
+    breakers: &[Breaker],
+    file: &Path,
+) -> Result<(Vec<Target>, Vec<u32>)> {
     let mut table = Vec::new();
     let mut cgroups = Vec::new();
     for b in breakers {
@@ -141,7 +164,11 @@ fn layout(point: &CgroupPoint, breakers: &[Breaker], file: &Path) -> Result<(Vec
         table.push(target_record(&b.target, if b.dry_run { target_flags::DRY_RUN } else { 0 }, cg));
     }
     if table.len() > MAX_TARGETS {
-        bail!("{}: {} target slots needed, the kernel has {MAX_TARGETS}", file.display(), table.len());
+        bail!(
+            "{}: {} target slots needed, the kernel has {MAX_TARGETS}",
+            file.display(),
+            table.len()
+        );
     }
     Ok((table, slots))
 }
@@ -204,14 +231,24 @@ impl Live {
     fn transition(&mut self, to: &'static str, reason: String) {
         if to != self.state {
             tracing::info!("breaker {}: {} -> {to} ({reason})", self.def.name, self.state);
-            self.last_transition = Some(Transition { from: self.state.into(), to: to.into(), unix_ms: unix_ms(), reason });
+            self.last_transition = Some(Transition {
+                from: self.state.into(),
+                to: to.into(),
+                unix_ms: unix_ms(),
+                reason,
+            });
             self.state = to;
         }
     }
 
     /// One step: the counters' deltas into the window, then the decision.
     /// Returns the control record the hooks should have.
-    fn step(&mut self, counts: [u64; counter::COUNT as usize], kernel: Control, now: u64) -> Control {
+    fn step(
+        &mut self,
+        counts: [u64; counter::COUNT as usize],
+        kernel: Control,
+        now: u64,
+    ) -> Control {
         let mut d = [0u64; counter::COUNT as usize];
         for i in 0..d.len() {
             d[i] = counts[i].saturating_sub(self.seen[i]);
@@ -234,9 +271,13 @@ impl Live {
         let errno = self.def.errno;
         match (&self.def.mode, self.machine.as_mut()) {
             (BreakerMode::Sre { k_milli, min_requests, max_drop_ppm }, _) => {
-                self.drop_ppm = sre_drop_ppm(w.requests, w.accepts, *k_milli, *min_requests, *max_drop_ppm);
+                self.drop_ppm =
+                    sre_drop_ppm(w.requests, w.accepts, *k_milli, *min_requests, *max_drop_ppm);
                 let to = if self.drop_ppm > 0 { "throttling" } else { "closed" };
-                self.transition(to, format!("{} requests, {} accepts in the window", w.requests, w.accepts));
+                self.transition(
+                    to,
+                    format!("{} requests, {} accepts in the window", w.requests, w.accepts),
+                );
                 Control { drop_ppm: self.drop_ppm, errno, ..Default::default() }
             }
             (BreakerMode::State(_), Some(m)) => {
@@ -250,17 +291,29 @@ impl Live {
                     State::Closed => {
                         m.observe_window(w.requests, w.failures(), now);
                         if m.epoch != before {
-                            why = format!("{} of {} requests failed in the window", w.failures(), w.requests);
+                            why = format!(
+                                "{} of {} requests failed in the window",
+                                w.failures(),
+                                w.requests
+                            );
                         }
                     }
-                    State::HalfOpen { .. } if probe_word::epoch(kernel.probe_word) == m.epoch & 0xffff => {
-                        let (admitted, ok, failed) = (probe_word::admitted(kernel.probe_word), probe_word::ok(kernel.probe_word), probe_word::failed(kernel.probe_word));
+                    State::HalfOpen { .. }
+                        if probe_word::epoch(kernel.probe_word) == m.epoch & 0xffff =>
+                    {
+                        let (admitted, ok, failed) = (
+                            probe_word::admitted(kernel.probe_word),
+                            probe_word::ok(kernel.probe_word),
+                            probe_word::failed(kernel.probe_word),
+                        );
                         self.probe = (admitted, ok, failed);
                         let epoch = m.epoch;
                         if failed > 0 {
                             m.outcome(epoch, true, false, now);
                             why = "a probe failed".into();
-                        } else if admitted > ok && now.saturating_sub(self.round_started_ns) > PROBE_LOST_NS {
+                        } else if admitted > ok
+                            && now.saturating_sub(self.round_started_ns) > PROBE_LOST_NS
+                        {
                             m.outcome(epoch, true, false, now);
                             why = "a probe's outcome was lost".into();
                         } else {
@@ -277,10 +330,21 @@ impl Live {
                 }
                 let (to, control) = match m.state {
                     State::Closed => ("closed", Control { errno, ..Default::default() }),
-                    State::Open { .. } => ("open", Control { drop_ppm: 1_000_000, errno, ..Default::default() }),
+                    State::Open { .. } => {
+                        ("open", Control { drop_ppm: 1_000_000, errno, ..Default::default() })
+                    }
                     State::HalfOpen { .. } => {
                         let probes = m.cfg.probes;
-                        ("half-open", Control { drop_ppm: 1_000_000, errno, probes, probe_word: probe_word::pack(m.epoch, 0, 0, 0), ..Default::default() })
+                        (
+                            "half-open",
+                            Control {
+                                drop_ppm: 1_000_000,
+                                errno,
+                                probes,
+                                probe_word: probe_word::pack(m.epoch, 0, 0, 0),
+                                ..Default::default()
+                            },
+                        )
                     }
                 };
                 let changed = m.epoch != before;
@@ -288,7 +352,9 @@ impl Live {
                 // the truth until the round ends (rewriting it would re-admit
                 // probes). A record without it (the round just began, or an
                 // apply moved the breaker to a cleared slot) gets it now.
-                let installed = kernel.probes == control.probes && probe_word::epoch(kernel.probe_word) == probe_word::epoch(control.probe_word);
+                let installed = kernel.probes == control.probes
+                    && probe_word::epoch(kernel.probe_word)
+                        == probe_word::epoch(control.probe_word);
                 let new_round = to == "half-open" && (changed || !installed);
                 if new_round {
                     m.restart_round();
@@ -327,13 +393,21 @@ impl Live {
             state: self.state.into(),
             drop_probability: self.drop_ppm as f64 / 1e6,
             window: PublishedWindow { seconds: self.window.span_ns() as f64 / 1e9, outcomes: w },
-            totals: counter::NAMES.iter().enumerate().map(|(i, n)| (n.to_string(), t(i as u32))).collect(),
-            probes: self.machine.as_ref().filter(|m| matches!(m.state, State::HalfOpen { .. })).map(|m| PublishedProbes {
-                allowed: m.cfg.probes,
-                admitted: self.probe.0,
-                succeeded: self.probe.1,
-                failed: self.probe.2,
-            }),
+            totals: counter::NAMES
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.to_string(), t(i as u32)))
+                .collect(),
+            probes: self
+                .machine
+                .as_ref()
+                .filter(|m| matches!(m.state, State::HalfOpen { .. }))
+                .map(|m| PublishedProbes {
+                    allowed: m.cfg.probes,
+                    admitted: self.probe.0,
+                    succeeded: self.probe.1,
+                    failed: self.probe.2,
+                }),
             last_transition: self.last_transition.clone(),
         }
     }
@@ -395,7 +469,9 @@ pub fn published_all() -> Vec<Published> {
     let Ok(rd) = std::fs::read_dir(RUN_ROOT) else { return out };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(id) = name.strip_prefix("cgroup-").and_then(|i| i.parse::<u64>().ok()) else { continue };
+        let Some(id) = name.strip_prefix("cgroup-").and_then(|i| i.parse::<u64>().ok()) else {
+            continue;
+        };
         let lock = run_dir(id).join("agent.lock");
         if !pins::lock_held(&lock) {
             continue;
@@ -412,7 +488,10 @@ pub fn published_all() -> Vec<Published> {
 }
 
 fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// The breakers of one cgroup attachment: the loaded, attached object and
@@ -442,25 +521,43 @@ impl BreakerAgent {
                 point.path.display()
             );
         };
-        let ebpf = EbpfLoader::new().load(crate::object::breaker_object()).context("loading the breaker programs")?;
-        let mut agent = Self { point, ebpf, _lock: lock, live: Vec::new(), profile: String::new(), grace_ns: set.settings.grace_ns, last_publish_ns: 0 };
+        let ebpf = EbpfLoader::new()
+            .load(crate::object::breaker_object())
+            .context("loading the breaker programs")?;
+        let mut agent = Self {
+            point,
+            ebpf,
+            _lock: lock,
+            live: Vec::new(),
+            profile: String::new(),
+            grace_ns: set.settings.grace_ns,
+            last_publish_ns: 0,
+        };
         agent.write_table(&table)?;
-        agent.live = set.breakers.iter().zip(&slots).map(|(b, s)| Live::new(b.clone(), *s)).collect();
+        agent.live =
+            set.breakers.iter().zip(&slots).map(|(b, s)| Live::new(b.clone(), *s)).collect();
         agent.baseline_counts()?;
-        agent.profile = std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
+        agent.profile =
+            std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
         agent.tick(pins::monotonic_ns())?;
         // A bpf_link attachment (what aya makes on this kernel) takes no
         // flags and always coexists with other programs on the cgroup, as
         // BPF_F_ALLOW_MULTI would (the kernel rejects flags on links).
-        let cg = std::fs::File::open(&agent.point.path).with_context(|| format!("opening {}", agent.point.path.display()))?;
+        let cg = std::fs::File::open(&agent.point.path)
+            .with_context(|| format!("opening {}", agent.point.path.display()))?;
         for name in ["flowctl_connect4", "flowctl_connect6"] {
-            let p: &mut CgroupSockAddr = agent.ebpf.program_mut(name).context("program missing")?.try_into()?;
+            let p: &mut CgroupSockAddr =
+                agent.ebpf.program_mut(name).context("program missing")?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
-            p.attach(&cg, CgroupAttachMode::Single).with_context(|| format!("attaching {name} to {}", agent.point.path.display()))?;
+            p.attach(&cg, CgroupAttachMode::Single)
+                .with_context(|| format!("attaching {name} to {}", agent.point.path.display()))?;
         }
-        let p: &mut SockOps = agent.ebpf.program_mut("flowctl_sock_ops").context("program missing")?.try_into()?;
+        let p: &mut SockOps =
+            agent.ebpf.program_mut("flowctl_sock_ops").context("program missing")?.try_into()?;
         p.load().context("loading flowctl_sock_ops")?;
-        p.attach(&cg, CgroupAttachMode::Single).with_context(|| format!("attaching flowctl_sock_ops to {}", agent.point.path.display()))?;
+        p.attach(&cg, CgroupAttachMode::Single).with_context(|| {
+            format!("attaching flowctl_sock_ops to {}", agent.point.path.display())
+        })?;
         std::fs::copy(profile, dir.join("profile.toml")).ok();
         Ok(agent)
     }
@@ -484,7 +581,8 @@ impl BreakerAgent {
         // Slots whose control record belongs to no one now: unused ones, and
         // those a new or moved breaker takes over (they hold another
         // breaker's record, maybe a probe round with a matching epoch).
-        let mut cleared: Vec<u32> = (0..MAX_TARGETS as u32).filter(|s| !slots.contains(s)).collect();
+        let mut cleared: Vec<u32> =
+            (0..MAX_TARGETS as u32).filter(|s| !slots.contains(s)).collect();
         for (b, slot) in set.breakers.iter().zip(&slots) {
             let mut l = match old.iter().position(|o| o.def.identity() == b.identity()) {
                 Some(i) => {
@@ -507,20 +605,24 @@ impl BreakerAgent {
         self.live = next;
         self.write_table(&table)?;
         {
-            let mut control: Array<_, Control> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
+            let mut control: Array<_, Control> = Array::try_from(
+                self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+            )?;
             for s in cleared {
                 control.set(s, Control::default(), 0)?;
             }
         }
         self.baseline_counts()?;
         self.grace_ns = set.settings.grace_ns;
-        self.profile = std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
+        self.profile =
+            std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
         std::fs::copy(profile, self.point.run_dir().join("profile.toml")).ok();
         self.tick(pins::monotonic_ns())
     }
 
     fn write_table(&mut self, table: &[Target]) -> Result<()> {
-        let mut targets: Array<_, Target> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").context("targets map")?)?;
+        let mut targets: Array<_, Target> =
+            Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").context("targets map")?)?;
         for i in 0..MAX_TARGETS {
             targets.set(i as u32, table.get(i).copied().unwrap_or_default(), 0)?;
         }
@@ -528,7 +630,8 @@ impl BreakerAgent {
     }
 
     fn counts(&self, slot: u32) -> Result<[u64; counter::COUNT as usize]> {
-        let m: PerCpuArray<_, u64> = PerCpuArray::try_from(self.ebpf.map("FLOWCTL_BREAKER_COUNTS").context("counts map")?)?;
+        let m: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map("FLOWCTL_BREAKER_COUNTS").context("counts map")?)?;
         let mut out = [0u64; counter::COUNT as usize];
         for (i, o) in out.iter_mut().enumerate() {
             *o = m.get(&(slot * counter::COUNT + i as u32), 0)?.iter().sum();
@@ -554,19 +657,25 @@ impl BreakerAgent {
             let slot = self.live[i].slot;
             let counts = self.counts(slot)?;
             let kernel = {
-                let control: Array<_, Control> = Array::try_from(self.ebpf.map("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
+                let control: Array<_, Control> = Array::try_from(
+                    self.ebpf.map("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+                )?;
                 control.get(&slot, 0)?
             };
             let before = self.live[i].last_transition.clone();
             let want = self.live[i].step(counts, kernel, now);
             transitioned |= self.live[i].last_transition != before;
             if self.live[i].written != Some(want) {
-                let mut control: Array<_, Control> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?)?;
+                let mut control: Array<_, Control> = Array::try_from(
+                    self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+                )?;
                 control.set(slot, want, 0)?;
                 self.live[i].written = Some(want);
             }
         }
-        let mut deadline: Array<_, u64> = Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").context("deadline map")?)?;
+        let mut deadline: Array<_, u64> = Array::try_from(
+            self.ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").context("deadline map")?,
+        )?;
         deadline.set(DEADLINE_INDEX, now + self.grace_ns, 0)?;
         if transitioned || now.saturating_sub(self.last_publish_ns) >= 250_000_000 {
             self.publish(now)?;
@@ -615,7 +724,10 @@ mod tests {
         Breaker {
             name: "db".into(),
             line: 1,
-            target: TargetSpec { net: flowctl_common::tables::Cidr { addr: "10.0.0.1".parse().unwrap(), len: 32 }, ports: (5432, 5432) },
+            target: TargetSpec {
+                net: flowctl_common::tables::Cidr { addr: "10.0.0.1".parse().unwrap(), len: 32 },
+                ports: (5432, 5432),
+            },
             cgroup: None,
             mode,
             window_ns: 3_000 * MS,
@@ -627,7 +739,12 @@ mod tests {
     }
 
     /// Cumulative kernel counters.
-    fn counts(attempts: u64, successes: u64, refused: u64, timeouts: u64) -> [u64; counter::COUNT as usize] {
+    fn counts(
+        attempts: u64,
+        successes: u64,
+        refused: u64,
+        timeouts: u64,
+    ) -> [u64; counter::COUNT as usize] {
         let mut c = [0; counter::COUNT as usize];
         c[counter::ATTEMPTS as usize] = attempts;
         c[counter::SUCCESSES as usize] = successes;
@@ -638,7 +755,10 @@ mod tests {
 
     #[test]
     fn sre_follows_the_window_and_forgets_after_it() {
-        let mut l = Live::new(breaker(BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 }), 0);
+        let mut l = Live::new(
+            breaker(BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 }),
+            0,
+        );
         let c = l.step(counts(200, 20, 180, 0), Control::default(), 1_000 * MS);
         // (200 - 2 * 20) / 201
         assert_eq!((c.drop_ppm, l.state), (796_019, "throttling"));
@@ -651,7 +771,15 @@ mod tests {
     }
 
     fn state_breaker() -> Live {
-        Live::new(breaker(BreakerMode::State(StateConfig { failure_ppm: 500_000, min_requests: 20, sleep_ns: 1_000 * MS, probes: 2 })), 3)
+        Live::new(
+            breaker(BreakerMode::State(StateConfig {
+                failure_ppm: 500_000,
+                min_requests: 20,
+                sleep_ns: 1_000 * MS,
+                probes: 2,
+            })),
+            3,
+        )
     }
 
     #[test]
@@ -700,7 +828,10 @@ mod tests {
         assert_eq!(c, round, "the round is installed again, probes and all");
         assert_eq!((l.state, l.round_started_ns), ("half-open", 1_300 * MS));
         // And from then on the kernel's word is kept.
-        let taken = Control { probe_word: probe_word::pack(probe_word::epoch(round.probe_word), 1, 0, 0), ..round };
+        let taken = Control {
+            probe_word: probe_word::pack(probe_word::epoch(round.probe_word), 1, 0, 0),
+            ..round
+        };
         assert_eq!(l.step(counts(31, 0, 30, 0), taken, 1_400 * MS), taken);
     }
 
@@ -709,7 +840,8 @@ mod tests {
         let mut l = state_breaker();
         let c = l.step(counts(30, 0, 30, 0), Control::default(), 100 * MS);
         let c = l.step(counts(30, 0, 30, 0), c, 1_200 * MS);
-        let lost = Control { probe_word: probe_word::pack(probe_word::epoch(c.probe_word), 1, 0, 0), ..c };
+        let lost =
+            Control { probe_word: probe_word::pack(probe_word::epoch(c.probe_word), 1, 0, 0), ..c };
         l.step(counts(31, 0, 30, 0), lost, 5_000 * MS);
         assert_eq!(l.state, "half-open", "still waiting");
         l.step(counts(31, 0, 30, 0), lost, 1_200 * MS + PROBE_LOST_NS + 1);

@@ -20,8 +20,22 @@ pub struct Mount {
 }
 
 /// Controllers a v1 hierarchy can carry, as mount options name them.
-const V1_CONTROLLERS: &[&str] =
-    &["cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "net_cls", "net_prio", "blkio", "perf_event", "hugetlb", "pids", "rdma", "misc"];
+const V1_CONTROLLERS: &[&str] = &[
+    "cpu",
+    "cpuacct",
+    "cpuset",
+    "memory",
+    "devices",
+    "freezer",
+    "net_cls",
+    "net_prio",
+    "blkio",
+    "perf_event",
+    "hugetlb",
+    "pids",
+    "rdma",
+    "misc",
+];
 
 /// The cgroup mounts of a mount table (the text of /proc/self/mounts).
 pub fn parse_mounts(text: &str) -> Vec<Mount> {
@@ -34,7 +48,11 @@ pub fn parse_mounts(text: &str) -> Vec<Mount> {
                 "cgroup" => false,
                 _ => return None,
             };
-            let controllers = if v2 { Vec::new() } else { opts.split(',').filter(|o| V1_CONTROLLERS.contains(o)).map(String::from).collect() };
+            let controllers = if v2 {
+                Vec::new()
+            } else {
+                opts.split(',').filter(|o| V1_CONTROLLERS.contains(o)).map(String::from).collect()
+            };
             Some(Mount { path: PathBuf::from(unescape(path)), v2, controllers })
         })
         .collect()
@@ -46,7 +64,10 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -71,7 +92,11 @@ pub fn v2_of(mounts: &[Mount]) -> Option<PathBuf> {
 
 /// The v1 hierarchies carrying `controller`.
 pub fn v1_of(mounts: &[Mount], controller: &str) -> Vec<PathBuf> {
-    mounts.iter().filter(|m| !m.v2 && m.controllers.iter().any(|c| c == controller)).map(|m| m.path.clone()).collect()
+    mounts
+        .iter()
+        .filter(|m| !m.v2 && m.controllers.iter().any(|c| c == controller))
+        .map(|m| m.path.clone())
+        .collect()
 }
 
 /// Where cgroup v2 is mounted (`/sys/fs/cgroup` on pure v2 systems,
@@ -114,7 +139,10 @@ cgroup2 /srv/with\\040space/cg cgroup2 rw 0 0
         assert_eq!(v1_of(&m, "cpuacct"), vec![PathBuf::from("/sys/fs/cgroup/cpu,cpuacct")]);
         assert_eq!(v1_of(&m, "cpuset"), vec![PathBuf::from("/sys/fs/cgroup/cpuset")]);
         assert!(v1_of(&m, "memory").is_empty());
-        assert!(m.iter().find(|x| x.path.ends_with("systemd")).unwrap().controllers.is_empty(), "name=systemd carries no controller");
+        assert!(
+            m.iter().find(|x| x.path.ends_with("systemd")).unwrap().controllers.is_empty(),
+            "name=systemd carries no controller"
+        );
     }
 
     #[test]
@@ -122,7 +150,10 @@ cgroup2 /srv/with\\040space/cg cgroup2 rw 0 0
         let m = parse_mounts(PURE);
         assert_eq!(v2_of(&m), Some(PathBuf::from("/sys/fs/cgroup")), "the shortest cgroup2 mount");
         assert!(v1_of(&m, "cpu").is_empty());
-        assert!(m.iter().any(|x| x.path == Path::new("/srv/with space/cg")), "octal escapes decoded");
+        assert!(
+            m.iter().any(|x| x.path == Path::new("/srv/with space/cg")),
+            "octal escapes decoded"
+        );
         assert_eq!(v2_of(&parse_mounts("proc /proc proc rw 0 0\n")), None);
     }
 }

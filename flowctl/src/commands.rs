@@ -43,7 +43,8 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     enter(netns)?;
     let id = AttachId::of(iface)?;
     let abs = std::fs::canonicalize(path)?;
-    if let Some(resp) = control::call(&id, &Request::Apply { profile: abs.display().to_string() })? {
+    if let Some(resp) = control::call(&id, &Request::Apply { profile: abs.display().to_string() })?
+    {
         if resp.ok {
             out!("{}", resp.message);
             return Ok(());
@@ -59,7 +60,10 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
         bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
     };
     let Some(mut state) = AttachState::load(&id)? else {
-        bail!("nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`", path.display());
+        bail!(
+            "nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`",
+            path.display()
+        );
     };
     let mut maps = Maps::open(&id)?;
     apply_and_record(&mut maps, &mut state, &set, path)?;
@@ -115,7 +119,11 @@ fn breaker_text(b: &crate::profile_breaker::Breaker) -> String {
     use crate::profile_breaker::BreakerMode;
     let mode = match &b.mode {
         BreakerMode::Sre { k_milli, min_requests, max_drop_ppm } => {
-            format!("sre K={} min {min_requests} cap {}", *k_milli as f64 / 1000.0, *max_drop_ppm as f64 / 1e6)
+            format!(
+                "sre K={} min {min_requests} cap {}",
+                *k_milli as f64 / 1000.0,
+                *max_drop_ppm as f64 / 1e6
+            )
         }
         BreakerMode::State(c) => format!(
             "state failure>{} min {} sleep {}s probes {}",
@@ -146,7 +154,12 @@ pub fn limit_text(r: &profile::Rule) -> String {
     if let Some(q) = r.quota_text() {
         parts.push(format!("quota {q}"));
     }
-    format!("{} per {}{}", parts.join(", "), r.key_name(), if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" })
+    format!(
+        "{} per {}{}",
+        parts.join(", "),
+        r.key_name(),
+        if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" }
+    )
 }
 
 pub fn status(json: bool) -> Result<()> {
@@ -163,7 +176,10 @@ pub fn status(json: bool) -> Result<()> {
                         rules.push((r.name.clone(), m.counters(r.record).unwrap_or_default()));
                     }
                 }
-                (m.global().map(|g| g.generation).unwrap_or(0), m.counters(GLOBAL_COUNTER_INDEX).unwrap_or_default())
+                (
+                    m.global().map(|g| g.generation).unwrap_or(0),
+                    m.counters(GLOBAL_COUNTER_INDEX).unwrap_or_default(),
+                )
             }
             Err(_) => (0, RuleCounters::default()),
         };
@@ -200,7 +216,13 @@ pub fn status(json: bool) -> Result<()> {
         return Ok(());
     }
     for c in &breakers {
-        out!("cgroup {} (id {}) breakers, agent pid {}, profile {}", c.cgroup, c.cgroup_id, c.pid, c.profile);
+        out!(
+            "cgroup {} (id {}) breakers, agent pid {}, profile {}",
+            c.cgroup,
+            c.cgroup_id,
+            c.pid,
+            c.profile
+        );
         for line in crate::top::view::breaker_lines(c) {
             out!("  {line}");
         }
@@ -213,11 +235,22 @@ pub fn status(json: bool) -> Result<()> {
             a["netns"].as_str().map(|n| format!(" `{n}`")).unwrap_or_default(),
             a["ifindex"],
             a["mode"].as_str().unwrap_or("?"),
-            if a["agent_running"].as_bool() == Some(true) { "running" } else { "not running (kept data plane)" },
+            if a["agent_running"].as_bool() == Some(true) {
+                "running"
+            } else {
+                "not running (kept data plane)"
+            },
             a["generation"],
             human_bytes(a["kernel_memory_bytes"].as_u64().unwrap_or(0)),
         );
-        out!("  {:<20} {:>12} {:>12} {:>12} {:>12}", "rule", "offered", "passed", "dropped", "would-drop");
+        out!(
+            "  {:<20} {:>12} {:>12} {:>12} {:>12}",
+            "rule",
+            "offered",
+            "passed",
+            "dropped",
+            "would-drop"
+        );
         for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
             out!(
                 "  {:<20} {:>12} {:>12} {:>12} {:>12}",
@@ -251,10 +284,17 @@ fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
     })
 }
 
-pub fn explain(iface: &str, proto: &str, src: &str, dport: Option<u16>, netns: &Option<String>) -> Result<()> {
+pub fn explain(
+    iface: &str,
+    proto: &str,
+    src: &str,
+    dport: Option<u16>,
+    netns: &Option<String>,
+) -> Result<()> {
     enter(netns)?;
     let id = AttachId::of(iface)?;
-    let state = AttachState::load(&id)?.with_context(|| format!("nothing is attached to {iface}"))?;
+    let state =
+        AttachState::load(&id)?.with_context(|| format!("nothing is attached to {iface}"))?;
     let set = profile::load(&id.run_dir().join("profile.toml"))?;
     let proto_n: u8 = match proto {
         "tcp" => 6,
@@ -269,7 +309,10 @@ pub fn explain(iface: &str, proto: &str, src: &str, dport: Option<u16>, netns: &
     match maps.classify(&src, proto_n, port)? {
         None => out!("no rule matches: the packet passes unlimited"),
         Some(i) => {
-            let r = set.rules.get(i as usize).context("kernel rule index outside the active profile")?;
+            let r = set
+                .rules
+                .get(i as usize)
+                .context("kernel rule index outside the active profile")?;
             let st = state.rules.get(i as usize);
             out!("rule   {} (#{}, line {} of the active profile)", r.name, i + 1, r.line);
             out!("match  {}", r.match_text());

@@ -14,10 +14,15 @@ use std::{
 #[derive(Serialize, Deserialize, Debug)]
 #[serde(rename_all = "snake_case")]
 pub enum Request {
-    Apply { profile: String },
+    Apply {
+        profile: String,
+    },
     /// The heaviest keys of a rule (`top --keys`); starts key sampling,
     /// which stops again when nobody has asked for 10 s.
-    Keys { rule: String, top: usize },
+    Keys {
+        rule: String,
+        top: usize,
+    },
 }
 
 #[derive(Serialize, Deserialize, Debug)]

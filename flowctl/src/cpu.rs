@@ -150,8 +150,16 @@ impl CgroupFiles {
         for r in &roots.v1_cpuacct {
             let usage = join(r, cg).join("cpuacct.usage");
             if usage.exists() {
-                let cpu_dir = roots.v1_cpu.iter().map(|c| join(c, cg)).find(|d| d.join("cpu.cfs_quota_us").exists());
-                let cpuset = roots.v1_cpuset.iter().map(|c| join(c, cg).join("cpuset.effective_cpus")).find(|p| p.exists());
+                let cpu_dir = roots
+                    .v1_cpu
+                    .iter()
+                    .map(|c| join(c, cg))
+                    .find(|d| d.join("cpu.cfs_quota_us").exists());
+                let cpuset = roots
+                    .v1_cpuset
+                    .iter()
+                    .map(|c| join(c, cg).join("cpuset.effective_cpus"))
+                    .find(|p| p.exists());
                 return Ok(Self::V1 {
                     usage,
                     quota: cpu_dir.as_ref().map(|d| d.join("cpu.cfs_quota_us")),
@@ -176,10 +184,13 @@ impl CgroupFiles {
         match self {
             Self::V1 { usage, .. } => read_u64(usage),
             Self::V2 { stat, .. } => {
-                let text = std::fs::read_to_string(stat).with_context(|| format!("reading {}", stat.display()))?;
+                let text = std::fs::read_to_string(stat)
+                    .with_context(|| format!("reading {}", stat.display()))?;
                 let usec = text
                     .lines()
-                    .find_map(|l| l.strip_prefix("usage_usec ").and_then(|v| v.trim().parse::<u64>().ok()))
+                    .find_map(|l| {
+                        l.strip_prefix("usage_usec ").and_then(|v| v.trim().parse::<u64>().ok())
+                    })
                     .ok_or_else(|| anyhow!("{}: no usage_usec line", stat.display()))?;
                 Ok(usec * 1000)
             }
@@ -201,7 +212,10 @@ impl CgroupFiles {
                 match (it.next(), it.next()) {
                     (Some("max"), _) | (None, _) => None,
                     (Some(q), Some(p)) => {
-                        let (q, p): (f64, f64) = (q.parse().context("cpu.max quota")?, p.parse().context("cpu.max period")?);
+                        let (q, p): (f64, f64) = (
+                            q.parse().context("cpu.max quota")?,
+                            p.parse().context("cpu.max period")?,
+                        );
                         (q > 0.0 && p > 0.0).then_some(q / p)
                     }
                     (Some(_), None) => bail!("{}: expected \"QUOTA PERIOD\"", m.display()),
@@ -286,7 +300,13 @@ impl Sampler {
                 use procfs::CurrentSI;
                 let t = procfs::KernelStats::current().context("reading /proc/stat")?.total;
                 let idle = t.idle + t.iowait.unwrap_or(0);
-                let total = t.user + t.nice + t.system + idle + t.irq.unwrap_or(0) + t.softirq.unwrap_or(0) + t.steal.unwrap_or(0);
+                let total = t.user
+                    + t.nice
+                    + t.system
+                    + idle
+                    + t.irq.unwrap_or(0)
+                    + t.softirq.unwrap_or(0)
+                    + t.steal.unwrap_or(0);
                 let busy = total - idle;
                 let prev = self.last_host.replace((busy, total));
                 Ok(prev.and_then(|(b0, t0)| host_permille(b0, t0, busy, total)))
@@ -302,10 +322,15 @@ impl Sampler {
                 if wall <= 0.0 || cap <= 0.0 {
                     return Ok(None);
                 }
-                Ok(Some((usage.saturating_sub(u0) as f64 / (wall * cap) * 1000.0).clamp(0.0, 1000.0)))
+                Ok(Some(
+                    (usage.saturating_sub(u0) as f64 / (wall * cap) * 1000.0).clamp(0.0, 1000.0),
+                ))
             }
             CpuSource::File(p) => {
-                let v: f64 = read_text(p)?.trim().parse().with_context(|| format!("{}: not a number", p.display()))?;
+                let v: f64 = read_text(p)?
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("{}: not a number", p.display()))?;
                 if !(0.0..=1000.0).contains(&v) {
                     bail!("{}: {v} is not a per-mille value (0 to 1000)", p.display());
                 }
@@ -424,13 +449,26 @@ mod tests {
 
     /// A cgroup v2 fixture: a directory with cpu.stat and cpu.max.
     fn v2_fixture(max: &str) -> (PathBuf, CgroupRoots) {
-        let root = std::env::temp_dir().join(format!("flowctl-cg2-{}-{}", std::process::id(), max.replace(' ', "_")));
+        let root = std::env::temp_dir().join(format!(
+            "flowctl-cg2-{}-{}",
+            std::process::id(),
+            max.replace(' ', "_")
+        ));
         let dir = root.join("svc");
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("cpu.stat"), "usage_usec 1000000\nuser_usec 600000\nsystem_usec 400000\n").unwrap();
+        std::fs::write(
+            dir.join("cpu.stat"),
+            "usage_usec 1000000\nuser_usec 600000\nsystem_usec 400000\n",
+        )
+        .unwrap();
         std::fs::write(dir.join("cpu.max"), max).unwrap();
         std::fs::write(dir.join("cpuset.cpus.effective"), "0-3\n").unwrap();
-        let roots = CgroupRoots { v2: vec![root.clone()], v1_cpuacct: vec![], v1_cpu: vec![], v1_cpuset: vec![] };
+        let roots = CgroupRoots {
+            v2: vec![root.clone()],
+            v1_cpuacct: vec![],
+            v1_cpu: vec![],
+            v1_cpuset: vec![],
+        };
         (root, roots)
     }
 
@@ -460,7 +498,12 @@ mod tests {
 
     #[test]
     fn missing_cgroup_says_where_it_looked() {
-        let roots = CgroupRoots { v2: vec!["/nonexistent-v2".into()], v1_cpuacct: vec!["/nonexistent-v1".into()], v1_cpu: vec![], v1_cpuset: vec![] };
+        let roots = CgroupRoots {
+            v2: vec!["/nonexistent-v2".into()],
+            v1_cpuacct: vec!["/nonexistent-v1".into()],
+            v1_cpu: vec![],
+            v1_cpuset: vec![],
+        };
         let e = CgroupFiles::resolve(&roots, "/svc").unwrap_err().to_string();
         assert!(e.contains("/nonexistent-v2") && e.contains("/nonexistent-v1"), "{e}");
     }

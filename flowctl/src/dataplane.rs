@@ -13,8 +13,11 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{
-    control_flags, globals, map_names as names, AgentRecord, KeySample, OPEN_BUCKETS, OPEN_BUCKET_NS, stats::{self, StatsSum}, tables, StatsBucket, COUNTER_RECORDS, ControlRecord, GlobalRecord, RuleBitmap, RuleConfig,
-    RuleCounters, TrieData, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, DEBT_SLOTS_PER_RULE, PORT_INDICES,
+    control_flags, globals, map_names as names,
+    stats::{self, StatsSum},
+    tables, AgentRecord, ControlRecord, GlobalRecord, KeySample, RuleBitmap, RuleConfig,
+    RuleCounters, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS_PER_RULE, LAYOUT_VERSION,
+    MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, OPEN_BUCKET_NS, PORT_INDICES,
     PROTO_INDICES, RULE_SETS, XDP_PROGRAM, XDP_PROGRAM_FRAGS,
 };
 use std::{fs, path::Path};
@@ -28,7 +31,8 @@ pub struct KeySamples {
 
 impl KeySamples {
     pub fn open(id: &AttachId) -> Result<Self> {
-        let ring = aya::maps::RingBuf::try_from(Map::RingBuf(open(&id.pin_dir(), names::KEY_SAMPLES)?))?;
+        let ring =
+            aya::maps::RingBuf::try_from(Map::RingBuf(open(&id.pin_dir(), names::KEY_SAMPLES)?))?;
         Ok(Self { ring })
     }
 
@@ -86,7 +90,14 @@ pub fn count_entries(id: &AttachId, name: &str, key_size: usize, value_size: usi
             map_fd: fd as u32,
             ..Default::default()
         };
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, core::mem::size_of::<BatchAttr>()) };
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &mut attr as *mut BatchAttr,
+                core::mem::size_of::<BatchAttr>(),
+            )
+        };
         let err = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };
         match err {
             None => total += attr.count as u64,
@@ -120,7 +131,8 @@ pub struct Maps {
 }
 
 fn open(dir: &Path, name: &str) -> Result<MapData> {
-    MapData::from_pin(dir.join(name)).with_context(|| format!("opening pinned map {}", dir.join(name).display()))
+    MapData::from_pin(dir.join(name))
+        .with_context(|| format!("opening pinned map {}", dir.join(name).display()))
 }
 
 impl Maps {
@@ -141,7 +153,10 @@ impl Maps {
             agent: Array::try_from(Map::Array(open(&d, names::AGENT)?))?,
             open: Array::try_from(Map::Array(open(&d, names::OPEN)?))?,
             egress_targets: Array::try_from(Map::Array(open(&d, names::EGRESS_TARGETS)?))?,
-            egress_counts: PerCpuArray::try_from(Map::PerCpuArray(open(&d, names::EGRESS_COUNTS)?))?,
+            egress_counts: PerCpuArray::try_from(Map::PerCpuArray(open(
+                &d,
+                names::EGRESS_COUNTS,
+            )?))?,
         })
     }
 
@@ -156,7 +171,9 @@ impl Maps {
         let span = (idle_timeout_ns / OPEN_BUCKET_NS).clamp(1, OPEN_BUCKETS as u64 - 1);
         let mut n = 0u64;
         for e in cur.saturating_sub(span - 1)..=cur {
-            let w = self.open.get(&(record * OPEN_BUCKETS as u32 + (e % OPEN_BUCKETS as u64) as u32), 0)?;
+            let w = self
+                .open
+                .get(&(record * OPEN_BUCKETS as u32 + (e % OPEN_BUCKETS as u64) as u32), 0)?;
             let (epoch, count) = flowctl_common::window::unpack(w);
             if epoch == e as u32 {
                 // A count is a u32 that completions may have taken below the
@@ -204,21 +221,42 @@ impl Maps {
     /// A record's statistics over the last `span` complete buckets before
     /// `now_ns` (CLOCK_MONOTONIC), summed over CPUs. Reads only those
     /// buckets, one lookup each; the kernel's writers never wait on it.
-    pub fn stats_span(&self, record: u32, shape: &crate::profile::StatsSettings, now_ns: u64, span: u32) -> Result<StatsSum> {
-        self.stats_epochs(record, shape, stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span))
+    pub fn stats_span(
+        &self,
+        record: u32,
+        shape: &crate::profile::StatsSettings,
+        now_ns: u64,
+        span: u32,
+    ) -> Result<StatsSum> {
+        self.stats_epochs(
+            record,
+            shape,
+            stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span),
+        )
     }
 
     /// A record's statistics over the last `span` complete buckets (at
     /// least one, at most what the ring holds) and the seconds they cover,
     /// for rates.
-    pub fn stats_rate_window(&self, record: u32, shape: &crate::profile::StatsSettings, now_ns: u64, span: u32) -> Result<(StatsSum, f64)> {
+    pub fn stats_rate_window(
+        &self,
+        record: u32,
+        shape: &crate::profile::StatsSettings,
+        now_ns: u64,
+        span: u32,
+    ) -> Result<(StatsSum, f64)> {
         let span = span.min(shape.buckets.saturating_sub(1)).max(1);
         let sum = self.stats_span(record, shape, now_ns, span)?;
         Ok((sum, span as f64 * shape.bucket_ns as f64 / 1e9))
     }
 
     /// A record's statistics over the given bucket epochs, summed over CPUs.
-    pub fn stats_epochs(&self, record: u32, shape: &crate::profile::StatsSettings, epochs: std::ops::Range<u64>) -> Result<StatsSum> {
+    pub fn stats_epochs(
+        &self,
+        record: u32,
+        shape: &crate::profile::StatsSettings,
+        epochs: std::ops::Range<u64>,
+    ) -> Result<StatsSum> {
         let mut sum = StatsSum::default();
         for e in epochs {
             let idx = stats::index(record, e, shape.buckets);
@@ -233,7 +271,12 @@ impl Maps {
 
     /// The rule index the kernel would pick, read from the kernel's own active
     /// tables with the kernel's matcher.
-    pub fn classify(&self, src: &std::net::IpAddr, proto: u8, dport: Option<u16>) -> Result<Option<u32>> {
+    pub fn classify(
+        &self,
+        src: &std::net::IpAddr,
+        proto: u8,
+        dport: Option<u16>,
+    ) -> Result<Option<u32>> {
         let slot = (self.global()?.active_slot & 1) as u8;
         let key = Key::new(8 + 128, tables::trie_data(slot, src));
         let src_bits = match self.trie.get(&key, 0) {
@@ -260,14 +303,21 @@ pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) ->
         let state = old
             .iter()
             .find(|o| o.fingerprint == fp && o.name == r.name && !used_states.contains(&o.state_id))
-            .or_else(|| old.iter().find(|o| o.fingerprint == fp && !used_states.contains(&o.state_id)))
+            .or_else(|| {
+                old.iter().find(|o| o.fingerprint == fp && !used_states.contains(&o.state_id))
+            })
             .map(|o| o.state_id);
         let state_id = state.unwrap_or_else(|| {
             *next_state_id += 1;
             *next_state_id
         });
         used_states.push(state_id);
-        out.push(RuleState { name: r.name.clone(), fingerprint: fp, state_id, record: record.unwrap_or(u32::MAX) });
+        out.push(RuleState {
+            name: r.name.clone(),
+            fingerprint: fp,
+            state_id,
+            record: record.unwrap_or(u32::MAX),
+        });
         if let Some(rec) = record {
             used_records.push(rec);
         }
@@ -275,7 +325,8 @@ pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) ->
     // New names take records that neither the old nor the new set uses, so
     // old and new rules never share counters during the flip.
     let old_records: Vec<u32> = old.iter().map(|o| o.record).collect();
-    let mut free = (0..MAX_RULE_RECORDS as u32).filter(|r| !used_records.contains(r) && !old_records.contains(r));
+    let mut free = (0..MAX_RULE_RECORDS as u32)
+        .filter(|r| !used_records.contains(r) && !old_records.contains(r));
     for s in out.iter_mut() {
         if s.record == u32::MAX {
             s.record = free.next().expect("2*MAX_RULES records cover old and new sets");
@@ -364,7 +415,11 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             for i in 0..buckets {
                 let idx = s.record * buckets + i;
                 if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
-                    maps.stats.set(idx, PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?, 0)?;
+                    maps.stats.set(
+                        idx,
+                        PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?,
+                        0,
+                    )?;
                 }
             }
             for i in 0..OPEN_BUCKETS as u32 {
@@ -523,7 +578,8 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
-    let prog: &mut Xdp = ebpf.program_mut(variant.program()).context("program missing from object")?.try_into()?;
+    let prog: &mut Xdp =
+        ebpf.program_mut(variant.program()).context("program missing from object")?.try_into()?;
     if let Err(e) = prog.load() {
         return Err(load_error(e));
     }
@@ -535,7 +591,8 @@ pub fn load_error(e: ProgramError) -> anyhow::Error {
     match e {
         ProgramError::LoadError { io_error, verifier_log } => {
             let log = verifier_log.to_string();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+            let tail: Vec<&str> =
+                log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
             anyhow!(
                 "the kernel verifier rejected the XDP program ({io_error}); last lines of its log:\n{}",
                 tail.join("\n")
@@ -622,7 +679,13 @@ impl Egress {
             .attached
             .iter()
             .filter_map(|a| {
-                a.netlink.map(|(priority, handle)| NetlinkRecord { iface: a.iface.clone(), ifindex: a.ifindex, priority, handle, created_clsact: a.created_clsact })
+                a.netlink.map(|(priority, handle)| NetlinkRecord {
+                    iface: a.iface.clone(),
+                    ifindex: a.ifindex,
+                    priority,
+                    handle,
+                    created_clsact: a.created_clsact,
+                })
             })
             .collect();
         if recs.is_empty() {
@@ -670,7 +733,12 @@ impl Drop for Egress {
 /// baselines) and attaches the TC egress counter to each interface they
 /// name that it is not on yet. The attachments live as long as `egress`
 /// (the agent); without an agent nothing needs the counts.
-pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, egress: &mut Egress) -> Result<()> {
+pub fn set_egress(
+    ebpf: &mut Ebpf,
+    maps: &mut Maps,
+    set: &RuleSet,
+    egress: &mut Egress,
+) -> Result<()> {
     use crate::profile_klimiter::LevelSource;
     let mut slot = 0u32;
     let mut ifaces = Vec::new();
@@ -690,8 +758,10 @@ pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, egress: &mut 
     if ifaces.iter().all(|i| have.contains(i)) {
         return Ok(());
     }
-    let prog: &mut aya::programs::SchedClassifier =
-        ebpf.program_mut(flowctl_common::EGRESS_PROGRAM).context("egress program missing from the object")?.try_into()?;
+    let prog: &mut aya::programs::SchedClassifier = ebpf
+        .program_mut(flowctl_common::EGRESS_PROGRAM)
+        .context("egress program missing from the object")?
+        .try_into()?;
     if prog.fd().is_err() {
         prog.load().map_err(load_error)?;
     }
@@ -709,7 +779,11 @@ pub fn set_egress(ebpf: &mut Ebpf, maps: &mut Maps, set: &RuleSet, egress: &mut 
 
 /// Attaches the egress counter to `iface`: a TCX link where the kernel has
 /// TCX, else a netlink filter on the `clsact` qdisc (added when absent).
-fn attach_egress(prog: &mut aya::programs::SchedClassifier, iface: &str, tcx: bool) -> Result<EgressAttach> {
+fn attach_egress(
+    prog: &mut aya::programs::SchedClassifier,
+    iface: &str,
+    tcx: bool,
+) -> Result<EgressAttach> {
     use aya::programs::{
         tc::{self, NlOptions, TcAttachOptions},
         LinkOrder, TcAttachType,
@@ -727,11 +801,20 @@ fn attach_egress(prog: &mut aya::programs::SchedClassifier, iface: &str, tcx: bo
         }
         TcAttachOptions::Netlink(NlOptions::default())
     };
-    let attached = prog.attach_with_options(iface, TcAttachType::Egress, options).and_then(|id| prog.take_link(id));
+    let attached = prog
+        .attach_with_options(iface, TcAttachType::Egress, options)
+        .and_then(|id| prog.take_link(id));
     match attached {
         Ok(link) => {
-            let netlink = if tcx { None } else { Some((link.priority()?, u32::from(link.handle()?))) };
-            Ok(EgressAttach { iface: iface.to_string(), ifindex, link: Some(link), netlink, created_clsact })
+            let netlink =
+                if tcx { None } else { Some((link.priority()?, u32::from(link.handle()?))) };
+            Ok(EgressAttach {
+                iface: iface.to_string(),
+                ifindex,
+                link: Some(link),
+                netlink,
+                created_clsact,
+            })
         }
         Err(e) => {
             if created_clsact {
@@ -756,7 +839,9 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
         let xdp_link = aya::programs::xdp::XdpLink::try_from(fd_link)?;
         let link_id = match prog.attach_to_link(xdp_link) {
             Ok(l) => l,
-            Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOLINK) => {
+            Err(ProgramError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+            {
                 return Err(SeveredLink.into());
             }
             Err(e) => return Err(anyhow!("re-pointing the pinned XDP link at {name}: {e}")),
@@ -767,27 +852,43 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
     }
     let try_mode = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(id.ifindex, m);
     let (link_id, used) = match mode {
-        Mode::Skb => (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic"),
-        Mode::Native => (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface, frags))?, "native"),
+        Mode::Skb => {
+            (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic")
+        }
+        Mode::Native => {
+            (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface, frags))?, "native")
+        }
         Mode::Auto => match try_mode(prog, XdpMode::Driver) {
             Ok(l) => (l, "native"),
             Err(e) if is_busy(&e) => return Err(attach_error(e, iface, frags)),
             Err(e) => {
                 tracing::warn!("native XDP is not available on {iface} ({}); FALLING BACK TO GENERIC (skb) MODE, which is slower", describe(&e));
                 eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
-                (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic")
+                (
+                    try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?,
+                    "generic",
+                )
             }
         },
     };
     let link = prog.take_link(link_id)?;
-    let fd_link = FdLink::try_from(link).map_err(|e| anyhow!("this kernel attached XDP without bpf_link ({e}); flowctl needs bpf_link (Linux 5.9+)"))?;
-    fd_link.pin(&link_path).with_context(|| format!("pinning the XDP link at {}", link_path.display()))?;
+    let fd_link = FdLink::try_from(link).map_err(|e| {
+        anyhow!(
+            "this kernel attached XDP without bpf_link ({e}); flowctl needs bpf_link (Linux 5.9+)"
+        )
+    })?;
+    fd_link
+        .pin(&link_path)
+        .with_context(|| format!("pinning the XDP link at {}", link_path.display()))?;
     Ok(used.into())
 }
 
 fn is_busy(e: &ProgramError) -> bool {
     let s = format!("{e:?}");
-    s.contains("EBUSY") || s.contains("EEXIST") || s.contains("Device or resource busy") || s.contains("File exists")
+    s.contains("EBUSY")
+        || s.contains("EEXIST")
+        || s.contains("Device or resource busy")
+        || s.contains("File exists")
 }
 
 /// The errno behind a failed attach, when the kernel gave one.
@@ -874,6 +975,10 @@ pub fn map_memlock(id: &AttachId, name: &str) -> u64 {
     let fd = m.fd().as_fd().as_raw_fd();
     fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("memlock:").map(|v| v.trim().parse::<u64>().unwrap_or(0))))
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("memlock:").map(|v| v.trim().parse::<u64>().unwrap_or(0))
+            })
+        })
         .unwrap_or(0)
 }

@@ -107,7 +107,11 @@ pub fn part_rows(f: &Features, set: &RuleSet, programs: &[ProgramRow]) -> Vec<Pa
         .iter()
         .filter(|p| p.in_profile(set))
         .map(|&part| {
-            let missing: Vec<String> = f.missing_for(part).iter().map(|r| features::missing_message(r, &f.release)).collect();
+            let missing: Vec<String> = f
+                .missing_for(part)
+                .iter()
+                .map(|r| features::missing_message(r, &f.release))
+                .collect();
             let degraded: Vec<String> = f
                 .degraded_for(part)
                 .iter()
@@ -116,8 +120,19 @@ pub fn part_rows(f: &Features, set: &RuleSet, programs: &[ProgramRow]) -> Vec<Pa
                     Need::Required => unreachable!("degraded_for lists preferred features"),
                 })
                 .collect();
-            let failed_programs: Vec<&'static str> = programs.iter().filter(|p| p.part == part && !p.verifies).map(|p| p.program).collect();
-            PartRow { part, title: part.title(), runnable: missing.is_empty() && failed_programs.is_empty(), missing, degraded, failed_programs }
+            let failed_programs: Vec<&'static str> = programs
+                .iter()
+                .filter(|p| p.part == part && !p.verifies)
+                .map(|p| p.program)
+                .collect();
+            PartRow {
+                part,
+                title: part.title(),
+                runnable: missing.is_empty() && failed_programs.is_empty(),
+                missing,
+                degraded,
+                failed_programs,
+            }
         })
         .collect()
 }
@@ -129,8 +144,19 @@ pub fn render_text(r: &Report) -> String {
     let _ = writeln!(s, "features:");
     for f in &r.features {
         let since = f.min_version.as_deref().map(|v| format!("{v}+")).unwrap_or_else(|| "-".into());
-        let needed = if f.needed_by.is_empty() { "informational".to_string() } else { f.needed_by.join(", ") };
-        let _ = writeln!(s, "  {:<3} {:<62} {:<6} {}", if f.available { "yes" } else { "no" }, f.title, since, needed);
+        let needed = if f.needed_by.is_empty() {
+            "informational".to_string()
+        } else {
+            f.needed_by.join(", ")
+        };
+        let _ = writeln!(
+            s,
+            "  {:<3} {:<62} {:<6} {}",
+            if f.available { "yes" } else { "no" },
+            f.title,
+            since,
+            needed
+        );
         if let Some(d) = &f.detail {
             let _ = writeln!(s, "      ({d})");
         }
@@ -159,7 +185,12 @@ pub fn render_text(r: &Report) -> String {
             let _ = writeln!(s, "  (no rules, egress baselines or breakers)");
         }
         for p in &pr.parts {
-            let _ = writeln!(s, "  {:<40} {}", p.title, if p.runnable { "can run on this kernel" } else { "CANNOT RUN on this kernel" });
+            let _ = writeln!(
+                s,
+                "  {:<40} {}",
+                p.title,
+                if p.runnable { "can run on this kernel" } else { "CANNOT RUN on this kernel" }
+            );
             for m in &p.missing {
                 let _ = writeln!(s, "      {m}");
             }
@@ -196,7 +227,8 @@ pub fn run(profile_path: Option<&Path>, json: bool) -> Result<bool> {
         path: profile_path.expect("set from a path").display().to_string(),
         parts: part_rows(f, s, &programs),
     });
-    let ok = programs.iter().all(|p| p.verifies || !p.needed) && profile.as_ref().is_none_or(|p| p.parts.iter().all(|x| x.runnable));
+    let ok = programs.iter().all(|p| p.verifies || !p.needed)
+        && profile.as_ref().is_none_or(|p| p.parts.iter().all(|x| x.runnable));
     let report = Report {
         kernel: f.release.clone(),
         features: feature_rows(f),
@@ -224,11 +256,28 @@ fn private_bpffs() -> Result<()> {
             bail!("doctor loads its programs in a private mount namespace, and creating one failed: {}", std::io::Error::last_os_error());
         }
         // Nothing mounted from here on propagates to the host.
-        if libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
-            bail!("making the private mount namespace private: {}", std::io::Error::last_os_error());
+        if libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ) != 0
+        {
+            bail!(
+                "making the private mount namespace private: {}",
+                std::io::Error::last_os_error()
+            );
         }
         std::fs::create_dir_all("/sys/fs/bpf").ok();
-        if libc::mount(c"bpf".as_ptr(), c"/sys/fs/bpf".as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) != 0 {
+        if libc::mount(
+            c"bpf".as_ptr(),
+            c"/sys/fs/bpf".as_ptr(),
+            c"bpf".as_ptr(),
+            0,
+            std::ptr::null(),
+        ) != 0
+        {
             bail!("mounting a private bpffs over /sys/fs/bpf: {}", std::io::Error::last_os_error());
         }
     }
@@ -237,8 +286,17 @@ fn private_bpffs() -> Result<()> {
 
 fn row(program: &'static str, part: Part, r: Result<Option<u32>>) -> ProgramRow {
     match r {
-        Ok(verified_insns) => ProgramRow { program, part, verifies: true, verified_insns, error: None, needed: true },
-        Err(e) => ProgramRow { program, part, verifies: false, verified_insns: None, error: Some(format!("{e:#}")), needed: true },
+        Ok(verified_insns) => {
+            ProgramRow { program, part, verifies: true, verified_insns, error: None, needed: true }
+        }
+        Err(e) => ProgramRow {
+            program,
+            part,
+            verifies: false,
+            verified_insns: None,
+            error: Some(format!("{e:#}")),
+            needed: true,
+        },
     }
 }
 
@@ -258,7 +316,10 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
             })();
             rows.push(row(xdp_name, Part::Rules, xdp));
             let egress = (|| {
-                let p: &mut SchedClassifier = ebpf.program_mut(flowctl_common::EGRESS_PROGRAM).context("program missing")?.try_into()?;
+                let p: &mut SchedClassifier = ebpf
+                    .program_mut(flowctl_common::EGRESS_PROGRAM)
+                    .context("program missing")?
+                    .try_into()?;
                 p.load().map_err(|e| program_error(e, flowctl_common::EGRESS_PROGRAM))?;
                 Ok(p.info()?.verified_instruction_count())
             })();
@@ -267,7 +328,11 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
         Err(e) => {
             let msg = format!("{e:#}");
             rows.push(row(xdp_name, Part::Rules, Err(anyhow::anyhow!("{msg}"))));
-            rows.push(row(flowctl_common::EGRESS_PROGRAM, Part::EgressBaselines, Err(anyhow::anyhow!("not tried: the object it is in did not load"))));
+            rows.push(row(
+                flowctl_common::EGRESS_PROGRAM,
+                Part::EgressBaselines,
+                Err(anyhow::anyhow!("not tried: the object it is in did not load")),
+            ));
         }
     }
     let _ = std::fs::remove_dir_all(id.pin_dir());
@@ -275,14 +340,16 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
         Ok(mut ebpf) => {
             for name in ["flowctl_connect4", "flowctl_connect6"] {
                 let r = (|| {
-                    let p: &mut CgroupSockAddr = ebpf.program_mut(name).context("program missing")?.try_into()?;
+                    let p: &mut CgroupSockAddr =
+                        ebpf.program_mut(name).context("program missing")?.try_into()?;
                     p.load().map_err(|e| program_error(e, name))?;
                     Ok(p.info()?.verified_instruction_count())
                 })();
                 rows.push(row(name, Part::Breakers, r));
             }
             let r = (|| {
-                let p: &mut SockOps = ebpf.program_mut("flowctl_sock_ops").context("program missing")?.try_into()?;
+                let p: &mut SockOps =
+                    ebpf.program_mut("flowctl_sock_ops").context("program missing")?.try_into()?;
                 p.load().map_err(|e| program_error(e, "flowctl_sock_ops"))?;
                 Ok(p.info()?.verified_instruction_count())
             })();
@@ -290,7 +357,11 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
         }
         Err(e) => {
             for name in ["flowctl_connect4", "flowctl_connect6", "flowctl_sock_ops"] {
-                rows.push(row(name, Part::Breakers, Err(anyhow::anyhow!("loading the breaker object: {e}"))));
+                rows.push(row(
+                    name,
+                    Part::Breakers,
+                    Err(anyhow::anyhow!("loading the breaker object: {e}")),
+                ));
             }
         }
     }
@@ -304,7 +375,9 @@ fn program_error(e: aya::programs::ProgramError, name: &str) -> anyhow::Error {
             let log = verifier_log.to_string();
             let lines: Vec<&str> = log.lines().collect();
             let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-            anyhow::anyhow!("the verifier rejected {name} ({io_error}); last lines of its log:\n{tail}")
+            anyhow::anyhow!(
+                "the verifier rejected {name} ({io_error}); last lines of its log:\n{tail}"
+            )
         }
         other => anyhow::anyhow!("loading {name}: {other}"),
     }
@@ -318,25 +391,36 @@ mod tests {
     fn kernel(missing: &[Feature]) -> Features {
         Features {
             release: "6.1.0-54-amd64".into(),
-            probes: Feature::ALL.iter().map(|&feature| Probe { feature, available: !missing.contains(&feature), detail: None }).collect(),
+            probes: Feature::ALL
+                .iter()
+                .map(|&feature| Probe {
+                    feature,
+                    available: !missing.contains(&feature),
+                    detail: None,
+                })
+                .collect(),
         }
     }
 
     fn programs(failing: &[&str]) -> Vec<ProgramRow> {
-        [("flowctl_xdp", Part::Rules), ("flowctl_egress", Part::EgressBaselines), ("flowctl_connect4", Part::Breakers)]
-            .iter()
-            .map(|&(program, part)| {
-                let bad = failing.contains(&program);
-                ProgramRow {
-                    program,
-                    part,
-                    verifies: !bad,
-                    verified_insns: (!bad).then_some(1234),
-                    error: bad.then(|| "processed 1000001 insns (limit 1000000)".to_string()),
-                    needed: true,
-                }
-            })
-            .collect()
+        [
+            ("flowctl_xdp", Part::Rules),
+            ("flowctl_egress", Part::EgressBaselines),
+            ("flowctl_connect4", Part::Breakers),
+        ]
+        .iter()
+        .map(|&(program, part)| {
+            let bad = failing.contains(&program);
+            ProgramRow {
+                program,
+                part,
+                verifies: !bad,
+                verified_insns: (!bad).then_some(1234),
+                error: bad.then(|| "processed 1000001 insns (limit 1000000)".to_string()),
+                needed: true,
+            }
+        })
+        .collect()
     }
 
     #[test]
@@ -346,9 +430,15 @@ mod tests {
         let tcx = rows.iter().find(|r| r.feature == Feature::Tcx).unwrap();
         assert!(!tcx.available);
         assert_eq!(tcx.min_version.as_deref(), Some("6.6"));
-        assert_eq!(tcx.needed_by, vec!["egress baselines (TC egress counter) (preferred)".to_string()]);
+        assert_eq!(
+            tcx.needed_by,
+            vec!["egress baselines (TC egress counter) (preferred)".to_string()]
+        );
         let retval = rows.iter().find(|r| r.feature == Feature::SetRetval).unwrap();
-        assert_eq!(retval.needed_by, vec!["[[breaker]]s (cgroup connect hooks) (required)".to_string()]);
+        assert_eq!(
+            retval.needed_by,
+            vec!["[[breaker]]s (cgroup connect hooks) (required)".to_string()]
+        );
         let vmlinux = rows.iter().find(|r| r.feature == Feature::VmlinuxBtf).unwrap();
         assert!(vmlinux.needed_by.is_empty());
     }
@@ -364,10 +454,18 @@ mod tests {
         let progs = programs(&["flowctl_egress"]);
         let parts = part_rows(&f, &set, &progs);
         // No egress baseline in the profile: its failing program does not matter.
-        assert_eq!(parts.iter().map(|p| p.part).collect::<Vec<_>>(), vec![Part::Rules, Part::Breakers]);
+        assert_eq!(
+            parts.iter().map(|p| p.part).collect::<Vec<_>>(),
+            vec![Part::Rules, Part::Breakers]
+        );
         assert!(parts[0].runnable && parts[0].degraded.len() == 1, "{:?}", parts[0]);
         assert!(!parts[1].runnable);
-        assert!(parts[1].missing[0].contains("Linux 5.18+") && parts[1].missing[0].contains("6.1.0-54-amd64"), "{:?}", parts[1]);
+        assert!(
+            parts[1].missing[0].contains("Linux 5.18+")
+                && parts[1].missing[0].contains("6.1.0-54-amd64"),
+            "{:?}",
+            parts[1]
+        );
         let report = Report {
             kernel: f.release.clone(),
             features: feature_rows(&f),
@@ -378,9 +476,18 @@ mod tests {
         };
         let text = render_text(&report);
         assert!(text.starts_with("kernel 6.1.0-54-amd64\n"), "{text}");
-        assert!(text.contains("flowctl_xdp") && text.contains("verifies, 1234 instructions processed"), "{text}");
-        assert!(text.contains("DOES NOT VERIFY") && text.contains("processed 1000001 insns"), "{text}");
-        assert!(text.contains("CANNOT RUN on this kernel") && text.contains("bpf_set_retval"), "{text}");
+        assert!(
+            text.contains("flowctl_xdp") && text.contains("verifies, 1234 instructions processed"),
+            "{text}"
+        );
+        assert!(
+            text.contains("DOES NOT VERIFY") && text.contains("processed 1000001 insns"),
+            "{text}"
+        );
+        assert!(
+            text.contains("CANNOT RUN on this kernel") && text.contains("bpf_set_retval"),
+            "{text}"
+        );
         assert!(text.contains("degraded: no multi-buffer XDP"), "{text}");
         assert!(text.trim_end().ends_with("NOT OK: see above"), "{text}");
         let json = serde_json::to_value(&report).unwrap();

@@ -47,7 +47,12 @@ impl SpaceSaving {
             c.bytes += bytes * w;
             return;
         }
-        let mut new = Counter { count: w, err: 0.0, dropped: if dropped { w } else { 0.0 }, bytes: bytes * w };
+        let mut new = Counter {
+            count: w,
+            err: 0.0,
+            dropped: if dropped { w } else { 0.0 },
+            bytes: bytes * w,
+        };
         if self.counters.len() >= self.capacity {
             // Replace the smallest counter; the newcomer inherits its count as
             // possible overestimation. A linear scan: capacity is small (the
@@ -88,7 +93,8 @@ impl SpaceSaving {
 
     /// The `n` heaviest keys, heaviest first.
     pub fn top(&self, n: usize) -> Vec<(BucketKey, f64, f64, f64, f64)> {
-        let mut v: Vec<_> = self.counters.iter().map(|(k, c)| (*k, c.count, c.err, c.dropped, c.bytes)).collect();
+        let mut v: Vec<_> =
+            self.counters.iter().map(|(k, c)| (*k, c.count, c.err, c.dropped, c.bytes)).collect();
         v.sort_by(|a, b| b.1.total_cmp(&a.1));
         v.truncate(n);
         v
@@ -148,10 +154,12 @@ impl Watch {
         let w = every as f64 * self.decay_per_s.powf(dt_s / 2.0);
         for s in samples {
             let cap = self.capacity;
-            self.sketches
-                .entry(s.record)
-                .or_insert_with(|| SpaceSaving::new(cap))
-                .add(s.key, w, s.dropped != 0, s.len as f64);
+            self.sketches.entry(s.record).or_insert_with(|| SpaceSaving::new(cap)).add(
+                s.key,
+                w,
+                s.dropped != 0,
+                s.len as f64,
+            );
         }
     }
 
@@ -284,7 +292,8 @@ mod tests {
     #[test]
     fn keys_read_as_their_kind() {
         use flowctl_common::key_kind;
-        let k = BucketKey { family: 4, src: [0x0a00_0001, 0, 0, 0], dport: 80, ..Default::default() };
+        let k =
+            BucketKey { family: 4, src: [0x0a00_0001, 0, 0, 0], dport: 80, ..Default::default() };
         assert_eq!(describe_key(&k, key_kind::SRC), "10.0.0.1");
         assert_eq!(describe_key(&k, key_kind::SRC_DPORT), "10.0.0.1 -> :80");
         assert_eq!(describe_key(&k, key_kind::DPORT), ":80");
@@ -383,7 +392,13 @@ impl KeyWatcher {
 }
 
 /// The heaviest keys of the rule named `rule` of an attachment, from `w`.
-pub fn rule_report(w: &KeyWatcher, maps: &crate::dataplane::Maps, state: &crate::pins::AttachState, rule: &str, n: usize) -> anyhow::Result<HeavyKeys> {
+pub fn rule_report(
+    w: &KeyWatcher,
+    maps: &crate::dataplane::Maps,
+    state: &crate::pins::AttachState,
+    rule: &str,
+    n: usize,
+) -> anyhow::Result<HeavyKeys> {
     let Some(i) = state.rules.iter().position(|r| r.name == rule) else {
         let names: Vec<&str> = state.rules.iter().map(|r| r.name.as_str()).collect();
         anyhow::bail!("no rule `{rule}` on {}; its rules are: {}", state.iface, names.join(", "));

@@ -42,7 +42,15 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Self { dead_band: 0.03, cap: 0.05, min_ratio: 0.01, eligible_qps: 5.0, max_condition: 50.0, resolution: 1e-3, release_after_periods: 6 }
+        Self {
+            dead_band: 0.03,
+            cap: 0.05,
+            min_ratio: 0.01,
+            eligible_qps: 5.0,
+            max_condition: 50.0,
+            resolution: 1e-3,
+            release_after_periods: 6,
+        }
     }
 }
 
@@ -127,10 +135,21 @@ impl Controller {
     pub fn new(cfg: Config, entries: Vec<EntrySpec>, baselines: Vec<BaselineSpec>) -> Self {
         let state = baselines
             .iter()
-            .map(|b| BaselineState { history: VecDeque::new(), coefficients: vec![1.0; b.entries.len()], failing_periods: 0 })
+            .map(|b| BaselineState {
+                history: VecDeque::new(),
+                coefficients: vec![1.0; b.entries.len()],
+                failing_periods: 0,
+            })
             .collect();
         let n = entries.len();
-        Self { cfg, entries, baselines, state, ratios: vec![1.0; n], reasons: vec![String::new(); n] }
+        Self {
+            cfg,
+            entries,
+            baselines,
+            state,
+            ratios: vec![1.0; n],
+            reasons: vec![String::new(); n],
+        }
     }
 
     pub fn ratios(&self) -> &[f64] {
@@ -162,8 +181,14 @@ impl Controller {
         let mut views = Vec::new();
         for b in 0..self.baselines.len() {
             let spec = self.baselines[b].clone();
-            let q: Vec<f64> = spec.entries.iter().map(|&i| p.admitted.get(i).copied().unwrap_or(0.0)).collect();
-            let mut view = BaselineView { name: spec.name.clone(), threshold: spec.threshold, level: p.levels.get(b).copied().flatten(), ..Default::default() };
+            let q: Vec<f64> =
+                spec.entries.iter().map(|&i| p.admitted.get(i).copied().unwrap_or(0.0)).collect();
+            let mut view = BaselineView {
+                name: spec.name.clone(),
+                threshold: spec.threshold,
+                level: p.levels.get(b).copied().flatten(),
+                ..Default::default()
+            };
             let Some(level) = view.level.filter(|l| l.is_finite() && *l >= 0.0) else {
                 // A failing source: hold, then release towards 1.0.
                 let st = &mut self.state[b];
@@ -172,8 +197,19 @@ impl Controller {
                 view.coefficients = st.coefficients.clone();
                 let release = st.failing_periods > self.cfg.release_after_periods;
                 for &i in &spec.entries {
-                    let ask = if release { Ask::Raise(slow_start_cap(self.ratios[i])) } else { Ask::Hold };
-                    asks[i].push((ask, format!("{}: level source failing, {}", spec.name, if release { "releasing" } else { "holding" })));
+                    let ask = if release {
+                        Ask::Raise(slow_start_cap(self.ratios[i]))
+                    } else {
+                        Ask::Hold
+                    };
+                    asks[i].push((
+                        ask,
+                        format!(
+                            "{}: level source failing, {}",
+                            spec.name,
+                            if release { "releasing" } else { "holding" }
+                        ),
+                    ));
                 }
                 views.push(view);
                 continue;
@@ -183,7 +219,11 @@ impl Controller {
             let a = self.state[b].coefficients.clone();
             let loads: Vec<f64> = a.iter().zip(&q).map(|(a, q)| a * q).collect();
             let total: f64 = loads.iter().sum();
-            let shares: Vec<f64> = if total > 0.0 { loads.iter().map(|l| l / total).collect() } else { vec![1.0 / q.len().max(1) as f64; q.len()] };
+            let shares: Vec<f64> = if total > 0.0 {
+                loads.iter().map(|l| l / total).collect()
+            } else {
+                vec![1.0 / q.len().max(1) as f64; q.len()]
+            };
             view.coefficients = a;
             view.shares = shares.clone();
             let t = spec.threshold;
@@ -191,12 +231,18 @@ impl Controller {
             if level > t {
                 view.band = "cut".into();
                 for (k, cut) in self.cut(&spec, &shares, level, p) {
-                    asks[spec.entries[k]].push((Ask::Cut(cut), format!("{}: level {level:.1} over threshold {t:.1}", spec.name)));
+                    asks[spec.entries[k]].push((
+                        Ask::Cut(cut),
+                        format!("{}: level {level:.1} over threshold {t:.1}", spec.name),
+                    ));
                 }
             } else if level < (1.0 - h) * t {
                 view.band = "raise".into();
                 for (k, r) in self.raise(&spec, &shares, level).into_iter().enumerate() {
-                    asks[spec.entries[k]].push((Ask::Raise(r), format!("{}: level {level:.1} under {:.1}", spec.name, (1.0 - h) * t)));
+                    asks[spec.entries[k]].push((
+                        Ask::Raise(r),
+                        format!("{}: level {level:.1} under {:.1}", spec.name, (1.0 - h) * t),
+                    ));
                 }
             } else {
                 view.band = "hold".into();
@@ -208,10 +254,16 @@ impl Controller {
         }
         // Combine: the largest cut, else hold, else the smallest raise.
         for (i, a) in asks.iter().enumerate() {
-            let cut = a.iter().filter_map(|(x, why)| if let Ask::Cut(c) = x { Some((*c, why)) } else { None }).max_by(|x, y| x.0.total_cmp(&y.0));
+            let cut = a
+                .iter()
+                .filter_map(|(x, why)| if let Ask::Cut(c) = x { Some((*c, why)) } else { None })
+                .max_by(|x, y| x.0.total_cmp(&y.0));
             let old = self.ratios[i];
             let new = if let Some((c, why)) = cut {
-                let r = round_down((old - c.min(self.cfg.cap)).max(self.cfg.min_ratio), self.cfg.resolution);
+                let r = round_down(
+                    (old - c.min(self.cfg.cap)).max(self.cfg.min_ratio),
+                    self.cfg.resolution,
+                );
                 if r < old {
                     self.reasons[i] = format!("cut {:.3} -> {r:.3}: {why}", old);
                 }
@@ -221,7 +273,9 @@ impl Controller {
             } else {
                 let (r, why) = a
                     .iter()
-                    .filter_map(|(x, why)| if let Ask::Raise(r) = x { Some((*r, why)) } else { None })
+                    .filter_map(
+                        |(x, why)| if let Ask::Raise(r) = x { Some((*r, why)) } else { None },
+                    )
                     .min_by(|x, y| x.0.total_cmp(&y.0))
                     .expect("only raises left");
                 let r = round_down(r.min(1.0), self.cfg.resolution).max(old);
@@ -238,7 +292,11 @@ impl Controller {
                 .entries
                 .iter()
                 .enumerate()
-                .map(|(i, e)| EntryView { name: e.name.clone(), ratio: self.ratios[i], reason: self.reasons[i].clone() })
+                .map(|(i, e)| EntryView {
+                    name: e.name.clone(),
+                    ratio: self.ratios[i],
+                    reason: self.reasons[i].clone(),
+                })
                 .collect(),
         }
     }
@@ -270,13 +328,23 @@ impl Controller {
 
     /// Round 1 and, if needed, round 2: ratio points to cut per entry of
     /// the baseline (by position in its entry list).
-    fn cut(&self, spec: &BaselineSpec, shares: &[f64], level: f64, p: &Period) -> Vec<(usize, f64)> {
+    fn cut(
+        &self,
+        spec: &BaselineSpec,
+        shares: &[f64],
+        level: f64,
+        p: &Period,
+    ) -> Vec<(usize, f64)> {
         let cfg = &self.cfg;
         let target = (1.0 - cfg.dead_band / 2.0) * spec.threshold;
         let d = (level - target) / level;
         let n = spec.entries.len();
         let r: Vec<f64> = spec.entries.iter().map(|&i| self.ratios[i]).collect();
-        let eligible: Vec<bool> = spec.entries.iter().map(|&i| p.offered.get(i).copied().unwrap_or(0.0) >= cfg.eligible_qps).collect();
+        let eligible: Vec<bool> = spec
+            .entries
+            .iter()
+            .map(|&i| p.offered.get(i).copied().unwrap_or(0.0) >= cfg.eligible_qps)
+            .collect();
         let floors: Vec<f64> = spec.entries.iter().map(|&i| self.floor(i)).collect();
         let mut cut = vec![0.0; n];
         const EPS: f64 = 1e-9;
@@ -300,12 +368,17 @@ impl Controller {
             cut[k] = got;
             d_left += (want - got) / r[k] * shares[k];
         }
-        let spread = |cut: &mut Vec<f64>, mut d_left: f64, floor_of: &dyn Fn(usize) -> f64, allowed: &dyn Fn(usize) -> bool| -> f64 {
+        let spread = |cut: &mut Vec<f64>,
+                      mut d_left: f64,
+                      floor_of: &dyn Fn(usize) -> f64,
+                      allowed: &dyn Fn(usize) -> bool|
+         -> f64 {
             for _ in 0..(4 * n + 4) {
                 if d_left <= EPS {
                     break;
                 }
-                let with_room: Vec<usize> = (0..n).filter(|&k| allowed(k) && room(k, cut, floor_of(k)) > EPS).collect();
+                let with_room: Vec<usize> =
+                    (0..n).filter(|&k| allowed(k) && room(k, cut, floor_of(k)) > EPS).collect();
                 let s_r: f64 = with_room.iter().map(|&k| shares[k]).sum();
                 if with_room.is_empty() || s_r <= EPS {
                     break;
@@ -324,7 +397,8 @@ impl Controller {
         d_left = spread(&mut cut, d_left, &|k| floors[k], &|_| true);
         // Round 2, in the same period: nobody is above its floor any more,
         // so cut below the floors (to the minimum ratio), by shares.
-        let nobody_above_floor = (0..n).filter(|&k| eligible[k]).all(|k| r[k] - cut[k] <= floors[k] + EPS);
+        let nobody_above_floor =
+            (0..n).filter(|&k| eligible[k]).all(|k| r[k] - cut[k] <= floors[k] + EPS);
         if d_left > EPS && nobody_above_floor {
             let min = cfg.min_ratio;
             spread(&mut cut, d_left, &|_| min, &|_| true);
@@ -342,7 +416,9 @@ impl Controller {
         }
         let m = target / level;
         // f(mu) = sum s_i min(mu, c_i / r_i): non-decreasing in mu.
-        let f = |mu: f64| -> f64 { shares.iter().zip(r.iter().zip(&caps)).map(|(s, (r, c))| s * (mu * r).min(*c) / r).sum() };
+        let f = |mu: f64| -> f64 {
+            shares.iter().zip(r.iter().zip(&caps)).map(|(s, (r, c))| s * (mu * r).min(*c) / r).sum()
+        };
         let mu_max = r.iter().zip(&caps).map(|(r, c)| c / r).fold(1.0, f64::max);
         if f(mu_max) <= m {
             return caps;
@@ -403,7 +479,11 @@ mod tests {
         fn period(&self, r: &[f64], noise: f64) -> Period {
             let admitted: Vec<f64> = self.offered.iter().zip(r).map(|(q, r)| q * r).collect();
             let level: f64 = admitted.iter().zip(&self.a).map(|(q, a)| q * a).sum();
-            Period { offered: self.offered.clone(), admitted, levels: vec![Some(level * (1.0 + noise))] }
+            Period {
+                offered: self.offered.clone(),
+                admitted,
+                levels: vec![Some(level * (1.0 + noise))],
+            }
         }
         fn level(&self, r: &[f64]) -> f64 {
             self.offered.iter().zip(r).zip(&self.a).map(|((q, r), a)| q * r * a).sum()
@@ -411,9 +491,16 @@ mod tests {
     }
 
     fn article() -> (Controller, Plant) {
-        let entries = vec![EntrySpec { name: "e1".into(), floor: 0.0 }, EntrySpec { name: "e2".into(), floor: 0.5 }];
-        let baselines = vec![BaselineSpec { name: "db".into(), threshold: 60.0, entries: vec![0, 1] }];
-        (Controller::new(Config::default(), entries, baselines), Plant { offered: vec![100.0, 100.0], a: vec![1.0, 2.0] })
+        let entries = vec![
+            EntrySpec { name: "e1".into(), floor: 0.0 },
+            EntrySpec { name: "e2".into(), floor: 0.5 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "db".into(), threshold: 60.0, entries: vec![0, 1] }];
+        (
+            Controller::new(Config::default(), entries, baselines),
+            Plant { offered: vec![100.0, 100.0], a: vec![1.0, 2.0] },
+        )
     }
 
     #[test]
@@ -475,7 +562,8 @@ mod tests {
     #[test]
     fn a_cut_of_twenty_points_takes_four_periods() {
         let entries = vec![EntrySpec { name: "e".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 80.0 / 0.985, entries: vec![0] }];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 80.0 / 0.985, entries: vec![0] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         let plant = Plant { offered: vec![100.0], a: vec![1.0] };
         let mut n = 0;
@@ -505,7 +593,10 @@ mod tests {
                 worst = worst.max(l / 60.0);
             }
         }
-        assert!((over as f64) < 0.1 * settled_periods as f64, "over T in {over} of {settled_periods} periods");
+        assert!(
+            (over as f64) < 0.1 * settled_periods as f64,
+            "over T in {over} of {settled_periods} periods"
+        );
         assert!(worst <= 1.02, "worst {worst}");
     }
 
@@ -536,8 +627,12 @@ mod tests {
     #[test]
     fn eligibility_uses_offered_load() {
         // Entry 1 offers 4/s (never cut), entry 2 carries the cut alone.
-        let entries = vec![EntrySpec { name: "small".into(), floor: 0.0 }, EntrySpec { name: "big".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 50.0, entries: vec![0, 1] }];
+        let entries = vec![
+            EntrySpec { name: "small".into(), floor: 0.0 },
+            EntrySpec { name: "big".into(), floor: 0.0 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 50.0, entries: vec![0, 1] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         let plant = Plant { offered: vec![4.0, 100.0], a: vec![1.0, 1.0] };
         for _ in 0..5 {
@@ -551,8 +646,12 @@ mod tests {
     fn round_one_respects_floors_and_redistributes() {
         // Entry 1 sits near its floor: what it cannot shed goes to entry 2
         // in the same period (both within the cap).
-        let entries = vec![EntrySpec { name: "high".into(), floor: 0.9 }, EntrySpec { name: "low".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 190.0, entries: vec![0, 1] }];
+        let entries = vec![
+            EntrySpec { name: "high".into(), floor: 0.9 },
+            EntrySpec { name: "low".into(), floor: 0.0 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 190.0, entries: vec![0, 1] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         c.set_ratios(&[0.91, 1.0]);
         let plant = Plant { offered: vec![100.0, 100.0], a: vec![1.0, 1.0] };
@@ -562,7 +661,10 @@ mod tests {
         let r = c.ratios();
         assert!(r[0] >= 0.9 - 1e-9, "the floor holds in round 1: {r:?}");
         let level = plant.level(r);
-        assert!(level <= 190.0 * (1.0 - 0.015) + 0.2, "the whole cut was made this period: {level}");
+        assert!(
+            level <= 190.0 * (1.0 - 0.015) + 0.2,
+            "the whole cut was made this period: {level}"
+        );
     }
 
     #[test]
@@ -581,8 +683,12 @@ mod tests {
 
     #[test]
     fn nnls_recovers_coefficients_under_noise() {
-        let entries = vec![EntrySpec { name: "a".into(), floor: 0.0 }, EntrySpec { name: "b".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
+        let entries = vec![
+            EntrySpec { name: "a".into(), floor: 0.0 },
+            EntrySpec { name: "b".into(), floor: 0.0 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         let mut seed = 7u64;
         let mut rnd = || {
@@ -593,7 +699,11 @@ mod tests {
         for _ in 0..12 {
             let q = [50.0 + 100.0 * rnd(), 50.0 + 100.0 * rnd()];
             let l = (1.5 * q[0] + 0.5 * q[1]) * (1.0 + 0.04 * (rnd() - 0.5));
-            last = Some(c.step(&Period { offered: q.to_vec(), admitted: q.to_vec(), levels: vec![Some(l)] }));
+            last = Some(c.step(&Period {
+                offered: q.to_vec(),
+                admitted: q.to_vec(),
+                levels: vec![Some(l)],
+            }));
         }
         let co = &last.unwrap().baselines[0].coefficients;
         assert!((co[0] - 1.5).abs() < 0.1 && (co[1] - 0.5).abs() < 0.1, "{co:?}");
@@ -601,13 +711,21 @@ mod tests {
 
     #[test]
     fn lockstep_history_keeps_the_previous_estimate() {
-        let entries = vec![EntrySpec { name: "a".into(), floor: 0.0 }, EntrySpec { name: "b".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
+        let entries = vec![
+            EntrySpec { name: "a".into(), floor: 0.0 },
+            EntrySpec { name: "b".into(), floor: 0.0 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         let mut v = None;
         for k in 0..12 {
             let q = 100.0 - k as f64 * 5.0; // both entries move together
-            v = Some(c.step(&Period { offered: vec![q, q], admitted: vec![q, q], levels: vec![Some(3.0 * q)] }));
+            v = Some(c.step(&Period {
+                offered: vec![q, q],
+                admitted: vec![q, q],
+                levels: vec![Some(3.0 * q)],
+            }));
         }
         let b = &v.unwrap().baselines[0];
         assert!(!b.fitted);
@@ -616,14 +734,22 @@ mod tests {
 
     #[test]
     fn negative_truths_stay_non_negative() {
-        let entries = vec![EntrySpec { name: "a".into(), floor: 0.0 }, EntrySpec { name: "b".into(), floor: 0.0 }];
-        let baselines = vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
+        let entries = vec![
+            EntrySpec { name: "a".into(), floor: 0.0 },
+            EntrySpec { name: "b".into(), floor: 0.0 },
+        ];
+        let baselines =
+            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
         let mut c = Controller::new(Config::default(), entries, baselines);
         let mut v = None;
         for k in 0..12 {
             let q = [100.0 + 10.0 * (k % 3) as f64, 50.0 + 20.0 * (k % 4) as f64];
             let l = (2.0 * q[0] - 0.5 * q[1]).max(0.0);
-            v = Some(c.step(&Period { offered: q.to_vec(), admitted: q.to_vec(), levels: vec![Some(l)] }));
+            v = Some(c.step(&Period {
+                offered: q.to_vec(),
+                admitted: q.to_vec(),
+                levels: vec![Some(l)],
+            }));
         }
         let co = &v.unwrap().baselines[0].coefficients;
         assert!(co.iter().all(|x| *x >= 0.0), "{co:?}");
@@ -642,7 +768,11 @@ mod tests {
                 assert_eq!(c.ratios(), &[0.2, 0.5], "held");
             }
         }
-        assert!(c.ratios()[0] > 0.2 && c.ratios()[1] > 0.5, "released at slow-start pace: {:?}", c.ratios());
+        assert!(
+            c.ratios()[0] > 0.2 && c.ratios()[1] > 0.5,
+            "released at slow-start pace: {:?}",
+            c.ratios()
+        );
     }
 
     #[test]
@@ -653,8 +783,16 @@ mod tests {
             BaselineSpec { name: "high".into(), threshold: 50.0, entries: vec![0] },
         ];
         let mut c = Controller::new(Config::default(), entries, baselines);
-        let p = Period { offered: vec![100.0], admitted: vec![100.0], levels: vec![Some(100.0), Some(100.0)] };
+        let p = Period {
+            offered: vec![100.0],
+            admitted: vec![100.0],
+            levels: vec![Some(100.0), Some(100.0)],
+        };
         c.step(&p);
-        assert!((c.ratios()[0] - 0.95).abs() < 1e-9, "the cut of the baseline over its threshold, capped: {:?}", c.ratios());
+        assert!(
+            (c.ratios()[0] - 0.95).abs() < 1e-9,
+            "the cut of the baseline over its threshold, capped: {:?}",
+            c.ratios()
+        );
     }
 }

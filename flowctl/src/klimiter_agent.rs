@@ -30,10 +30,17 @@ type Reading = Arc<Mutex<Option<(f64, Instant)>>>;
 
 enum Level {
     Cpu,
-    Gauge { reading: Reading, stop: Arc<std::sync::atomic::AtomicBool> },
+    Gauge {
+        reading: Reading,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+    },
     /// The TC egress counter of target `slot`: the count and time of the
     /// last sample, for a rate.
-    Egress { slot: u32, connections: bool, last: Option<(u64, Instant)> },
+    Egress {
+        slot: u32,
+        connections: bool,
+        last: Option<(u64, Instant)>,
+    },
 }
 
 impl Drop for Level {
@@ -107,17 +114,25 @@ impl KlimiterLoop {
         if set.baselines.is_empty() {
             return None;
         }
-        let mut rules: Vec<usize> = set.baselines.iter().flat_map(|b| b.entries.iter().copied()).collect();
+        let mut rules: Vec<usize> =
+            set.baselines.iter().flat_map(|b| b.entries.iter().copied()).collect();
         rules.sort_unstable();
         rules.dedup();
-        let entries = rules.iter().map(|&i| EntrySpec { name: set.rules[i].name.clone(), floor: set.rules[i].priority }).collect();
+        let entries = rules
+            .iter()
+            .map(|&i| EntrySpec { name: set.rules[i].name.clone(), floor: set.rules[i].priority })
+            .collect();
         let baselines = set
             .baselines
             .iter()
             .map(|b| BaselineSpec {
                 name: b.name.clone(),
                 threshold: b.threshold,
-                entries: b.entries.iter().map(|r| rules.iter().position(|x| x == r).expect("entry listed")).collect(),
+                entries: b
+                    .entries
+                    .iter()
+                    .map(|r| rules.iter().position(|x| x == r).expect("entry listed"))
+                    .collect(),
             })
             .collect();
         let k = &set.klimiter;
@@ -175,13 +190,23 @@ impl KlimiterLoop {
 
     /// One sample; every `per_control` samples, a control step that writes
     /// the ratios. `cpu` is the agent's CPU EMA (per mille).
-    pub fn sample(&mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet, cpu: u32) -> Result<()> {
+    pub fn sample(
+        &mut self,
+        maps: &mut Maps,
+        state: &AttachState,
+        set: &RuleSet,
+        cpu: u32,
+    ) -> Result<()> {
         let now = monotonic_ns();
         let shape = state.stats;
         let span = ((self.sample_period.as_nanos() as u64) / shape.bucket_ns) as u32;
         for (k, &i) in self.rules.iter().enumerate() {
             let (s, secs) = maps.stats_rate_window(state.rules[i].record, &shape, now, span)?;
-            let (o, a) = if set.rules[i].unit == unit::CONNECTIONS { (s.syn_offered, s.syn_passed) } else { (s.offered_pkts, s.passed_pkts) };
+            let (o, a) = if set.rules[i].unit == unit::CONNECTIONS {
+                (s.syn_offered, s.syn_passed)
+            } else {
+                (s.offered_pkts, s.passed_pkts)
+            };
             self.offered[k] += o as f64 / secs;
             self.admitted[k] += a as f64 / secs;
         }
@@ -189,9 +214,12 @@ impl KlimiterLoop {
         for (b, l) in self.levels.iter_mut().enumerate() {
             let v = match l {
                 Level::Cpu => (cpu != NO_CPU_SIGNAL).then_some(cpu as f64),
-                Level::Gauge { reading, .. } => reading.lock().unwrap().filter(|(_, at)| at.elapsed() <= fresh).map(|(v, _)| v),
+                Level::Gauge { reading, .. } => {
+                    reading.lock().unwrap().filter(|(_, at)| at.elapsed() <= fresh).map(|(v, _)| v)
+                }
                 Level::Egress { slot, connections, last } => {
-                    let i = *slot * flowctl_common::EGRESS_COUNTERS_PER_TARGET as u32 + *connections as u32;
+                    let i = *slot * flowctl_common::EGRESS_COUNTERS_PER_TARGET as u32
+                        + *connections as u32;
                     let count: u64 = maps.egress_counts.get(&i, 0)?.iter().sum();
                     let now = Instant::now();
                     let rate = last.and_then(|(c0, t0)| {
@@ -217,7 +245,12 @@ impl KlimiterLoop {
         let period = Period {
             offered: self.offered.iter().map(|v| v / n).collect(),
             admitted: self.admitted.iter().map(|v| v / n).collect(),
-            levels: self.level_sum.iter().zip(&self.level_n).map(|(s, c)| (*c > 0).then(|| s / *c as f64)).collect(),
+            levels: self
+                .level_sum
+                .iter()
+                .zip(&self.level_n)
+                .map(|(s, c)| (*c > 0).then(|| s / *c as f64))
+                .collect(),
         };
         for b in 0..set.baselines.len() {
             self.ctl.set_threshold(b, set.baselines[b].threshold);
@@ -277,7 +310,15 @@ impl KlimiterLoop {
                         .collect(),
                 })
                 .collect(),
-            entries: view.entries.iter().map(|e| PublishedEntry { rule: e.name.clone(), ratio: e.ratio, reason: e.reason.clone() }).collect(),
+            entries: view
+                .entries
+                .iter()
+                .map(|e| PublishedEntry {
+                    rule: e.name.clone(),
+                    ratio: e.ratio,
+                    reason: e.reason.clone(),
+                })
+                .collect(),
         };
         let p = Published { updated_ns: now, step };
         let path = state.id.run_dir().join("klimiter.json");
@@ -302,9 +343,15 @@ fn start_level(src: &LevelSource, period: Duration) -> Level {
     let read: Box<dyn Fn() -> Option<f64> + Send> = match src.clone() {
         LevelSource::Cpu => return Level::Cpu,
         LevelSource::Egress { .. } => unreachable!("egress levels are read from the kernel"),
-        LevelSource::File(f) => Box::new(move || std::fs::read_to_string(&f).ok().and_then(|t| parse_level(&t))),
-        LevelSource::Command(c) => Box::new(move || run_command(&c, period.max(Duration::from_secs(1)))),
-        LevelSource::Http { url, metric } => Box::new(move || http_metric(&url, &metric, Duration::from_secs(1))),
+        LevelSource::File(f) => {
+            Box::new(move || std::fs::read_to_string(&f).ok().and_then(|t| parse_level(&t)))
+        }
+        LevelSource::Command(c) => {
+            Box::new(move || run_command(&c, period.max(Duration::from_secs(1))))
+        }
+        LevelSource::Http { url, metric } => {
+            Box::new(move || http_metric(&url, &metric, Duration::from_secs(1)))
+        }
     };
     let reading: Reading = Arc::new(Mutex::new(None));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -370,7 +417,8 @@ pub fn prometheus_value(text: &str, metric: &str) -> Option<f64> {
 fn http_metric(url: &str, metric: &str, timeout: Duration) -> Option<f64> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://")?;
-    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let (host, path) =
+        rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
     let addr = std::net::ToSocketAddrs::to_socket_addrs(&host).ok()?.next()?;
     let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).ok()?;
     s.set_read_timeout(Some(timeout)).ok()?;
@@ -424,8 +472,17 @@ mod tests {
                 let _ = req.respond(tiny_http::Response::from_string("db_load{x=\"1\"} 77\n"));
             }
         });
-        assert_eq!(http_metric(&format!("http://{addr}/metrics"), "db_load", Duration::from_secs(1)), Some(77.0));
-        assert_eq!(http_metric(&format!("http://{addr}/metrics"), "nope", Duration::from_secs(1)), None);
-        assert_eq!(http_metric("http://127.0.0.1:1/metrics", "x", Duration::from_millis(200)), None);
+        assert_eq!(
+            http_metric(&format!("http://{addr}/metrics"), "db_load", Duration::from_secs(1)),
+            Some(77.0)
+        );
+        assert_eq!(
+            http_metric(&format!("http://{addr}/metrics"), "nope", Duration::from_secs(1)),
+            None
+        );
+        assert_eq!(
+            http_metric("http://127.0.0.1:1/metrics", "x", Duration::from_millis(200)),
+            None
+        );
     }
 }

@@ -23,10 +23,10 @@ macro_rules! out {
 
 pub mod adaptive;
 pub mod agent;
-pub mod commands;
-pub mod control;
 pub mod breaker_agent;
 pub mod cgroup;
+pub mod commands;
+pub mod control;
 pub mod cpu;
 pub mod dataplane;
 pub mod doctor;

@@ -72,7 +72,9 @@ pub fn render_scope(scope: &Scope) -> Result<String> {
         register_attachment(&mut reg, id)?;
     }
     if let Some(cg) = scope.cgroup_id {
-        if let Some(p) = crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cg) {
+        if let Some(p) =
+            crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cg)
+        {
             register_breakers(&mut reg, &p);
         }
     }
@@ -115,25 +117,50 @@ fn register_breakers(reg: &mut Registry, p: &crate::breaker_agent::Published) {
     for b in &p.breakers {
         let l = BreakerLabel { breaker: b.name.clone(), mode: b.mode.clone() };
         for s in ["closed", "throttling", "open", "half-open"] {
-            state.get_or_create(&BreakerStateLabel { breaker: b.name.clone(), state: s.into() }).set((b.state == s) as i64);
+            state
+                .get_or_create(&BreakerStateLabel { breaker: b.name.clone(), state: s.into() })
+                .set((b.state == s) as i64);
         }
         drop.get_or_create(&l).set(b.drop_probability);
         let w = &b.window.outcomes;
-        for (k, v) in [("requests", w.requests), ("accepts", w.accepts), ("refused_by_peer", w.refused_by_peer), ("timeouts", w.timeouts), ("refused_locally", w.refused_locally), ("would_refuse", w.would_refuse)] {
-            window.get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.into() }).set(v as i64);
+        for (k, v) in [
+            ("requests", w.requests),
+            ("accepts", w.accepts),
+            ("refused_by_peer", w.refused_by_peer),
+            ("timeouts", w.timeouts),
+            ("refused_locally", w.refused_locally),
+            ("would_refuse", w.would_refuse),
+        ] {
+            window
+                .get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.into() })
+                .set(v as i64);
         }
         for (k, v) in &b.totals {
-            totals.get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.clone() }).inc_by(*v);
+            totals
+                .get_or_create(&BreakerCounterLabel { breaker: b.name.clone(), outcome: k.clone() })
+                .inc_by(*v);
         }
         if let Some(t) = &b.last_transition {
             changed.get_or_create(&l).set(t.unix_ms as f64 / 1e3);
         }
     }
     reg.register("flowctl_breaker_state", "Circuit breaker state (1 for the current one)", state);
-    reg.register("flowctl_breaker_drop_probability", "Share of new connections the breaker refuses now", drop);
+    reg.register(
+        "flowctl_breaker_drop_probability",
+        "Share of new connections the breaker refuses now",
+        drop,
+    );
     reg.register("flowctl_breaker_window", "Outcomes in the breaker's rolling window", window);
-    reg.register("flowctl_breaker_connects", "connect() outcomes to the breaker's target since it was created", totals);
-    reg.register("flowctl_breaker_last_transition_seconds", "Unix time of the breaker's last state change", changed);
+    reg.register(
+        "flowctl_breaker_connects",
+        "connect() outcomes to the breaker's target since it was created",
+        totals,
+    );
+    reg.register(
+        "flowctl_breaker_last_transition_seconds",
+        "Unix time of the breaker's last state change",
+        changed,
+    );
 }
 
 fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
@@ -162,7 +189,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         offered_bytes.get_or_create(&rule).inc_by(c.offered_bytes);
         insert_failures.get_or_create(&rule).inc_by(c.insert_failures);
         key_inserts.get_or_create(&rule).inc_by(c.key_inserts);
-        let l = |verdict: &str, reason: &str| VerdictLabels { rule: r.name.clone(), verdict: verdict.into(), reason: reason.into() };
+        let l = |verdict: &str, reason: &str| VerdictLabels {
+            rule: r.name.clone(),
+            verdict: verdict.into(),
+            reason: reason.into(),
+        };
         packets.get_or_create(&l("passed", "")).inc_by(c.passed_pkts);
         bytes.get_or_create(&l("passed", "")).inc_by(c.passed_bytes);
         packets.get_or_create(&l("would_drop", "")).inc_by(c.would_drop_pkts);
@@ -185,7 +216,12 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         }
     }
     let g = maps.counters(GLOBAL_COUNTER_INDEX)?;
-    for (kind, v) in [("non_ip", g.non_ip_pkts), ("malformed", g.malformed_pkts), ("fragment", g.fragment_pkts), ("all", g.offered_pkts)] {
+    for (kind, v) in [
+        ("non_ip", g.non_ip_pkts),
+        ("malformed", g.malformed_pkts),
+        ("fragment", g.fragment_pkts),
+        ("all", g.offered_pkts),
+    ] {
         unmatched.get_or_create(&KindLabel { kind: kind.into() }).inc_by(v);
     }
     let memory = Gauge::<i64>::default();
@@ -199,7 +235,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     // stopped agent's last numbers are left out, not exported as current.
     let agent_up = Gauge::<i64>::default();
     agent_up.set(agent_fresh as i64);
-    reg.register("flowctl_agent_up", "1 while the agent publishes its state (heartbeat within the grace period)", agent_up);
+    reg.register(
+        "flowctl_agent_up",
+        "1 while the agent publishes its state (heartbeat within the grace period)",
+        agent_up,
+    );
     if let Some(fills) = agent_rec.and_then(|r| crate::occupancy::estimate(&maps, &state, &r)) {
         let entries = Family::<TableLabel, Gauge<i64>>::default();
         let capacity = Family::<TableLabel, Gauge<i64>>::default();
@@ -241,24 +281,64 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
                 }
             }
         }
-        reg.register("flowctl_baseline_level", "KLimiter: a downstream resource's level (absent while its source fails)", level);
-        reg.register("flowctl_baseline_threshold", "KLimiter: the level it is kept under", threshold);
-        reg.register("flowctl_baseline_coefficient", "KLimiter: estimated level per admitted unit/s of a rule", coef);
-        reg.register("flowctl_baseline_share", "KLimiter: a rule's share of the baseline's level", share);
+        reg.register(
+            "flowctl_baseline_level",
+            "KLimiter: a downstream resource's level (absent while its source fails)",
+            level,
+        );
+        reg.register(
+            "flowctl_baseline_threshold",
+            "KLimiter: the level it is kept under",
+            threshold,
+        );
+        reg.register(
+            "flowctl_baseline_coefficient",
+            "KLimiter: estimated level per admitted unit/s of a rule",
+            coef,
+        );
+        reg.register(
+            "flowctl_baseline_share",
+            "KLimiter: a rule's share of the baseline's level",
+            share,
+        );
     }
     reg.register("flowctl_offered_packets", "Packets that matched the rule", offered);
     reg.register("flowctl_offered_bytes", "Bytes that matched the rule", offered_bytes);
     reg.register("flowctl_packets", "Packets by rule, verdict and drop reason", packets);
     reg.register("flowctl_bytes", "Bytes by rule, verdict and drop reason", bytes);
-    reg.register("flowctl_key_insert_failures", "Bucket inserts the kernel refused", insert_failures);
+    reg.register(
+        "flowctl_key_insert_failures",
+        "Bucket inserts the kernel refused",
+        insert_failures,
+    );
     reg.register("flowctl_key_inserts", "Buckets the rule created in the key table", key_inserts);
-    reg.register("flowctl_bbr_in_flight", "BBR: established connections not yet completed", bbr_in_flight);
-    reg.register("flowctl_bbr_max_in_flight", "BBR: the in-flight limit (absent until the window has data)", bbr_max_in_flight);
-    reg.register("flowctl_bbr_max_pass", "BBR: most completions in one bucket of the window", bbr_max_pass);
-    reg.register("flowctl_bbr_min_rt_milliseconds", "BBR: smallest mean connection lifetime of a bucket", bbr_min_rt);
+    reg.register(
+        "flowctl_bbr_in_flight",
+        "BBR: established connections not yet completed",
+        bbr_in_flight,
+    );
+    reg.register(
+        "flowctl_bbr_max_in_flight",
+        "BBR: the in-flight limit (absent until the window has data)",
+        bbr_max_in_flight,
+    );
+    reg.register(
+        "flowctl_bbr_max_pass",
+        "BBR: most completions in one bucket of the window",
+        bbr_max_pass,
+    );
+    reg.register(
+        "flowctl_bbr_min_rt_milliseconds",
+        "BBR: smallest mean connection lifetime of a bucket",
+        bbr_min_rt,
+    );
     reg.register("flowctl_bbr_overloaded", "BBR: 1 while the in-flight test is on", bbr_overloaded);
     reg.register("flowctl_admission_ratio", "Share of new flows the rule admits (1 = all)", ratio);
-    reg.register("flowctl_unmatched_packets", "Packets no rule matched, by kind (all = every one)", unmatched);
+    reg.register(
+        "flowctl_unmatched_packets",
+        "Packets no rule matched, by kind (all = every one)",
+        unmatched,
+    );
     reg.register("flowctl_kernel_memory_bytes", "Kernel memory the pinned maps lock", memory);
     reg.register("flowctl_profile_generation", "Applies since attach", generation);
     reg.register("flowctl_rules", "Rules in the active profile", rules);
@@ -270,7 +350,8 @@ pub fn spawn(addr: SocketAddr, scope: Scope) -> Result<std::thread::JoinHandle<(
     if !addr.ip().is_loopback() {
         eprintln!("flowctl: warning: metrics on {addr} are reachable from outside this host");
     }
-    let server = tiny_http::Server::http(addr).map_err(|e| anyhow!("serving metrics on {addr}: {e}"))?;
+    let server =
+        tiny_http::Server::http(addr).map_err(|e| anyhow!("serving metrics on {addr}: {e}"))?;
     std::thread::Builder::new()
         .name("flowctl-metrics".into())
         .spawn(move || {
@@ -278,9 +359,12 @@ pub fn spawn(addr: SocketAddr, scope: Scope) -> Result<std::thread::JoinHandle<(
                 let resp = if req.url() == "/metrics" {
                     match render_scope(&scope) {
                         Ok(body) => tiny_http::Response::from_string(body).with_header(
-                            "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse::<tiny_http::Header>().expect("static header"),
+                            "Content-Type: text/plain; version=0.0.4; charset=utf-8"
+                                .parse::<tiny_http::Header>()
+                                .expect("static header"),
                         ),
-                        Err(e) => tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500),
+                        Err(e) => tiny_http::Response::from_string(format!("{e:#}\n"))
+                            .with_status_code(500),
                     }
                 } else {
                     tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
@@ -298,23 +382,55 @@ mod tests {
     #[test]
     fn dashboard_queries_exported_metrics() {
         let exported = [
-            "flowctl_offered_packets_total", "flowctl_offered_bytes_total", "flowctl_packets_total", "flowctl_bytes_total",
-            "flowctl_key_insert_failures_total", "flowctl_admission_ratio", "flowctl_unmatched_packets_total",
-            "flowctl_kernel_memory_bytes", "flowctl_profile_generation", "flowctl_rules",
-            "flowctl_key_table_entries", "flowctl_key_table_capacity", "flowctl_agent_up", "flowctl_key_inserts_total",
-            "flowctl_cpu_permille", "flowctl_bbr_in_flight", "flowctl_bbr_max_in_flight", "flowctl_bbr_max_pass",
-            "flowctl_bbr_min_rt_milliseconds", "flowctl_bbr_overloaded", "flowctl_baseline_level", "flowctl_baseline_threshold",
-            "flowctl_baseline_coefficient", "flowctl_baseline_share", "flowctl_breaker_state", "flowctl_breaker_drop_probability",
-            "flowctl_breaker_window", "flowctl_breaker_connects_total", "flowctl_breaker_last_transition_seconds",
+            "flowctl_offered_packets_total",
+            "flowctl_offered_bytes_total",
+            "flowctl_packets_total",
+            "flowctl_bytes_total",
+            "flowctl_key_insert_failures_total",
+            "flowctl_admission_ratio",
+            "flowctl_unmatched_packets_total",
+            "flowctl_kernel_memory_bytes",
+            "flowctl_profile_generation",
+            "flowctl_rules",
+            "flowctl_key_table_entries",
+            "flowctl_key_table_capacity",
+            "flowctl_agent_up",
+            "flowctl_key_inserts_total",
+            "flowctl_cpu_permille",
+            "flowctl_bbr_in_flight",
+            "flowctl_bbr_max_in_flight",
+            "flowctl_bbr_max_pass",
+            "flowctl_bbr_min_rt_milliseconds",
+            "flowctl_bbr_overloaded",
+            "flowctl_baseline_level",
+            "flowctl_baseline_threshold",
+            "flowctl_baseline_coefficient",
+            "flowctl_baseline_share",
+            "flowctl_breaker_state",
+            "flowctl_breaker_drop_probability",
+            "flowctl_breaker_window",
+            "flowctl_breaker_connects_total",
+            "flowctl_breaker_last_transition_seconds",
         ];
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/flowctl.json")).unwrap();
-        let dash: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is valid JSON");
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/grafana/flowctl.json"
+        ))
+        .unwrap();
+        let dash: serde_json::Value =
+            serde_json::from_str(&text).expect("the dashboard is valid JSON");
         let mut seen = 0;
         for p in dash["panels"].as_array().unwrap() {
             for t in p["targets"].as_array().unwrap() {
                 let expr = t["expr"].as_str().unwrap();
-                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("flowctl_")) {
-                    assert!(exported.contains(&word), "the dashboard queries `{word}`, which flowctl does not export");
+                for word in expr
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| w.starts_with("flowctl_"))
+                {
+                    assert!(
+                        exported.contains(&word),
+                        "the dashboard queries `{word}`, which flowctl does not export"
+                    );
                     seen += 1;
                 }
             }
@@ -334,12 +450,36 @@ mod tests {
             errno: "ECONNREFUSED".into(),
             state: "throttling".into(),
             drop_probability: 0.5,
-            window: PublishedWindow { seconds: 3.0, outcomes: flowctl_common::breaker::Outcomes { requests: 40, accepts: 5, refused_by_peer: 35, timeouts: 0, refused_locally: 12, would_refuse: 0 } },
-            totals: [("calls".to_string(), 52u64), ("refused_locally".to_string(), 12)].into_iter().collect(),
+            window: PublishedWindow {
+                seconds: 3.0,
+                outcomes: flowctl_common::breaker::Outcomes {
+                    requests: 40,
+                    accepts: 5,
+                    refused_by_peer: 35,
+                    timeouts: 0,
+                    refused_locally: 12,
+                    would_refuse: 0,
+                },
+            },
+            totals: [("calls".to_string(), 52u64), ("refused_locally".to_string(), 12)]
+                .into_iter()
+                .collect(),
             probes: None,
-            last_transition: Some(Transition { from: "closed".into(), to: "throttling".into(), unix_ms: 1_500, reason: String::new() }),
+            last_transition: Some(Transition {
+                from: "closed".into(),
+                to: "throttling".into(),
+                unix_ms: 1_500,
+                reason: String::new(),
+            }),
         };
-        let p = Published { cgroup: "/sys/fs/cgroup".into(), cgroup_id: 1, pid: 1, profile: String::new(), updated_unix_ms: 0, breakers: vec![b] };
+        let p = Published {
+            cgroup: "/sys/fs/cgroup".into(),
+            cgroup_id: 1,
+            pid: 1,
+            profile: String::new(),
+            updated_unix_ms: 0,
+            breakers: vec![b],
+        };
         let mut reg = <super::Registry>::default();
         super::register_breakers(&mut reg, &p);
         let mut out = String::new();

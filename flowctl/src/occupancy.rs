@@ -12,7 +12,9 @@ use crate::{
     pins::{monotonic_ns, AttachId, AttachState},
 };
 use anyhow::Result;
-use flowctl_common::{map_names, AgentRecord, BucketKey, QuotaRing, SrcEntry, SrcKey, GLOBAL_COUNTER_INDEX};
+use flowctl_common::{
+    map_names, AgentRecord, BucketKey, QuotaRing, SrcEntry, SrcKey, GLOBAL_COUNTER_INDEX,
+};
 use serde::Serialize;
 use std::time::Duration;
 
@@ -28,7 +30,12 @@ pub fn next_walk_after(took: Duration) -> Duration {
 
 /// Key-table inserts by every rule of the attachment, and source-cache inserts.
 fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
-    let keys = state.rules.iter().filter_map(|r| maps.counters(r.record).ok()).map(|c| c.key_inserts).sum();
+    let keys = state
+        .rules
+        .iter()
+        .filter_map(|r| maps.counters(r.record).ok())
+        .map(|c| c.key_inserts)
+        .sum();
     let sources = maps.counters(GLOBAL_COUNTER_INDEX).map(|c| c.source_inserts).unwrap_or(0);
     (keys, sources)
 }
@@ -37,9 +44,20 @@ fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
 pub fn walk(id: &AttachId, maps: &Maps, state: &AttachState, rec: &mut AgentRecord) -> Result<()> {
     use core::mem::size_of;
     let (ki, si) = inserts(maps, state);
-    rec.keys_walked = dataplane::count_entries(id, map_names::KEYS, size_of::<BucketKey>(), size_of::<u64>())?;
-    rec.sources_walked = dataplane::count_entries(id, map_names::SRC_CACHE, size_of::<SrcKey>(), size_of::<SrcEntry>())?;
-    rec.quotas_walked = dataplane::count_entries(id, map_names::QUOTAS, size_of::<BucketKey>(), size_of::<QuotaRing>())?;
+    rec.keys_walked =
+        dataplane::count_entries(id, map_names::KEYS, size_of::<BucketKey>(), size_of::<u64>())?;
+    rec.sources_walked = dataplane::count_entries(
+        id,
+        map_names::SRC_CACHE,
+        size_of::<SrcKey>(),
+        size_of::<SrcEntry>(),
+    )?;
+    rec.quotas_walked = dataplane::count_entries(
+        id,
+        map_names::QUOTAS,
+        size_of::<BucketKey>(),
+        size_of::<QuotaRing>(),
+    )?;
     rec.key_inserts_at_walk = ki;
     rec.source_inserts_at_walk = si;
     rec.walked_ns = monotonic_ns();
@@ -73,8 +91,18 @@ pub fn estimate(maps: &Maps, state: &AttachState, rec: &AgentRecord) -> Option<V
         walked_s_ago: ago,
     };
     Some(vec![
-        fill("keys", rec.keys_walked, ki.saturating_sub(rec.key_inserts_at_walk), state.key_table_entries),
-        fill("sources", rec.sources_walked, si.saturating_sub(rec.source_inserts_at_walk), state.source_cache_entries),
+        fill(
+            "keys",
+            rec.keys_walked,
+            ki.saturating_sub(rec.key_inserts_at_walk),
+            state.key_table_entries,
+        ),
+        fill(
+            "sources",
+            rec.sources_walked,
+            si.saturating_sub(rec.source_inserts_at_walk),
+            state.source_cache_entries,
+        ),
         fill("quotas", rec.quotas_walked, 0, state.quota_table_entries),
     ])
 }
@@ -84,7 +112,9 @@ pub fn estimate(maps: &Maps, state: &AttachState, rec: &AgentRecord) -> Option<V
 /// running", never the stopped agent's last values.
 pub fn fresh_record(maps: &Maps) -> Option<AgentRecord> {
     let (rec, g) = (maps.agent_record().ok()?, maps.global().ok()?);
-    (rec.updated_ns != 0 && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000)).then_some(rec)
+    (rec.updated_ns != 0
+        && monotonic_ns().saturating_sub(rec.updated_ns) <= g.grace_ns.max(1_000_000_000))
+    .then_some(rec)
 }
 
 #[cfg(test)]

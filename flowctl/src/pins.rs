@@ -145,7 +145,9 @@ impl AttachState {
     pub fn load(id: &AttachId) -> Result<Option<Self>> {
         let p = Self::path(id);
         match fs::read(&p) {
-            Ok(b) => Ok(Some(serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))?)),
+            Ok(b) => Ok(Some(
+                serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))?,
+            )),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
         }
@@ -191,7 +193,12 @@ impl FileLock {
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let f = fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
         use std::os::fd::AsRawFd;
         let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
@@ -234,7 +241,12 @@ pub fn agent_running(id: &AttachId) -> bool {
 /// host's bpffs and outlive the process. Call before starting other threads.
 pub fn enter_netns(name: &str) -> Result<()> {
     let p = Path::new("/run/netns").join(name);
-    let f = fs::File::open(&p).with_context(|| format!("no network namespace `{name}` ({} missing; list them with `ip netns list`)", p.display()))?;
+    let f = fs::File::open(&p).with_context(|| {
+        format!(
+            "no network namespace `{name}` ({} missing; list them with `ip netns list`)",
+            p.display()
+        )
+    })?;
     use std::os::fd::AsRawFd;
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         bail!("entering network namespace `{name}`: {}", std::io::Error::last_os_error());

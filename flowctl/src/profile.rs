@@ -5,10 +5,12 @@
 use flowctl_common::{
     action, gcra, key_kind,
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
+    stats,
     tables::{Cidr, MatchSpec},
-    stats, unit, BucketKey, QuotaRing, DEFAULT_CONN_ENTRIES, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS, DEFAULT_QUOTA_ENTRIES,
-    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, MAX_QUOTA_BUCKETS, MAX_RULES,
-    MAX_STATS_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS, XDP_DROP, XDP_PASS,
+    unit, BucketKey, QuotaRing, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS,
+    DEFAULT_CONN_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS,
+    DEFAULT_TABLE_ENTRIES, MAX_QUOTA_BUCKETS, MAX_RULES, MAX_STATS_BUCKETS, OPEN_BUCKETS,
+    OPEN_BUCKET_NS, XDP_DROP, XDP_PASS,
 };
 use serde::Deserialize;
 use std::{net::IpAddr, path::Path};
@@ -129,7 +131,8 @@ impl BbrRule {
     pub fn config(&self) -> flowctl_common::bbr::BbrConfig {
         flowctl_common::bbr::BbrConfig {
             cpu_threshold: self.cpu_threshold,
-            buckets_per_second: (1_000_000_000 / (self.window_ns / self.buckets as u64).max(1)).max(1),
+            buckets_per_second: (1_000_000_000 / (self.window_ns / self.buckets as u64).max(1))
+                .max(1),
             cooldown_ns: 1_000_000_000,
             release_below: self.release_below,
             compat: self.compat,
@@ -137,7 +140,8 @@ impl BbrRule {
     }
 
     pub fn kernel_flags(&self) -> u8 {
-        flowctl_common::bbr_flags::ON | if self.reset { flowctl_common::bbr_flags::RESET } else { 0 }
+        flowctl_common::bbr_flags::ON
+            | if self.reset { flowctl_common::bbr_flags::RESET } else { 0 }
     }
 }
 
@@ -169,19 +173,30 @@ pub struct StatsSettings {
 
 impl Default for StatsSettings {
     fn default() -> Self {
-        Self { level: stats::level::FULL, bucket_ns: DEFAULT_STATS_BUCKET_NS, buckets: DEFAULT_STATS_BUCKETS }
+        Self {
+            level: stats::level::FULL,
+            bucket_ns: DEFAULT_STATS_BUCKET_NS,
+            buckets: DEFAULT_STATS_BUCKETS,
+        }
     }
 }
 
 impl StatsSettings {
     pub fn level_name(&self) -> &'static str {
-        if self.level == stats::level::FULL { "full" } else { "control" }
+        if self.level == stats::level::FULL {
+            "full"
+        } else {
+            "control"
+        }
     }
 
     /// Kernel bytes of the rings: per CPU, every counter record's ring.
     pub fn kernel_bytes(&self) -> u64 {
         let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u64;
-        COUNTER_RECORDS as u64 * self.buckets as u64 * core::mem::size_of::<StatsBucket>() as u64 * ncpu
+        COUNTER_RECORDS as u64
+            * self.buckets as u64
+            * core::mem::size_of::<StatsBucket>() as u64
+            * ncpu
     }
 }
 
@@ -244,8 +259,17 @@ impl Rule {
     pub fn state_fingerprint(&self) -> String {
         format!(
             "{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
-            self.spec, self.action, self.unit, self.key_kind, self.prefix_v4, self.prefix_v6,
-            self.interval_fp, self.burst_ns, self.quota_limit, self.quota_bucket_ns, self.quota_buckets
+            self.spec,
+            self.action,
+            self.unit,
+            self.key_kind,
+            self.prefix_v4,
+            self.prefix_v6,
+            self.interval_fp,
+            self.burst_ns,
+            self.quota_limit,
+            self.quota_bucket_ns,
+            self.quota_buckets
         )
     }
 
@@ -279,7 +303,13 @@ impl Rule {
     pub fn quota_text(&self) -> Option<String> {
         (self.quota_limit != 0).then(|| {
             let w = self.quota_bucket_ns * self.quota_buckets as u64;
-            format!("{} {} per {} ms ({} buckets)", self.quota_limit, self.unit_name(), w / 1_000_000, self.quota_buckets)
+            format!(
+                "{} {} per {} ms ({} buckets)",
+                self.quota_limit,
+                self.unit_name(),
+                w / 1_000_000,
+                self.quota_buckets
+            )
         })
     }
 
@@ -329,7 +359,9 @@ pub fn lru_bytes_per_entry(key: usize, value: usize) -> u64 {
 /// Fixed kernel memory of the classification tables and counters (bytes).
 pub fn fixed_table_bytes() -> u64 {
     use flowctl_common::*;
-    let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * core::mem::size_of::<RuleBitmap>()
+    let arrays = SLOTS
+        * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES)
+        * core::mem::size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>()
         + DEBT_SLOTS * core::mem::size_of::<u64>()
@@ -347,9 +379,15 @@ impl Settings {
         let keys = self.key_table_entries as u64
             * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
         let quotas = self.quota_table_entries as u64
-            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<QuotaRing>());
+            * lru_bytes_per_entry(
+                core::mem::size_of::<BucketKey>(),
+                core::mem::size_of::<QuotaRing>(),
+            );
         let conns = self.connection_table_entries as u64
-            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<flowctl_common::ConnEntry>());
+            * lru_bytes_per_entry(
+                core::mem::size_of::<BucketKey>(),
+                core::mem::size_of::<flowctl_common::ConnEntry>(),
+            );
         cache + keys + quotas + conns + fixed_table_bytes() + self.stats.kernel_bytes()
     }
 }
@@ -416,7 +454,12 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         None => Settings::default(),
     };
     if raw.rule.is_empty() && raw.breaker.is_empty() {
-        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: "the profile has no [[rule]] and no [[breaker]]".into() });
+        return Err(ProfileError {
+            file: file.into(),
+            line: 1,
+            col: 1,
+            msg: "the profile has no [[rule]] and no [[breaker]]".into(),
+        });
     }
     if raw.rule.len() > MAX_RULES {
         let span = raw.rule[MAX_RULES].span();
@@ -461,15 +504,27 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     let names: Vec<String> = rules.iter().map(|r| r.name.clone()).collect();
     let mut baselines: Vec<crate::profile_klimiter::Baseline> = Vec::new();
     for b in &raw.baseline {
-        let parsed = crate::profile_klimiter::baseline(b.get_ref(), &names).map_err(|(sp, m)| cx.err(sp, m))?;
+        let parsed = crate::profile_klimiter::baseline(b.get_ref(), &names)
+            .map_err(|(sp, m)| cx.err(sp, m))?;
         if baselines.iter().any(|o| o.name == parsed.name) {
             return Err(cx.err(b.span(), format!("duplicate baseline name `{}`", parsed.name)));
         }
         baselines.push(parsed);
     }
-    let egress = baselines.iter().filter(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. })).count();
+    let egress = baselines
+        .iter()
+        .filter(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. }))
+        .count();
     if egress > flowctl_common::MAX_EGRESS_TARGETS {
-        return Err(ProfileError { file: file.into(), line: 1, col: 1, msg: format!("{egress} egress baselines: at most {}", flowctl_common::MAX_EGRESS_TARGETS) });
+        return Err(ProfileError {
+            file: file.into(),
+            line: 1,
+            col: 1,
+            msg: format!(
+                "{egress} egress baselines: at most {}",
+                flowctl_common::MAX_EGRESS_TARGETS
+            ),
+        });
     }
     // A rule is either under KLimiter's control or has a fixed ratio.
     for (i, r) in rules.iter().enumerate() {
@@ -479,14 +534,18 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         }
         if !controlled {
             if let Some(sp) = &r.priority_span {
-                return Err(cx.err(sp.clone(), format!("rule `{}` has a priority but no [[baseline]] lists it", r.name)));
+                return Err(cx.err(
+                    sp.clone(),
+                    format!("rule `{}` has a priority but no [[baseline]] lists it", r.name),
+                ));
             }
         }
     }
     let mut breakers = Vec::new();
     for b in &raw.breaker {
         let line = line_col(text, b.span().start).0;
-        let parsed = crate::profile_breaker::breaker(b.get_ref(), line).map_err(|(sp, m)| cx.err(sp, m))?;
+        let parsed =
+            crate::profile_breaker::breaker(b.get_ref(), line).map_err(|(sp, m)| cx.err(sp, m))?;
         breakers.push((parsed, b.span()));
     }
     crate::profile_breaker::check_all(&breakers).map_err(|(sp, m)| cx.err(sp, m))?;
@@ -520,7 +579,9 @@ fn verdict(cx: &Ctx, v: &Spanned<String>) -> Result<u32, ProfileError> {
     match v.get_ref().as_str() {
         "pass" => Ok(XDP_PASS),
         "drop" => Ok(XDP_DROP),
-        other => Err(cx.err(v.span(), format!("unknown verdict `{other}`: use \"pass\" or \"drop\""))),
+        other => {
+            Err(cx.err(v.span(), format!("unknown verdict `{other}`: use \"pass\" or \"drop\"")))
+        }
     }
 }
 
@@ -555,12 +616,15 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
     if let Some(v) = &s.memory_budget {
         out.memory_budget = match parse_amount(v.get_ref()) {
             Ok((n, Dimension::Bytes)) => n,
-            Ok(_) => return Err(cx.err(v.span(), "memory_budget needs a byte unit, e.g. \"512MiB\"")),
+            Ok(_) => {
+                return Err(cx.err(v.span(), "memory_budget needs a byte unit, e.g. \"512MiB\""))
+            }
             Err(e) => return Err(cx.err(v.span(), format!("bad memory_budget: {e}"))),
         };
     }
     if let Some(v) = &s.grace_period {
-        out.grace_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad grace_period: {e}")))?;
+        out.grace_ns = parse_duration_ns(v.get_ref())
+            .map_err(|e| cx.err(v.span(), format!("bad grace_period: {e}")))?;
     }
     if let Some(v) = &s.statistics {
         out.stats.level = match v.get_ref().as_str() {
@@ -570,10 +634,12 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
         };
     }
     if let Some(v) = &s.cpu {
-        out.cpu_source = crate::cpu::CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
+        out.cpu_source =
+            crate::cpu::CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
     }
     if let Some(v) = &s.statistics_bucket {
-        let ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad statistics_bucket: {e}")))?;
+        let ns = parse_duration_ns(v.get_ref())
+            .map_err(|e| cx.err(v.span(), format!("bad statistics_bucket: {e}")))?;
         if !(10_000_000..=10_000_000_000).contains(&ns) {
             return Err(cx.err(v.span(), "statistics_bucket must be between 10ms and 10s"));
         }
@@ -582,7 +648,10 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
     if let Some(v) = &s.statistics_buckets {
         let n = *v.get_ref();
         if !(10..=MAX_STATS_BUCKETS as i64).contains(&n) {
-            return Err(cx.err(v.span(), format!("statistics_buckets {n} out of range: 10 to {MAX_STATS_BUCKETS}")));
+            return Err(cx.err(
+                v.span(),
+                format!("statistics_buckets {n} out of range: 10 to {MAX_STATS_BUCKETS}"),
+            ));
         }
         out.stats.buckets = n as u32;
     }
@@ -602,7 +671,10 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
     if let Some(v) = &b.cpu_threshold {
         let n = *v.get_ref();
         if !(1..=1000).contains(&n) {
-            return Err(cx.err(v.span(), format!("cpu_threshold {n} out of range: 1 to 1000 (per mille of the CPU signal)")));
+            return Err(cx.err(
+                v.span(),
+                format!("cpu_threshold {n} out of range: 1 to 1000 (per mille of the CPU signal)"),
+            ));
         }
         out.cpu_threshold = n as u32;
     }
@@ -610,12 +682,19 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
     if let Some(v) = &b.release_below {
         let n = *v.get_ref();
         if !(0..=out.cpu_threshold as i64).contains(&n) {
-            return Err(cx.err(v.span(), format!("release_below {n} must be between 0 and cpu_threshold ({})", out.cpu_threshold)));
+            return Err(cx.err(
+                v.span(),
+                format!(
+                    "release_below {n} must be between 0 and cpu_threshold ({})",
+                    out.cpu_threshold
+                ),
+            ));
         }
         out.release_below = n as u32;
     }
     if let Some(v) = &b.window {
-        out.window_ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad bbr window: {e}")))?;
+        out.window_ns = parse_duration_ns(v.get_ref())
+            .map_err(|e| cx.err(v.span(), format!("bad bbr window: {e}")))?;
     }
     if let Some(v) = &b.buckets {
         let n = *v.get_ref();
@@ -625,10 +704,17 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
         out.buckets = n as u32;
     }
     if let Some(v) = &b.idle_timeout {
-        let ns = parse_duration_ns(v.get_ref()).map_err(|e| cx.err(v.span(), format!("bad idle_timeout: {e}")))?;
+        let ns = parse_duration_ns(v.get_ref())
+            .map_err(|e| cx.err(v.span(), format!("bad idle_timeout: {e}")))?;
         let max = (OPEN_BUCKETS as u64 - 1) * OPEN_BUCKET_NS;
         if !(OPEN_BUCKET_NS..=max).contains(&ns) {
-            return Err(cx.err(v.span(), format!("idle_timeout must be between 1s and {}s (the open-connection ring's span)", max / 1_000_000_000)));
+            return Err(cx.err(
+                v.span(),
+                format!(
+                    "idle_timeout must be between 1s and {}s (the open-connection ring's span)",
+                    max / 1_000_000_000
+                ),
+            ));
         }
         out.idle_timeout_ns = ns;
     }
@@ -668,7 +754,10 @@ pub(crate) fn parse_ports(p: &RawPorts) -> Result<(u16, u16), String> {
 pub(crate) fn parse_port_text(s: &str) -> Result<(u16, u16), String> {
     let (a, b) = s.split_once('-').unwrap_or((s, s));
     let bad = || format!("bad port range `{s}`: use \"8000-8100\"");
-    port_pair(a.trim().parse::<i64>().map_err(|_| bad())?, b.trim().parse::<i64>().map_err(|_| bad())?)
+    port_pair(
+        a.trim().parse::<i64>().map_err(|_| bad())?,
+        b.trim().parse::<i64>().map_err(|_| bad())?,
+    )
 }
 
 fn port_pair(lo: i64, hi: i64) -> Result<(u16, u16), String> {
@@ -718,8 +807,14 @@ fn mask(addr: &IpAddr, len: u8) -> IpAddr {
 
 fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, ProfileError> {
     let name = r.name.get_ref().trim().to_string();
-    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err(cx.err(r.name.span(), "rule names are 1-64 characters of letters, digits, '-', '_' or '.'"));
+    if name.is_empty()
+        || name.len() > 64
+        || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(cx.err(
+            r.name.span(),
+            "rule names are 1-64 characters of letters, digits, '-', '_' or '.'",
+        ));
     }
     let proto = match &r.proto {
         None => None,
@@ -731,7 +826,14 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             "icmpv6" => Some(58),
             other => match other.parse::<u8>() {
                 Ok(n) => Some(n),
-                Err(_) => return Err(cx.err(p.span(), format!("unknown protocol `{other}`: use tcp, udp, icmp, icmpv6, any or a number"))),
+                Err(_) => {
+                    return Err(cx.err(
+                        p.span(),
+                        format!(
+                        "unknown protocol `{other}`: use tcp, udp, icmp, icmpv6, any or a number"
+                    ),
+                    ))
+                }
             },
         }),
     }
@@ -746,7 +848,10 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             let (lo, hi) = parse_ports(p.get_ref()).map_err(|m| cx.err(p.span(), m))?;
             if let Some(pr) = proto {
                 if pr != 6 && pr != 17 {
-                    return Err(cx.err(p.span(), format!("`dport` needs proto tcp or udp, not {}", proto_name(pr))));
+                    return Err(cx.err(
+                        p.span(),
+                        format!("`dport` needs proto tcp or udp, not {}", proto_name(pr)),
+                    ));
                 }
             }
             Some((lo, hi))
@@ -758,7 +863,10 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             "drop" => action::DROP,
             "pass" => action::PASS,
             "dry-run" | "dry_run" => action::DRY_RUN,
-            other => return Err(cx.err(a.span(), format!("unknown action `{other}`: use drop, pass or dry-run"))),
+            other => {
+                return Err(cx
+                    .err(a.span(), format!("unknown action `{other}`: use drop, pass or dry-run")))
+            }
         },
     };
     let spec = MatchSpec { proto, src, ports, enforcing: action_v == action::DROP };
@@ -786,9 +894,16 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         priority_span: None,
     };
     if action_v == action::PASS {
-        for (f, s) in [("rate", r.rate.as_ref().map(|x| x.span())), ("burst", r.burst.as_ref().map(|x| x.span())), ("key", r.key.as_ref().map(|x| x.span())), ("quota", r.quota.as_ref().map(|x| x.span()))] {
+        for (f, s) in [
+            ("rate", r.rate.as_ref().map(|x| x.span())),
+            ("burst", r.burst.as_ref().map(|x| x.span())),
+            ("key", r.key.as_ref().map(|x| x.span())),
+            ("quota", r.quota.as_ref().map(|x| x.span())),
+        ] {
             if let Some(s) = s {
-                return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
+                return Err(
+                    cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\""))
+                );
             }
         }
         return Ok(rule);
@@ -797,38 +912,65 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
         return Err(cx.err(span, format!("rule `{}` needs a `rate` (e.g. \"100/s\", \"10Mbit/s\"), a `quota` (e.g. 60 with quota_window = \"1min\"), or action = \"pass\"", rule.name)));
     }
     let rate: Option<Rate> = match &r.rate {
-        Some(rs) => Some(parse_rate(rs.get_ref()).map_err(|e| cx.err(rs.span(), format!("bad rate `{}`: {e}", rs.get_ref())))?),
+        Some(rs) => Some(
+            parse_rate(rs.get_ref())
+                .map_err(|e| cx.err(rs.span(), format!("bad rate `{}`: {e}", rs.get_ref())))?,
+        ),
         None => None,
     };
     let quota_amount: Option<(u64, Dimension)> = match &r.quota {
         Some(q) => Some(match q.get_ref() {
-            RawAmount::Int(n) if *n <= 0 => return Err(cx.err(q.span(), "quota must be greater than zero")),
+            RawAmount::Int(n) if *n <= 0 => {
+                return Err(cx.err(q.span(), "quota must be greater than zero"))
+            }
             RawAmount::Int(n) => (*n as u64, Dimension::Count),
-            RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(q.span(), format!("bad quota `{t}`: {e}")))?,
+            RawAmount::Text(t) => {
+                parse_amount(t).map_err(|e| cx.err(q.span(), format!("bad quota `{t}`: {e}")))?
+            }
         }),
         None => None,
     };
     // The unit: as written, else the dimension of the rate or the quota.
-    let implied_bytes = rate.map(|x| x.dim == Dimension::Bytes).or(quota_amount.map(|q| q.1 == Dimension::Bytes)).unwrap_or(false);
+    let implied_bytes = rate
+        .map(|x| x.dim == Dimension::Bytes)
+        .or(quota_amount.map(|q| q.1 == Dimension::Bytes))
+        .unwrap_or(false);
     rule.unit = match &r.unit {
-        None => if implied_bytes { unit::BYTES } else { unit::PACKETS },
+        None => {
+            if implied_bytes {
+                unit::BYTES
+            } else {
+                unit::PACKETS
+            }
+        }
         Some(u) => match u.get_ref().as_str() {
             "packets" => unit::PACKETS,
             "bytes" => unit::BYTES,
             "connections" => unit::CONNECTIONS,
-            other => return Err(cx.err(u.span(), format!("unknown unit `{other}`: use packets, bytes or connections"))),
+            other => {
+                return Err(cx.err(
+                    u.span(),
+                    format!("unknown unit `{other}`: use packets, bytes or connections"),
+                ))
+            }
         },
     };
     if rule.unit == unit::CONNECTIONS && proto.is_some_and(|p| p != 6) {
-        return Err(cx.err(r.unit.as_ref().map(|u| u.span()).unwrap_or(span.clone()), "unit = \"connections\" counts TCP SYNs: use proto = \"tcp\""));
+        return Err(cx.err(
+            r.unit.as_ref().map(|u| u.span()).unwrap_or(span.clone()),
+            "unit = \"connections\" counts TCP SYNs: use proto = \"tcp\"",
+        ));
     }
     if let (Some(rate), Some(rate_s)) = (rate, &r.rate) {
         if (rule.unit == unit::BYTES) != (rate.dim == Dimension::Bytes) {
-            return Err(cx.err(rate_s.span(), if rule.unit == unit::BYTES {
-                "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
-            } else {
-                format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
-            }));
+            return Err(cx.err(
+                rate_s.span(),
+                if rule.unit == unit::BYTES {
+                    "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
+                } else {
+                    format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
+                },
+            ));
         }
         rule.rate_text = rate_s.get_ref().clone();
         let (num, den) = (rate.num, rate.den);
@@ -841,20 +983,33 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
                 // Default: one second's worth, at least one unit (one large
                 // frame for byte rules).
                 let per_s = rate.per_second() as u64;
-                if rule.unit == unit::BYTES { per_s.max(MIN_BYTE_BURST) } else { per_s.max(1) }
+                if rule.unit == unit::BYTES {
+                    per_s.max(MIN_BYTE_BURST)
+                } else {
+                    per_s.max(1)
+                }
             }
             Some(b) => {
                 let (n, dim) = match b.get_ref() {
-                    RawAmount::Int(n) if *n <= 0 => return Err(cx.err(b.span(), "burst must be greater than zero")),
+                    RawAmount::Int(n) if *n <= 0 => {
+                        return Err(cx.err(b.span(), "burst must be greater than zero"))
+                    }
                     RawAmount::Int(n) => (*n as u64, Dimension::Count),
-                    RawAmount::Text(t) => parse_amount(t).map_err(|e| cx.err(b.span(), format!("bad burst `{t}`: {e}")))?,
+                    RawAmount::Text(t) => parse_amount(t)
+                        .map_err(|e| cx.err(b.span(), format!("bad burst `{t}`: {e}")))?,
                 };
                 if rule.unit == unit::BYTES {
                     if n < MIN_BYTE_BURST {
                         return Err(cx.err(b.span(), format!("byte burst {n} is below one full frame ({MIN_BYTE_BURST} bytes): such packets could never pass")));
                     }
                 } else if dim == Dimension::Bytes {
-                    return Err(cx.err(b.span(), format!("a byte-sized burst needs unit = \"bytes\", not {}", rule.unit_name())));
+                    return Err(cx.err(
+                        b.span(),
+                        format!(
+                            "a byte-sized burst needs unit = \"bytes\", not {}",
+                            rule.unit_name()
+                        ),
+                    ));
                 }
                 n
             }
@@ -865,23 +1020,35 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
     match (quota_amount, &r.quota) {
         (Some((n, dim)), Some(q)) => {
             if rule.unit == unit::BYTES && n < MIN_BYTE_BURST {
-                return Err(cx.err(q.span(), format!("byte quota {n} is below one full frame ({MIN_BYTE_BURST} bytes)")));
+                return Err(cx.err(
+                    q.span(),
+                    format!("byte quota {n} is below one full frame ({MIN_BYTE_BURST} bytes)"),
+                ));
             }
             if rule.unit != unit::BYTES && dim == Dimension::Bytes {
-                return Err(cx.err(q.span(), format!("a byte-sized quota needs unit = \"bytes\", not {}", rule.unit_name())));
+                return Err(cx.err(
+                    q.span(),
+                    format!("a byte-sized quota needs unit = \"bytes\", not {}", rule.unit_name()),
+                ));
             }
             if n > u32::MAX as u64 {
-                return Err(cx.err(q.span(), format!("quota {n} is over the limit of {}", u32::MAX)));
+                return Err(
+                    cx.err(q.span(), format!("quota {n} is over the limit of {}", u32::MAX))
+                );
             }
             let Some(w) = &r.quota_window else {
                 return Err(cx.err(q.span(), "a quota needs `quota_window` (e.g. \"1min\")"));
             };
-            let window = parse_duration_ns(w.get_ref()).map_err(|e| cx.err(w.span(), format!("bad quota_window: {e}")))?;
+            let window = parse_duration_ns(w.get_ref())
+                .map_err(|e| cx.err(w.span(), format!("bad quota_window: {e}")))?;
             let k = match &r.quota_buckets {
                 Some(b) => {
                     let k = *b.get_ref();
                     if !(1..=MAX_QUOTA_BUCKETS as i64).contains(&k) {
-                        return Err(cx.err(b.span(), format!("quota_buckets {k} out of range 1..={MAX_QUOTA_BUCKETS}")));
+                        return Err(cx.err(
+                            b.span(),
+                            format!("quota_buckets {k} out of range 1..={MAX_QUOTA_BUCKETS}"),
+                        ));
                     }
                     k as u64
                 }
@@ -889,14 +1056,22 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             };
             let bucket_ns = window / k;
             if bucket_ns < 1_000_000 {
-                return Err(cx.err(w.span(), format!("quota_window / quota_buckets must be at least 1ms (is {bucket_ns} ns)")));
+                return Err(cx.err(
+                    w.span(),
+                    format!(
+                        "quota_window / quota_buckets must be at least 1ms (is {bucket_ns} ns)"
+                    ),
+                ));
             }
             rule.quota_limit = n as u32;
             rule.quota_bucket_ns = bucket_ns;
             rule.quota_buckets = k as u32;
         }
         _ => {
-            for (f, s) in [("quota_window", r.quota_window.as_ref().map(|x| x.span())), ("quota_buckets", r.quota_buckets.as_ref().map(|x| x.span()))] {
+            for (f, s) in [
+                ("quota_window", r.quota_window.as_ref().map(|x| x.span())),
+                ("quota_buckets", r.quota_buckets.as_ref().map(|x| x.span())),
+            ] {
                 if let Some(s) = s {
                     return Err(cx.err(s, format!("`{f}` needs a `quota`")));
                 }
@@ -924,7 +1099,12 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
     if let Some(a) = &r.admission_ratio {
         let v = *a.get_ref();
         if !(0.0..=1.0).contains(&v) {
-            return Err(cx.err(a.span(), format!("admission_ratio {v} out of range: 0.0 (admit no new flows) to 1.0 (admit all)")));
+            return Err(cx.err(
+                a.span(),
+                format!(
+                    "admission_ratio {v} out of range: 0.0 (admit no new flows) to 1.0 (admit all)"
+                ),
+            ));
         }
         rule.admission_ppm = Some((v * 1e6).round() as u32);
     }
@@ -943,7 +1123,14 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
             "dport" => key_kind::DPORT,
             "src_dport" => key_kind::SRC_DPORT,
             "5tuple" | "five_tuple" => key_kind::FIVE_TUPLE,
-            other => return Err(cx.err(k.span(), format!("unknown key `{other}`: use rule, src, src_prefix, dport, src_dport or 5tuple"))),
+            other => {
+                return Err(cx.err(
+                    k.span(),
+                    format!(
+                    "unknown key `{other}`: use rule, src, src_prefix, dport, src_dport or 5tuple"
+                ),
+                ))
+            }
         };
     }
     for (raw, max, dflt, dst) in [(&r.prefix_v4, 32, 24, 0), (&r.prefix_v6, 128, 64, 1)] {
@@ -954,14 +1141,20 @@ fn rule(cx: &Ctx, span: std::ops::Range<usize>, r: RawRule) -> Result<Rule, Prof
                 }
                 let n = *p.get_ref();
                 if !(1..=max).contains(&n) {
-                    return Err(cx.err(p.span(), format!("prefix length {n} out of range 1..={max}")));
+                    return Err(
+                        cx.err(p.span(), format!("prefix length {n} out of range 1..={max}"))
+                    );
                 }
                 n as u8
             }
             None => dflt,
         };
         if rule.key_kind == key_kind::SRC_PREFIX {
-            if dst == 0 { rule.prefix_v4 = v } else { rule.prefix_v6 = v }
+            if dst == 0 {
+                rule.prefix_v4 = v
+            } else {
+                rule.prefix_v6 = v
+            }
         }
     }
     Ok(rule)
@@ -1027,10 +1220,18 @@ key = "src"
             (&with_rule("rate = \"0/s\""), 3, "greater than zero"),
             (&with_rule("rate = \"1/s\"\nburst = 0"), 4, "greater than zero"),
             (&with_rule("rate = \"10Mbit/s\"\nburst = \"1000B\""), 4, "below one full frame"),
-            (&with_rule("proto = \"tcp\"\ndport = \"90-80\"\nrate = \"1/s\""), 4, "reversed port range"),
+            (
+                &with_rule("proto = \"tcp\"\ndport = \"90-80\"\nrate = \"1/s\""),
+                4,
+                "reversed port range",
+            ),
             (&with_rule("rate = \"1/s\"\ncolour = \"red\""), 4, "unknown field"),
             (&with_rule("rate = \"1/s\"\nkey = \"moon\""), 4, "unknown key"),
-            ("[[rule]]\nname = \"a\"\nrate = \"1/s\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"", 4, "duplicate rule name"),
+            (
+                "[[rule]]\nname = \"a\"\nrate = \"1/s\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"",
+                4,
+                "duplicate rule name",
+            ),
         ];
         for (text, line, needle) in cases {
             let e = err(text);
@@ -1043,29 +1244,64 @@ key = "src"
 
     #[test]
     fn bbr_and_admission_settings() {
-        let tcp = "[[rule]]\nname = \"w\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"100/s\"\n";
-        let s = parse("p", &format!("{tcp}bbr = {{ cpu_threshold = 700, reject = \"reset\", compat = [\"kratos\"] }}\n")).unwrap();
+        let tcp =
+            "[[rule]]\nname = \"w\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"100/s\"\n";
+        let s = parse(
+            "p",
+            &format!(
+                "{tcp}bbr = {{ cpu_threshold = 700, reject = \"reset\", compat = [\"kratos\"] }}\n"
+            ),
+        )
+        .unwrap();
         let b = s.rules[0].bbr.as_ref().unwrap();
-        assert_eq!((b.cpu_threshold, b.buckets, b.window_ns, b.reset), (700, 100, 10_000_000_000, true));
+        assert_eq!(
+            (b.cpu_threshold, b.buckets, b.window_ns, b.reset),
+            (700, 100, 10_000_000_000, true)
+        );
         assert_eq!(b.compat, flowctl_common::bbr::Compat::KRATOS);
         assert_eq!(b.config().buckets_per_second, 10);
         for (text, line, needle) in [
-            ("[[rule]]\nname = \"w\"\nrate = \"1/s\"\nbbr = { }\n".to_string(), 4, "needs proto = \"tcp\""),
-            (format!("{tcp}bbr = {{ window = \"10s\", buckets = 50 }}\n"), 6, "statistics ring's buckets are 100 ms"),
-            (format!("[settings]\nstatistics_buckets = 50\n{tcp}bbr = {{ }}\n"), 8, "must not exceed statistics_buckets"),
+            (
+                "[[rule]]\nname = \"w\"\nrate = \"1/s\"\nbbr = { }\n".to_string(),
+                4,
+                "needs proto = \"tcp\"",
+            ),
+            (
+                format!("{tcp}bbr = {{ window = \"10s\", buckets = 50 }}\n"),
+                6,
+                "statistics ring's buckets are 100 ms",
+            ),
+            (
+                format!("[settings]\nstatistics_buckets = 50\n{tcp}bbr = {{ }}\n"),
+                8,
+                "must not exceed statistics_buckets",
+            ),
             (format!("{tcp}bbr = {{ compat = [\"fast\"] }}\n"), 6, "unknown compat switch"),
             (format!("{tcp}bbr = {{ reject = \"ignore\" }}\n"), 6, "unknown reject"),
-            (format!("{tcp}bbr = {{ idle_timeout = \"5min\" }}\n"), 6, "idle_timeout must be between"),
+            (
+                format!("{tcp}bbr = {{ idle_timeout = \"5min\" }}\n"),
+                6,
+                "idle_timeout must be between",
+            ),
             (format!("{tcp}admission_ratio = 1.5\n"), 6, "out of range"),
             (format!("{tcp}admission = \"sometimes\"\n"), 6, "unknown admission"),
-            ("[settings]\ncpu = \"cgroup:relative\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"\n".to_string(), 2, "starts with /"),
+            (
+                "[settings]\ncpu = \"cgroup:relative\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"\n"
+                    .to_string(),
+                2,
+                "starts with /",
+            ),
         ] {
             let e = err(&text);
             assert_eq!(e.line, line, "{text}: {e}");
             assert!(e.to_string().contains(needle), "{text}: {e}");
         }
-        let a = parse("p", &format!("{tcp}admission_ratio = 0.25\nadmission = \"packet\"\n")).unwrap();
-        assert_eq!((a.rules[0].admission_ppm, a.rules[0].admission_per_flow), (Some(250_000), false));
+        let a =
+            parse("p", &format!("{tcp}admission_ratio = 0.25\nadmission = \"packet\"\n")).unwrap();
+        assert_eq!(
+            (a.rules[0].admission_ppm, a.rules[0].admission_per_flow),
+            (Some(250_000), false)
+        );
     }
 
     #[test]
@@ -1074,15 +1310,31 @@ key = "src"
         let r = &s.rules[0];
         assert_eq!((r.quota_limit, r.quota_buckets, r.quota_bucket_ns), (60, 10, 6_000_000_000));
         assert_eq!(r.interval_fp, 0, "quota only: no bucket");
-        let b = parse("p", "[[rule]]\nname = \"q\"\nquota = \"1GiB\"\nquota_window = \"1h\"\nquota_buckets = 16\n").unwrap();
+        let b = parse(
+            "p",
+            "[[rule]]\nname = \"q\"\nquota = \"1GiB\"\nquota_window = \"1h\"\nquota_buckets = 16\n",
+        )
+        .unwrap();
         assert_eq!((b.rules[0].unit, b.rules[0].quota_limit), (unit::BYTES, 1 << 30));
         for (text, line, needle) in [
             ("[[rule]]\nname = \"q\"\nquota = 5\n", 3, "quota_window"),
-            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\nquota_buckets = 17\n", 5, "out of range"),
+            (
+                "[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\nquota_buckets = 17\n",
+                5,
+                "out of range",
+            ),
             ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5ms\"\n", 4, "at least 1ms"),
-            ("[[rule]]\nname = \"q\"\nrate = \"1/s\"\nquota_window = \"5s\"\n", 4, "needs a `quota`"),
+            (
+                "[[rule]]\nname = \"q\"\nrate = \"1/s\"\nquota_window = \"5s\"\n",
+                4,
+                "needs a `quota`",
+            ),
             ("[[rule]]\nname = \"q\"\nquota = 0\nquota_window = \"5s\"\n", 3, "greater than zero"),
-            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5s\"\nburst = 3\n", 5, "belongs to a `rate`"),
+            (
+                "[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5s\"\nburst = 3\n",
+                5,
+                "belongs to a `rate`",
+            ),
         ] {
             let e = err(text);
             assert_eq!(e.line, line, "{text}: {e}");

@@ -67,7 +67,11 @@ pub struct TargetSpec {
 
 impl std::fmt::Display for TargetSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let net = if self.net.len == Cidr::max_len(&self.net.addr) { self.net.addr.to_string() } else { self.net.to_string() };
+        let net = if self.net.len == Cidr::max_len(&self.net.addr) {
+            self.net.addr.to_string()
+        } else {
+            self.net.to_string()
+        };
         let net = if self.net.addr.is_ipv6() { format!("[{net}]") } else { net };
         match self.ports {
             (0, 65535) => write!(f, "{net}:*"),
@@ -121,7 +125,11 @@ pub const ERRNOS: [(&str, u32); 9] = [
 ];
 
 pub fn errno_name(n: u32) -> String {
-    ERRNOS.iter().find(|(_, v)| *v == n).map(|(s, _)| s.to_string()).unwrap_or_else(|| n.to_string())
+    ERRNOS
+        .iter()
+        .find(|(_, v)| *v == n)
+        .map(|(s, _)| s.to_string())
+        .unwrap_or_else(|| n.to_string())
 }
 
 fn duration(v: &Spanned<String>) -> Result<u64, Error> {
@@ -166,10 +174,16 @@ fn parse_exempt(s: &str, default_ports: (u16, u16)) -> Result<TargetSpec, String
 
 pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
     let name = raw.name.get_ref().trim().to_string();
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.') {
-        return Err((raw.name.span(), "a breaker name is letters, digits, `-`, `_` and `.`".into()));
+    if name.is_empty()
+        || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+    {
+        return Err((
+            raw.name.span(),
+            "a breaker name is letters, digits, `-`, `_` and `.`".into(),
+        ));
     }
-    let net = crate::profile::parse_cidr(raw.target.get_ref()).map_err(|m| (raw.target.span(), m))?;
+    let net =
+        crate::profile::parse_cidr(raw.target.get_ref()).map_err(|m| (raw.target.span(), m))?;
     let ports = match &raw.port {
         None => (0, 65535),
         Some(p) => crate::profile::parse_ports(p.get_ref()).map_err(|m| (p.span(), m))?,
@@ -177,15 +191,27 @@ pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
     let target = TargetSpec { net, ports };
     let cgroup = match &raw.cgroup {
         None => None,
-        Some(c) if c.get_ref().trim().is_empty() => return Err((c.span(), "an empty cgroup path: leave `cgroup` out for every process".into())),
-        Some(c) if c.get_ref().split('/').any(|p| p == "..") => return Err((c.span(), "`..` in a cgroup path".into())),
+        Some(c) if c.get_ref().trim().is_empty() => {
+            return Err((
+                c.span(),
+                "an empty cgroup path: leave `cgroup` out for every process".into(),
+            ))
+        }
+        Some(c) if c.get_ref().split('/').any(|p| p == "..") => {
+            return Err((c.span(), "`..` in a cgroup path".into()))
+        }
         Some(c) => Some(c.get_ref().trim().to_string()),
     };
     let mode_name = raw.mode.as_ref().map(|m| m.get_ref().as_str()).unwrap_or("sre");
     let is_sre = match mode_name {
         "sre" => true,
         "state" => false,
-        other => return Err((raw.mode.as_ref().expect("named").span(), format!("unknown mode `{other}`: use \"sre\" or \"state\""))),
+        other => {
+            return Err((
+                raw.mode.as_ref().expect("named").span(),
+                format!("unknown mode `{other}`: use \"sre\" or \"state\""),
+            ))
+        }
     };
     // Parameters of the other mode are mistakes, not silently ignored.
     let foreign: &[(&str, Option<Span>)] = if is_sre {
@@ -195,11 +221,17 @@ pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
             ("probes", raw.probes.as_ref().map(|v| v.span())),
         ]
     } else {
-        &[("k", raw.k.as_ref().map(|v| v.span())), ("max_drop", raw.max_drop.as_ref().map(|v| v.span()))]
+        &[
+            ("k", raw.k.as_ref().map(|v| v.span())),
+            ("max_drop", raw.max_drop.as_ref().map(|v| v.span())),
+        ]
     };
     for (key, span) in foreign {
         if let Some(sp) = span {
-            return Err((sp.clone(), format!("`{key}` is not a parameter of mode \"{mode_name}\"")));
+            return Err((
+                sp.clone(),
+                format!("`{key}` is not a parameter of mode \"{mode_name}\""),
+            ));
         }
     }
     let window_ns = match &raw.window {
@@ -212,8 +244,17 @@ pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
         None => 10,
     };
     if window_ns / (buckets as u64) < 10_000_000 {
-        let sp = raw.window.as_ref().map(|w| w.span()).or(raw.buckets.as_ref().map(|b| b.span())).unwrap_or(raw.name.span());
-        return Err((sp, "window / buckets must be at least 10ms (the agent reads the counters every 10-100 ms)".into()));
+        let sp = raw
+            .window
+            .as_ref()
+            .map(|w| w.span())
+            .or(raw.buckets.as_ref().map(|b| b.span()))
+            .unwrap_or(raw.name.span());
+        return Err((
+            sp,
+            "window / buckets must be at least 10ms (the agent reads the counters every 10-100 ms)"
+                .into(),
+        ));
     }
     let min_requests = match &raw.min_requests {
         Some(m) => count(m, "min_requests", 1, 1_000_000_000)? as u64,
@@ -229,7 +270,11 @@ pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
             Some(m) => ratio(m, "max_drop", 0.0, 1.0)?,
             None => 0.9,
         };
-        BreakerMode::Sre { k_milli: (k * 1000.0).round() as u64, min_requests, max_drop_ppm: (max_drop * 1e6).round() as u32 }
+        BreakerMode::Sre {
+            k_milli: (k * 1000.0).round() as u64,
+            min_requests,
+            max_drop_ppm: (max_drop * 1e6).round() as u32,
+        }
     } else {
         let failure = match &raw.failure_ratio {
             Some(f) => ratio(f, "failure_ratio", 0.0, 1.0)?,
@@ -243,25 +288,57 @@ pub(crate) fn breaker(raw: &RawBreaker, line: usize) -> Result<Breaker, Error> {
             Some(p) => count(p, "probes", 1, 1000)? as u32,
             None => 3,
         };
-        BreakerMode::State(StateConfig { failure_ppm: (failure * 1e6).round() as u32, min_requests, sleep_ns, probes })
+        BreakerMode::State(StateConfig {
+            failure_ppm: (failure * 1e6).round() as u32,
+            min_requests,
+            sleep_ns,
+            probes,
+        })
     };
     let errno = match &raw.errno {
         None => 111,
         Some(v) => match v.get_ref() {
-            toml::Value::String(s) => ERRNOS
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(s))
-                .map(|(_, e)| *e)
-                .ok_or_else(|| (v.span(), format!("unknown errno `{s}`: use one of {} or a number", ERRNOS.map(|(n, _)| n).join(", "))))?,
+            toml::Value::String(s) => {
+                ERRNOS.iter().find(|(n, _)| n.eq_ignore_ascii_case(s)).map(|(_, e)| *e).ok_or_else(
+                    || {
+                        (
+                            v.span(),
+                            format!(
+                                "unknown errno `{s}`: use one of {} or a number",
+                                ERRNOS.map(|(n, _)| n).join(", ")
+                            ),
+                        )
+                    },
+                )?
+            }
             toml::Value::Integer(n) if (1..=4095).contains(n) => *n as u32,
-            _ => return Err((v.span(), "errno is a name like \"ECONNREFUSED\" or a number from 1 to 4095".into())),
+            _ => {
+                return Err((
+                    v.span(),
+                    "errno is a name like \"ECONNREFUSED\" or a number from 1 to 4095".into(),
+                ))
+            }
         },
     };
     let mut exempt = Vec::new();
     for e in &raw.exempt {
-        exempt.push(parse_exempt(e.get_ref().trim(), ports).map_err(|m| (e.span(), format!("exempt target: {m}")))?);
+        exempt.push(
+            parse_exempt(e.get_ref().trim(), ports)
+                .map_err(|m| (e.span(), format!("exempt target: {m}")))?,
+        );
     }
-    Ok(Breaker { name, line, target, cgroup, mode, window_ns, buckets, errno, dry_run: raw.dry_run.unwrap_or(false), exempt })
+    Ok(Breaker {
+        name,
+        line,
+        target,
+        cgroup,
+        mode,
+        window_ns,
+        buckets,
+        errno,
+        dry_run: raw.dry_run.unwrap_or(false),
+        exempt,
+    })
 }
 
 /// Checks across breakers: unique names and the kernel's target slots.
@@ -320,13 +397,30 @@ dry_run = true
         .unwrap();
         assert!(set.rules.is_empty());
         let db = &set.breakers[0];
-        assert_eq!(db.mode, BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 });
+        assert_eq!(
+            db.mode,
+            BreakerMode::Sre { k_milli: 2000, min_requests: 100, max_drop_ppm: 900_000 }
+        );
         assert_eq!((db.window_ns, db.buckets, db.errno, db.line), (3_000_000_000, 10, 111, 2));
         assert_eq!(db.target.to_string(), "10.0.0.0/24:5432");
-        assert_eq!(db.exempt.iter().map(|e| e.to_string()).collect::<Vec<_>>(), ["10.0.0.7:5432", "10.0.0.8:6432", "[2001:db8::1]:443"]);
+        assert_eq!(
+            db.exempt.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+            ["10.0.0.7:5432", "10.0.0.8:6432", "[2001:db8::1]:443"]
+        );
         let api = &set.breakers[1];
-        assert_eq!(api.mode, BreakerMode::State(StateConfig { failure_ppm: 500_000, min_requests: 20, sleep_ns: 5_000_000_000, probes: 3 }));
-        assert_eq!((api.window_ns, api.errno, api.dry_run, api.cgroup.as_deref()), (10_000_000_000, 110, true, Some("app.slice")));
+        assert_eq!(
+            api.mode,
+            BreakerMode::State(StateConfig {
+                failure_ppm: 500_000,
+                min_requests: 20,
+                sleep_ns: 5_000_000_000,
+                probes: 3
+            })
+        );
+        assert_eq!(
+            (api.window_ns, api.errno, api.dry_run, api.cgroup.as_deref()),
+            (10_000_000_000, 110, true, Some("app.slice"))
+        );
         assert_eq!(api.target.ports, (8000, 8100));
     }
 
@@ -336,7 +430,8 @@ dry_run = true
 
     #[test]
     fn mistakes_name_the_line_and_say_why() {
-        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nmode = \"sre\"\nprobes = 3\n");
+        let e =
+            err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nmode = \"sre\"\nprobes = 3\n");
         assert!(e.starts_with("p.toml:5:10: `probes` is not a parameter of mode \"sre\""), "{e}");
         let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nerrno = \"EWHAT\"\n");
         assert!(e.starts_with("p.toml:4:9: unknown errno `EWHAT`"), "{e}");
@@ -344,13 +439,17 @@ dry_run = true
         assert!(e.starts_with("p.toml:3:10: host bits set"), "{e}");
         let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nmax_drop = 1.5\n");
         assert!(e.contains("max_drop must be between 0 and 1"), "{e}");
-        let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nexempt = [\"10.0.0.2:99999\"]\n");
+        let e = err(
+            "[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\nexempt = [\"10.0.0.2:99999\"]\n",
+        );
         assert!(e.starts_with("p.toml:4:11: exempt target: ports are 0 to 65535"), "{e}");
         let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\n[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.2\"\n");
         assert!(e.starts_with("p.toml:4:1: duplicate breaker name `db`"), "{e}");
         let e = err("[[breaker]]\nname = \"db\"\ntarget = \"10.0.0.1\"\ncgroup = \"../x\"\n");
         assert!(e.contains("`..` in a cgroup path"), "{e}");
-        let many: String = (0..17).map(|i| format!("[[breaker]]\nname = \"b{i}\"\ntarget = \"10.0.0.{i}\"\n")).collect();
+        let many: String = (0..17)
+            .map(|i| format!("[[breaker]]\nname = \"b{i}\"\ntarget = \"10.0.0.{i}\"\n"))
+            .collect();
         assert!(err(&many).contains("17 target slots; the kernel has 16"));
         assert!(err("").contains("no [[rule]] and no [[breaker]]"));
     }

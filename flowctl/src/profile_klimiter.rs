@@ -50,7 +50,12 @@ pub struct KlimiterSettings {
 
 impl Default for KlimiterSettings {
     fn default() -> Self {
-        Self { sample_period_ns: 1_000_000_000, control_period_ns: 5_000_000_000, dead_band: 0.03, stale_after_ns: 30_000_000_000 }
+        Self {
+            sample_period_ns: 1_000_000_000,
+            control_period_ns: 5_000_000_000,
+            dead_band: 0.03,
+            stale_after_ns: 30_000_000_000,
+        }
     }
 }
 
@@ -81,7 +86,10 @@ pub struct Baseline {
 
 pub(crate) type Err = (std::ops::Range<usize>, String);
 
-pub(crate) fn settings(raw: &RawKlimiter, duration: impl Fn(&Spanned<String>) -> Result<u64, Err>) -> Result<KlimiterSettings, Err> {
+pub(crate) fn settings(
+    raw: &RawKlimiter,
+    duration: impl Fn(&Spanned<String>) -> Result<u64, Err>,
+) -> Result<KlimiterSettings, Err> {
     let mut k = KlimiterSettings::default();
     if let Some(v) = &raw.sample_period {
         k.sample_period_ns = duration(v)?;
@@ -90,7 +98,12 @@ pub(crate) fn settings(raw: &RawKlimiter, duration: impl Fn(&Spanned<String>) ->
         k.control_period_ns = duration(v)?;
     }
     if k.sample_period_ns < 100_000_000 || k.control_period_ns < k.sample_period_ns {
-        let span = raw.control_period.as_ref().or(raw.sample_period.as_ref()).map(|v| v.span()).unwrap_or(0..0);
+        let span = raw
+            .control_period
+            .as_ref()
+            .or(raw.sample_period.as_ref())
+            .map(|v| v.span())
+            .unwrap_or(0..0);
         return Err((span, "klimiter: sample_period must be at least 100ms and control_period at least sample_period".into()));
     }
     if let Some(v) = &raw.dead_band {
@@ -108,7 +121,10 @@ pub(crate) fn settings(raw: &RawKlimiter, duration: impl Fn(&Spanned<String>) ->
 pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Baseline, Err> {
     let name = raw.name.get_ref().trim().to_string();
     if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err((raw.name.span(), "baseline names are letters, digits, '-', '_' or '.'".into()));
+        return Err((
+            raw.name.span(),
+            "baseline names are letters, digits, '-', '_' or '.'".into(),
+        ));
     }
     let t = *raw.threshold.get_ref();
     if !(t > 0.0 && t.is_finite()) {
@@ -122,7 +138,14 @@ pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Basel
         for n in names {
             match rule_names.iter().position(|r| r == n) {
                 Some(i) => v.push(i),
-                None => return Err((raw.entries.span(), format!("baseline {name}: no rule named `{n}` (entries name rules, or [\"all\"])"))),
+                None => {
+                    return Err((
+                        raw.entries.span(),
+                        format!(
+                        "baseline {name}: no rule named `{n}` (entries name rules, or [\"all\"])"
+                    ),
+                    ))
+                }
             }
         }
         v
@@ -138,32 +161,59 @@ pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Basel
             (None, Some(c), None) => LevelSource::Command(c.clone()),
             (None, None, Some(u)) => {
                 if !u.starts_with("http://") {
-                    return Err((raw.source.span(), "gauge url: only http:// endpoints (Prometheus text format)".into()));
+                    return Err((
+                        raw.source.span(),
+                        "gauge url: only http:// endpoints (Prometheus text format)".into(),
+                    ));
                 }
                 let Some(m) = &s.metric else {
-                    return Err((raw.source.span(), "a gauge url needs `metric`, the name of the sample to read".into()));
+                    return Err((
+                        raw.source.span(),
+                        "a gauge url needs `metric`, the name of the sample to read".into(),
+                    ));
                 };
                 LevelSource::Http { url: u.clone(), metric: m.clone() }
             }
-            _ => return Err((raw.source.span(), "a gauge reads exactly one of `file`, `command` or `url`".into())),
+            _ => {
+                return Err((
+                    raw.source.span(),
+                    "a gauge reads exactly one of `file`, `command` or `url`".into(),
+                ))
+            }
         },
         "egress" => egress(s).map_err(|m| (raw.source.span(), m))?,
-        other => return Err((s.kind.span(), format!("unknown source kind `{other}`: cpu, gauge or egress"))),
+        other => {
+            return Err((
+                s.kind.span(),
+                format!("unknown source kind `{other}`: cpu, gauge or egress"),
+            ))
+        }
     };
     Ok(Baseline { name, threshold: t, entries, source })
 }
 
 fn egress(s: &RawSource) -> Result<LevelSource, String> {
-    let iface = s.iface.clone().ok_or("an egress source needs `iface`, the interface traffic to the downstream leaves by")?;
-    let dst = s.dst.as_deref().ok_or("an egress source needs `dst`, the downstream's address or prefix")?;
+    let iface = s.iface.clone().ok_or(
+        "an egress source needs `iface`, the interface traffic to the downstream leaves by",
+    )?;
+    let dst = s
+        .dst
+        .as_deref()
+        .ok_or("an egress source needs `dst`, the downstream's address or prefix")?;
     let (addr, len) = match dst.split_once('/') {
         Some((a, l)) => (a, Some(l)),
         None => (dst, None),
     };
-    let ip: std::net::IpAddr = addr.trim().parse().map_err(|_| format!("egress dst: `{addr}` is not an IP address"))?;
+    let ip: std::net::IpAddr =
+        addr.trim().parse().map_err(|_| format!("egress dst: `{addr}` is not an IP address"))?;
     let max = if ip.is_ipv4() { 32 } else { 128 };
     let prefix_len: u8 = match len {
-        Some(l) => l.trim().parse().ok().filter(|n| *n <= max).ok_or(format!("egress dst: bad prefix length `{l}`"))?,
+        Some(l) => l
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| *n <= max)
+            .ok_or(format!("egress dst: bad prefix length `{l}`"))?,
         None => max,
     };
     let mut t = flowctl_common::EgressTarget { prefix_len, ..Default::default() };
@@ -176,7 +226,8 @@ fn egress(s: &RawSource) -> Result<LevelSource, String> {
             t.family = 6;
             let o = a.octets();
             for i in 0..4 {
-                t.addr[i] = u32::from_be_bytes([o[i * 4], o[i * 4 + 1], o[i * 4 + 2], o[i * 4 + 3]]);
+                t.addr[i] =
+                    u32::from_be_bytes([o[i * 4], o[i * 4 + 1], o[i * 4 + 2], o[i * 4 + 3]]);
             }
         }
     }
@@ -190,20 +241,30 @@ fn egress(s: &RawSource) -> Result<LevelSource, String> {
         None => (0, u16::MAX),
         Some(toml::Value::Integer(p)) if (1..=65535).contains(p) => (*p as u16, *p as u16),
         Some(toml::Value::String(r)) => {
-            let (a, b) = r.split_once('-').ok_or(format!("egress dport `{r}`: a port or a range \"lo-hi\""))?;
-            let (a, b): (u16, u16) = (a.trim().parse().map_err(|_| format!("egress dport `{r}`"))?, b.trim().parse().map_err(|_| format!("egress dport `{r}`"))?);
+            let (a, b) = r
+                .split_once('-')
+                .ok_or(format!("egress dport `{r}`: a port or a range \"lo-hi\""))?;
+            let (a, b): (u16, u16) = (
+                a.trim().parse().map_err(|_| format!("egress dport `{r}`"))?,
+                b.trim().parse().map_err(|_| format!("egress dport `{r}`"))?,
+            );
             if a > b {
                 return Err(format!("egress dport `{r}`: reversed range"));
             }
             (a, b)
         }
-        Some(v) => return Err(format!("egress dport `{v:?}`: a port (1-65535) or a range \"lo-hi\"")),
+        Some(v) => {
+            return Err(format!("egress dport `{v:?}`: a port (1-65535) or a range \"lo-hi\""))
+        }
     };
     let connections = match s.unit.as_deref().unwrap_or("packets") {
         "packets" => false,
         "connections" => {
             if t.proto == 17 {
-                return Err("egress unit = \"connections\" counts TCP SYNs: it needs proto tcp or any".into());
+                return Err(
+                    "egress unit = \"connections\" counts TCP SYNs: it needs proto tcp or any"
+                        .into(),
+                );
             }
             true
         }

@@ -24,7 +24,9 @@ impl Signal {
     pub fn at(&self, t: f64) -> f64 {
         match self {
             Signal::Const(v) => *v,
-            Signal::Steps { steps } => steps.iter().take_while(|(at, _)| *at <= t).last().map(|(_, v)| *v).unwrap_or(0.0),
+            Signal::Steps { steps } => {
+                steps.iter().take_while(|(at, _)| *at <= t).last().map(|(_, v)| *v).unwrap_or(0.0)
+            }
             Signal::Ramp { ramp: (t0, v0, t1, v1) } => {
                 if t <= *t0 {
                     *v0
@@ -50,7 +52,12 @@ impl Coefficients {
     fn at(&self, t: f64) -> &[f64] {
         match self {
             Coefficients::Const(v) => v,
-            Coefficients::Steps { steps } => steps.iter().take_while(|(at, _)| *at <= t).last().map(|(_, v)| v.as_slice()).unwrap_or(&[]),
+            Coefficients::Steps { steps } => steps
+                .iter()
+                .take_while(|(at, _)| *at <= t)
+                .last()
+                .map(|(_, v)| v.as_slice())
+                .unwrap_or(&[]),
         }
     }
 }
@@ -136,9 +143,11 @@ impl Noise {
 
 impl Scenario {
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let s: Scenario = toml::from_str(&text).map_err(|e| {
-            let (line, col) = e.span().map(|sp| crate::profile::line_col_of(&text, sp.start)).unwrap_or((0, 0));
+            let (line, col) =
+                e.span().map(|sp| crate::profile::line_col_of(&text, sp.start)).unwrap_or((0, 0));
             anyhow::anyhow!("{}:{line}:{col}: {}", path.display(), e.message())
         })?;
         s.validate().with_context(|| format!("{}", path.display()))?;
@@ -151,12 +160,20 @@ impl Scenario {
         }
         b.entries
             .iter()
-            .map(|n| self.entries.iter().position(|e| &e.name == n).ok_or_else(|| anyhow::anyhow!("baseline {}: no entry named {n}", b.name)))
+            .map(|n| {
+                self.entries
+                    .iter()
+                    .position(|e| &e.name == n)
+                    .ok_or_else(|| anyhow::anyhow!("baseline {}: no entry named {n}", b.name))
+            })
             .collect()
     }
 
     fn validate(&self) -> Result<()> {
-        if !(self.duration_s > 0.0 && self.sample_period_s > 0.0 && self.control_period_s >= self.sample_period_s) {
+        if !(self.duration_s > 0.0
+            && self.sample_period_s > 0.0
+            && self.control_period_s >= self.sample_period_s)
+        {
             bail!("duration_s and sample_period_s must be positive and control_period_s at least sample_period_s");
         }
         if self.entries.is_empty() || self.baselines.is_empty() {
@@ -177,13 +194,22 @@ impl Scenario {
 
     /// Runs the scenario; one row per sample.
     pub fn run(&self) -> Result<Vec<Row>> {
-        let entries: Vec<EntrySpec> = self.entries.iter().map(|e| EntrySpec { name: e.name.clone(), floor: e.floor }).collect();
-        let idx: Vec<Vec<usize>> = self.baselines.iter().map(|b| self.entry_indices(b)).collect::<Result<_>>()?;
+        let entries: Vec<EntrySpec> = self
+            .entries
+            .iter()
+            .map(|e| EntrySpec { name: e.name.clone(), floor: e.floor })
+            .collect();
+        let idx: Vec<Vec<usize>> =
+            self.baselines.iter().map(|b| self.entry_indices(b)).collect::<Result<_>>()?;
         let baselines: Vec<BaselineSpec> = self
             .baselines
             .iter()
             .zip(&idx)
-            .map(|(b, i)| BaselineSpec { name: b.name.clone(), threshold: b.threshold.at(0.0), entries: i.clone() })
+            .map(|(b, i)| BaselineSpec {
+                name: b.name.clone(),
+                threshold: b.threshold.at(0.0),
+                entries: i.clone(),
+            })
             .collect();
         let cfg = Config { dead_band: self.dead_band, ..Config::default() };
         let mut ctl = Controller::new(cfg, entries, baselines);
@@ -196,7 +222,11 @@ impl Scenario {
         let mut rows = Vec::with_capacity(samples);
         for k in 0..samples {
             let t = k as f64 * self.sample_period_s;
-            let offered: Vec<f64> = self.entries.iter().map(|e| (e.offered.at(t) * (1.0 + e.noise * noise.next())).max(0.0)).collect();
+            let offered: Vec<f64> = self
+                .entries
+                .iter()
+                .map(|e| (e.offered.at(t) * (1.0 + e.noise * noise.next())).max(0.0))
+                .collect();
             let admitted: Vec<f64> = offered.iter().zip(ctl.ratios()).map(|(q, r)| q * r).collect();
             let mut levels = Vec::with_capacity(nb);
             for (b, i) in self.baselines.iter().zip(&idx) {
@@ -218,8 +248,14 @@ impl Scenario {
                 ratio: ctl.ratios().to_vec(),
                 level: levels.clone(),
                 threshold: self.baselines.iter().map(|b| b.threshold.at(t)).collect(),
-                coefficients: last.as_ref().map(|v| v.baselines.iter().map(|b| b.coefficients.clone()).collect()).unwrap_or_default(),
-                shares: last.as_ref().map(|v| v.baselines.iter().map(|b| b.shares.clone()).collect()).unwrap_or_default(),
+                coefficients: last
+                    .as_ref()
+                    .map(|v| v.baselines.iter().map(|b| b.coefficients.clone()).collect())
+                    .unwrap_or_default(),
+                shares: last
+                    .as_ref()
+                    .map(|v| v.baselines.iter().map(|b| b.shares.clone()).collect())
+                    .unwrap_or_default(),
             });
             if acc.3 == per_control {
                 let n = acc.3 as f64;
@@ -242,7 +278,8 @@ impl Scenario {
     /// baseline level/threshold and the estimated coefficient and share of
     /// each of its entries.
     pub fn csv(&self, rows: &[Row]) -> Result<String> {
-        let idx: Vec<Vec<usize>> = self.baselines.iter().map(|b| self.entry_indices(b)).collect::<Result<_>>()?;
+        let idx: Vec<Vec<usize>> =
+            self.baselines.iter().map(|b| self.entry_indices(b)).collect::<Result<_>>()?;
         let mut out = String::from("t_s");
         for e in &self.entries {
             write!(out, ",{0}_offered,{0}_ratio", e.name)?;
@@ -262,7 +299,8 @@ impl Scenario {
             for (b, i) in idx.iter().enumerate() {
                 write!(out, ",{:.3},{:.3}", r.level[b], r.threshold[b])?;
                 for k in 0..i.len() {
-                    let c = r.coefficients.get(b).and_then(|v| v.get(k)).copied().unwrap_or(f64::NAN);
+                    let c =
+                        r.coefficients.get(b).and_then(|v| v.get(k)).copied().unwrap_or(f64::NAN);
                     let s = r.shares.get(b).and_then(|v| v.get(k)).copied().unwrap_or(f64::NAN);
                     write!(out, ",{c:.4},{s:.4}")?;
                 }
@@ -279,7 +317,11 @@ impl Scenario {
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(350);
         let t_max = rows.last().map(|r| r.t).unwrap_or(1.0).max(1.0);
-        let y_max = rows.iter().flat_map(|r| r.level.iter().chain(&r.threshold)).fold(1.0f64, |a, b| a.max(*b)) * 1.1;
+        let y_max = rows
+            .iter()
+            .flat_map(|r| r.level.iter().chain(&r.threshold))
+            .fold(1.0f64, |a, b| a.max(*b))
+            * 1.1;
         let palette = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
         let mut chart = ChartBuilder::on(&top)
             .caption("baseline levels (solid) and thresholds (dashed)", ("sans-serif", 16))
@@ -291,12 +333,24 @@ impl Scenario {
         for (b, spec) in self.baselines.iter().enumerate() {
             let c = palette[b % palette.len()];
             chart
-                .draw_series(LineSeries::new(rows.iter().map(|r| (r.t, r.level[b])), c.stroke_width(1)))?
+                .draw_series(LineSeries::new(
+                    rows.iter().map(|r| (r.t, r.level[b])),
+                    c.stroke_width(1),
+                ))?
                 .label(format!("{} level", spec.name))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], c));
-            chart.draw_series(DashedLineSeries::new(rows.iter().map(|r| (r.t, r.threshold[b])), 6, 4, c.stroke_width(2)))?;
+            chart.draw_series(DashedLineSeries::new(
+                rows.iter().map(|r| (r.t, r.threshold[b])),
+                6,
+                4,
+                c.stroke_width(2),
+            ))?;
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
         let mut chart = ChartBuilder::on(&bottom)
             .caption("admission ratios", ("sans-serif", 16))
             .margin(10)
@@ -307,11 +361,18 @@ impl Scenario {
         for (e, spec) in self.entries.iter().enumerate() {
             let c = palette[e % palette.len()];
             chart
-                .draw_series(LineSeries::new(rows.iter().map(|r| (r.t, r.ratio[e])), c.stroke_width(2)))?
+                .draw_series(LineSeries::new(
+                    rows.iter().map(|r| (r.t, r.ratio[e])),
+                    c.stroke_width(2),
+                ))?
                 .label(format!("{} (floor {})", spec.name, spec.floor))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], c));
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     }
@@ -344,7 +405,10 @@ mod tests {
     use super::*;
 
     fn example(name: &str) -> Scenario {
-        Scenario::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/scenarios").join(name)).unwrap()
+        Scenario::load(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/scenarios").join(name),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -352,12 +416,23 @@ mod tests {
         let s = example("article.toml");
         let started = std::time::Instant::now();
         let rows = s.run().unwrap();
-        assert!(started.elapsed().as_secs_f64() < 1.0, "a 10-minute scenario in well under a second");
+        assert!(
+            started.elapsed().as_secs_f64() < 1.0,
+            "a 10-minute scenario in well under a second"
+        );
         let before = &rows[295];
-        assert!((before.ratio[0] - 0.01).abs() < 1e-9 && (0.285..=0.296).contains(&before.ratio[1]), "{:?}", before.ratio);
+        assert!(
+            (before.ratio[0] - 0.01).abs() < 1e-9 && (0.285..=0.296).contains(&before.ratio[1]),
+            "{:?}",
+            before.ratio
+        );
         assert!(before.level[0] <= 60.0 && before.level[0] >= 58.0, "{}", before.level[0]);
         let end = rows.last().unwrap();
-        assert!((0.01..=0.02).contains(&end.ratio[0]) && (0.46..=0.51).contains(&end.ratio[1]), "{:?}", end.ratio);
+        assert!(
+            (0.01..=0.02).contains(&end.ratio[0]) && (0.46..=0.51).contains(&end.ratio[1]),
+            "{:?}",
+            end.ratio
+        );
         assert!((97.0..=100.0).contains(&end.level[0]));
         let csv = s.csv(&rows).unwrap();
         assert!(csv.starts_with("t_s,batch_offered,batch_ratio,checkout_offered,checkout_ratio,db_level,db_threshold,db_coef_batch,db_share_batch"));
@@ -366,7 +441,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         s.svg(&rows, &dir.join("chart.svg")).unwrap();
         let svg = std::fs::read_to_string(dir.join("chart.svg")).unwrap();
-        assert!(svg.starts_with("<svg") && svg.contains("admission ratios") && svg.contains("checkout (floor 0.5)"));
+        assert!(
+            svg.starts_with("<svg")
+                && svg.contains("admission ratios")
+                && svg.contains("checkout (floor 0.5)")
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -400,7 +479,10 @@ mod tests {
         let rows = s.run().unwrap();
         let before = &rows[295].coefficients[0];
         let after = &rows.last().unwrap().coefficients[0];
-        assert!((before[0] - 1.0).abs() < 0.15 && (before[1] - 2.0).abs() < 0.3, "before: {before:?}");
+        assert!(
+            (before[0] - 1.0).abs() < 0.15 && (before[1] - 2.0).abs() < 0.3,
+            "before: {before:?}"
+        );
         assert!((after[0] - 1.0).abs() < 0.2 && (after[1] - 4.0).abs() < 0.5, "after: {after:?}");
     }
 
@@ -421,7 +503,11 @@ mod tests {
         let end = rows.last().unwrap();
         assert!(end.level[0] <= 150.0 + 1e-6 && end.level[1] <= 120.0 + 1e-6, "{:?}", end.level);
         assert!(end.level[1] >= 120.0 * 0.9, "not over-cut: {:?}", end.level);
-        assert!(end.ratio[1] >= 0.6 - 1e-9 && end.ratio[2] >= 0.6 - 1e-9, "floors hold: {:?}", end.ratio);
+        assert!(
+            end.ratio[1] >= 0.6 - 1e-9 && end.ratio[2] >= 0.6 - 1e-9,
+            "floors hold: {:?}",
+            end.ratio
+        );
         assert!(end.ratio[0] < end.ratio[1], "the shared entry took the cut: {:?}", end.ratio);
     }
 

@@ -1,9 +1,16 @@
 //! The binary's own contract, without root: `check` output and exit codes.
 
-use std::{io::Write, process::{Command, Stdio}};
+use std::{
+    io::Write,
+    process::{Command, Stdio},
+};
 
 fn profile(text: &str) -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("flowctl-cli-{}-{}.toml", std::process::id(), text.len()));
+    let p = std::env::temp_dir().join(format!(
+        "flowctl-cli-{}-{}.toml",
+        std::process::id(),
+        text.len()
+    ));
     std::fs::write(&p, text).unwrap();
     p
 }

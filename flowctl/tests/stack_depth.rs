@@ -47,7 +47,7 @@ fn functions(elf: &object::File) -> Vec<Func> {
             let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
             let class = op & 0x07;
             let mem = op & 0xe0 == 0x60; // BPF_MEM mode
-            // Loads from and stores to the frame pointer's memory.
+                                         // Loads from and stores to the frame pointer's memory.
             let fp_off = match class {
                 0x01 if mem && src == 10 => Some(off),        // LDX
                 0x02 | 0x03 if mem && dst == 10 => Some(off), // ST, STX
@@ -71,8 +71,13 @@ fn functions(elf: &object::File) -> Vec<Func> {
                 let target = match relocs.get(&at).map(|r| r.target()) {
                     Some(RelocationTarget::Symbol(s)) => {
                         let s = elf.symbol_by_index(s).unwrap();
-                        let base = s.address() - elf.section_by_index(s.section_index().unwrap()).unwrap().address();
-                        let t = if s.kind() == SymbolKind::Section { base + ((imm as i64 + 1) * 8) as u64 } else { base };
+                        let base = s.address()
+                            - elf.section_by_index(s.section_index().unwrap()).unwrap().address();
+                        let t = if s.kind() == SymbolKind::Section {
+                            base + ((imm as i64 + 1) * 8) as u64
+                        } else {
+                            base
+                        };
                         (s.section_index().unwrap(), t)
                     }
                     _ => (section, (at as i64 + (imm as i64 + 1) * 8) as u64),
@@ -80,7 +85,14 @@ fn functions(elf: &object::File) -> Vec<Func> {
                 calls.push(target);
             }
         }
-        out.push(Func { name: sym.name().unwrap().to_string(), section, start, size, depth, calls });
+        out.push(Func {
+            name: sym.name().unwrap().to_string(),
+            section,
+            start,
+            size,
+            depth,
+            calls,
+        });
     }
     out
 }
@@ -113,15 +125,22 @@ fn worst_chain(funcs: &[Func], f: usize, seen: &mut Vec<usize>) -> (u32, Vec<Str
 
 #[test]
 fn xdp_call_chains_fit_the_stack_with_margin() {
-    let elf = object::File::parse(flowctl::object::xdp_object()).expect("the embedded XDP object parses");
+    let elf =
+        object::File::parse(flowctl::object::xdp_object()).expect("the embedded XDP object parses");
     let funcs = functions(&elf);
     for f in funcs.iter().filter(|f| f.name.starts_with("flowctl_")) {
         println!("  {}: {} bytes of stack", f.name, f.depth);
     }
     for entry in [flowctl_common::XDP_PROGRAM, flowctl_common::XDP_PROGRAM_FRAGS] {
-        let f = funcs.iter().position(|f| f.name == entry).unwrap_or_else(|| panic!("{entry} missing from the object"));
+        let f = funcs
+            .iter()
+            .position(|f| f.name == entry)
+            .unwrap_or_else(|| panic!("{entry} missing from the object"));
         let (bytes, chain) = worst_chain(&funcs, f, &mut Vec::new());
-        println!("{entry}: worst call chain {bytes} of {MAX_BPF_STACK} bytes (6.1's accounting): {}", chain.join(" -> "));
+        println!(
+            "{entry}: worst call chain {bytes} of {MAX_BPF_STACK} bytes (6.1's accounting): {}",
+            chain.join(" -> ")
+        );
         assert!(
             bytes + MARGIN <= MAX_BPF_STACK,
             "{entry}: the call chain {} takes {bytes} bytes of stack; keep {MARGIN} of {MAX_BPF_STACK} free",
@@ -136,4 +155,3 @@ fn frames_round_as_6_1_does() {
     assert_eq!(frame(48), 64);
     assert_eq!(frame(424), 448);
 }
-

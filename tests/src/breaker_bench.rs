@@ -33,7 +33,8 @@ impl Cgroup {
     }
     /// Moves this whole process here.
     fn enter(&self) {
-        std::fs::write(self.0.join("cgroup.procs"), std::process::id().to_string()).expect("join the cgroup");
+        std::fs::write(self.0.join("cgroup.procs"), std::process::id().to_string())
+            .expect("join the cgroup");
     }
 }
 
@@ -62,7 +63,9 @@ impl Agent {
             .spawn()
             .expect("start the agent");
         let dir_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&cgroup.0).unwrap());
-        let published = Path::new(flowctl_common::RUN_ROOT).join(format!("cgroup-{dir_id}")).join("breakers.json");
+        let published = Path::new(flowctl_common::RUN_ROOT)
+            .join(format!("cgroup-{dir_id}"))
+            .join("breakers.json");
         let deadline = Instant::now() + Duration::from_secs(15);
         while !published.exists() {
             assert!(Instant::now() < deadline, "the breaker agent did not come up");
@@ -119,7 +122,11 @@ pub fn run(bin: &Path, quick: bool) {
     let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
     let home = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("0::")).map(|l| mount.join(l.trim_start_matches("0::").trim_start_matches('/'))))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("0::"))
+                .map(|l| mount.join(l.trim_start_matches("0::").trim_start_matches('/')))
+        })
         .unwrap_or(mount.clone());
     let (addr, stop) = listener();
 
@@ -154,7 +161,10 @@ pub fn run(bin: &Path, quick: bool) {
     drop((_a1, _a2));
 
     println!("\n7b. Recovery after the dependency heals (sre, window 3 s / 10 buckets, K = 2, min 100 requests; a caller connecting every 5 ms)");
-    println!("{:>16} {:>16} {:>16} {:>12}", "cap (max_drop)", "refused share", "last refusal", "bound");
+    println!(
+        "{:>16} {:>16} {:>16} {:>12}",
+        "cap (max_drop)", "refused share", "last refusal", "bound"
+    );
     for cap in [0.9, 1.0] {
         let cg = Cgroup::new(&mount, "fbb-rec-");
         // A port nothing listens on yet: refused by loopback's RST.
@@ -162,7 +172,11 @@ pub fn run(bin: &Path, quick: bool) {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
         };
-        let _agent = Agent::start(bin, &cg, &breaker_profile("127.0.0.1", port, &format!("max_drop = {cap}\n")));
+        let _agent = Agent::start(
+            bin,
+            &cg,
+            &breaker_profile("127.0.0.1", port, &format!("max_drop = {cap}\n")),
+        );
         cg.enter();
         let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let outage = Instant::now();
@@ -180,7 +194,9 @@ pub fn run(bin: &Path, quick: bool) {
         let mut last_local = None;
         while healed.elapsed() < Duration::from_secs(6) {
             match TcpStream::connect(target) {
-                Err(e) if e.raw_os_error() == Some(LOCAL_ERRNO) => last_local = Some(healed.elapsed()),
+                Err(e) if e.raw_os_error() == Some(LOCAL_ERRNO) => {
+                    last_local = Some(healed.elapsed())
+                }
                 _ => {}
             }
             while healed_listener.accept().is_ok() {}

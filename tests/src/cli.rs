@@ -31,5 +31,11 @@ pub fn attachment(iface: &str) -> Option<Value> {
 /// One rule's counters of an attached `iface`.
 pub fn rule(iface: &str, name: &str) -> Value {
     let a = attachment(iface).expect("attached");
-    a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == name).cloned().expect("rule in status")
+    a["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["rule"] == name)
+        .cloned()
+        .expect("rule in status")
 }

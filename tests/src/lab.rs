@@ -4,7 +4,8 @@
 use std::process::Command;
 
 pub fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let out =
+        Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
     assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).to_string()
 }
@@ -24,7 +25,10 @@ impl Lab {
     /// `subnet` picks 10.201.<subnet>.0/24 so concurrent labs never overlap.
     pub fn new(tag: &str, subnet: u8) -> Self {
         let id = crate::unique(tag);
-        assert!(id.len() + 2 <= 15, "lab tag `{tag}` too long: interface names are at most 15 bytes");
+        assert!(
+            id.len() + 2 <= 15,
+            "lab tag `{tag}` too long: interface names are at most 15 bytes"
+        );
         let lab = Self {
             ns_srv: format!("{id}s"),
             ns_cli: format!("{id}c"),
@@ -35,8 +39,24 @@ impl Lab {
         };
         sh(&["ip", "netns", "add", &lab.ns_srv]);
         sh(&["ip", "netns", "add", &lab.ns_cli]);
-        sh(&["ip", "link", "add", &lab.veth_srv, "netns", &lab.ns_srv, "type", "veth", "peer", "name", &lab.veth_cli, "netns", &lab.ns_cli]);
-        for (ns, dev, ip) in [(&lab.ns_srv, &lab.veth_srv, &lab.ip_srv), (&lab.ns_cli, &lab.veth_cli, &lab.ip_cli)] {
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            &lab.veth_srv,
+            "netns",
+            &lab.ns_srv,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &lab.veth_cli,
+            "netns",
+            &lab.ns_cli,
+        ]);
+        for (ns, dev, ip) in
+            [(&lab.ns_srv, &lab.veth_srv, &lab.ip_srv), (&lab.ns_cli, &lab.veth_cli, &lab.ip_cli)]
+        {
             sh(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", dev]);
             sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);

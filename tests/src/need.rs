@@ -72,8 +72,12 @@ impl Host {
     pub fn probe() -> Self {
         let mounts = cgroup::mounts().unwrap_or_default();
         let v2 = cgroup::v2_of(&mounts);
-        let v2_controllers = v2.as_deref().and_then(|p| cgroup::v2_controllers(p).ok()).unwrap_or_default();
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
+        let v2_controllers =
+            v2.as_deref().and_then(|p| cgroup::v2_controllers(p).ok()).unwrap_or_default();
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         Self { root: unsafe { libc::geteuid() } == 0, mounts, v2, v2_controllers, release }
     }
 
@@ -91,17 +95,27 @@ impl Host {
         let pure_v2 = self.v2.is_some() && self.mounts.iter().all(|m| m.v2);
         match need {
             Need::Root => (!self.root).then(|| "needs root (run `cargo xtask test`)".to_string()),
-            Need::CgroupV2 => self.v2.is_none().then(|| "needs a cgroup v2 hierarchy (no cgroup2 mount in /proc/self/mounts)".to_string()),
+            Need::CgroupV2 => self.v2.is_none().then(|| {
+                "needs a cgroup v2 hierarchy (no cgroup2 mount in /proc/self/mounts)".to_string()
+            }),
             Need::CgroupV1Cpu => {
-                let missing: Vec<&str> = ["cpu", "cpuacct"].into_iter().filter(|c| !self.v1_has(c)).collect();
+                let missing: Vec<&str> =
+                    ["cpu", "cpuacct"].into_iter().filter(|c| !self.v1_has(c)).collect();
                 (!missing.is_empty()).then(|| match pure_v2 {
-                    true => "needs cgroup v1 cpu controller (this host is pure cgroup v2)".to_string(),
-                    false => format!("needs cgroup v1 cpu controller (no v1 hierarchy carries {})", missing.join(" or ")),
+                    true => {
+                        "needs cgroup v1 cpu controller (this host is pure cgroup v2)".to_string()
+                    }
+                    false => format!(
+                        "needs cgroup v1 cpu controller (no v1 hierarchy carries {})",
+                        missing.join(" or ")
+                    ),
                 })
             }
             Need::CgroupV2Cpu => {
                 let Some(v2) = &self.v2 else {
-                    return Some("needs cgroup v2 cpu controller (no cgroup v2 hierarchy)".to_string());
+                    return Some(
+                        "needs cgroup v2 cpu controller (no cgroup v2 hierarchy)".to_string(),
+                    );
                 };
                 (!self.v2_controllers.iter().any(|c| c == "cpu")).then(|| match self.v1_has("cpu") {
                     true => format!("needs cgroup v2 cpu controller (this host is hybrid: cpu is on cgroup v1, v2 at {} has none)", v2.display()),
@@ -110,7 +124,9 @@ impl Host {
             }
             Need::Kernel(major, minor) => match self.kernel() {
                 Some(v) if v >= (major, minor) => None,
-                _ => Some(format!("needs Linux {major}.{minor} or newer (this is {})", self.release)),
+                _ => {
+                    Some(format!("needs Linux {major}.{minor} or newer (this is {})", self.release))
+                }
             },
             Need::Command(c) => (!on_path(c)).then(|| format!("needs `{c}` on PATH")),
         }
@@ -140,11 +156,14 @@ pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
 
 fn on_path(cmd: &str) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    let ok = |p: &std::path::Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    let ok = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
     if cmd.contains('/') {
         return ok(std::path::Path::new(cmd));
     }
-    std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| ok(&d.join(cmd))))
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| ok(&d.join(cmd))))
 }
 
 /// Runs the tests as libtest would (its command line from the process
@@ -158,7 +177,11 @@ pub fn run(tests: Vec<Test>) -> ! {
         None => tests,
         Some(names) => tests
             .into_iter()
-            .filter(|t| names.iter().any(|n| if args.exact { t.name == n } else { t.name.contains(n.as_str()) }))
+            .filter(|t| {
+                names
+                    .iter()
+                    .any(|n| if args.exact { t.name == n } else { t.name.contains(n.as_str()) })
+            })
             .collect(),
     };
     let host = Host::probe();
@@ -190,7 +213,8 @@ pub fn run(tests: Vec<Test>) -> ! {
 /// as the kernel matrix runs its subset); libtest-mimic takes one, so with
 /// more than one the names are taken out here and applied to the list.
 fn arguments() -> (Arguments, Option<Vec<String>>) {
-    const WITH_VALUE: &[&str] = &["--test-threads", "--logfile", "--skip", "--color", "--format", "-Z"];
+    const WITH_VALUE: &[&str] =
+        &["--test-threads", "--logfile", "--skip", "--color", "--format", "-Z"];
     let all: Vec<String> = std::env::args().collect();
     let mut flags = vec![all[0].clone()];
     let mut names = Vec::new();
@@ -219,9 +243,15 @@ fn arguments() -> (Arguments, Option<Vec<String>>) {
 }
 
 fn run_on_thread(name: &str, f: fn()) -> Result<Completion, Failed> {
-    let handle = std::thread::Builder::new().name(name.to_string()).spawn(f).map_err(|e| Failed::from(format!("spawning the test thread: {e}")))?;
+    let handle = std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(f)
+        .map_err(|e| Failed::from(format!("spawning the test thread: {e}")))?;
     handle.join().map(|()| Completion::Completed).map_err(|payload| {
-        let msg = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied());
         Failed::from(match msg {
             Some(m) => format!("test panicked: {m}"),
             None => "test panicked".to_string(),
@@ -255,13 +285,24 @@ mod tests {
     fn needs_on_a_pure_v2_host() {
         let h = host(PURE, "cpuset cpu io memory pids", true);
         assert_eq!(h.unmet_all(&[Need::Root, Need::CgroupV2, Need::CgroupV2Cpu]), None);
-        assert_eq!(h.unmet(Need::CgroupV1Cpu).unwrap(), "needs cgroup v1 cpu controller (this host is pure cgroup v2)");
+        assert_eq!(
+            h.unmet(Need::CgroupV1Cpu).unwrap(),
+            "needs cgroup v1 cpu controller (this host is pure cgroup v2)"
+        );
     }
 
     #[test]
     fn unmet_needs_join_on_one_line() {
         let h = host("", "", false);
-        let why = h.unmet_all(&[Need::Root, Need::CgroupV2, Need::Kernel(7, 1), Need::Kernel(6, 12), Need::Command("sh")]).unwrap();
+        let why = h
+            .unmet_all(&[
+                Need::Root,
+                Need::CgroupV2,
+                Need::Kernel(7, 1),
+                Need::Kernel(6, 12),
+                Need::Command("sh"),
+            ])
+            .unwrap();
         assert_eq!(
             why,
             "needs root (run `cargo xtask test`); needs a cgroup v2 hierarchy (no cgroup2 mount in /proc/self/mounts); needs Linux 7.1 or newer (this is 6.12.117+deb12-amd64)"

@@ -45,15 +45,19 @@ fn thread_cpu() -> Duration {
 /// a connection to `STATS_PORT` takes them (microseconds, one per line).
 pub fn serve_cpu(netns: &str, addr: &str, cgroup: &str) -> ! {
     for ctl in ["cpu", "cpuacct"] {
-        std::fs::write(format!("/sys/fs/cgroup/{ctl}/{cgroup}/cgroup.procs"), "0").expect("join the service cgroup");
+        std::fs::write(format!("/sys/fs/cgroup/{ctl}/{cgroup}/cgroup.procs"), "0")
+            .expect("join the service cgroup");
     }
     flowctl::pins::enter_netns(netns).expect("enter the service namespace");
     let listener = Arc::new(TcpListener::bind(addr).expect("bind"));
     let times = Arc::new(Mutex::new(Vec::<u32>::new()));
-    let stats_addr: SocketAddr = addr.parse::<SocketAddr>().map(|mut a| {
-        a.set_port(STATS_PORT);
-        a
-    }).expect("service address");
+    let stats_addr: SocketAddr = addr
+        .parse::<SocketAddr>()
+        .map(|mut a| {
+            a.set_port(STATS_PORT);
+            a
+        })
+        .expect("service address");
     let stats = TcpListener::bind(stats_addr).expect("bind the stats port");
     let t = times.clone();
     std::thread::spawn(move || {
@@ -127,13 +131,22 @@ fn server_times(lab: &Lab) -> Vec<f64> {
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted.get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1))).copied().unwrap_or(0.0)
+    sorted
+        .get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(0.0)
 }
 
 /// Offers connections open-loop: `rate(t)` per second for `secs`, from a
 /// pool of client threads in the client namespace; measures from
 /// `hold_from` seconds on.
-fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_from: f64) -> PhaseResult {
+fn offer(
+    lab: &Lab,
+    cgroup: &str,
+    rate: impl Fn(f64) -> f64,
+    secs: f64,
+    hold_from: f64,
+) -> PhaseResult {
     let target: SocketAddr = format!("{}:{PORT}", lab.ip_srv).parse().unwrap();
     let (tx, rx) = mpsc::channel::<(Instant, bool)>();
     let rx = Arc::new(Mutex::new(rx));
@@ -158,12 +171,24 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
                                 match s.read(&mut b) {
                                     Ok(1) => Outcome::Done(t.elapsed()),
                                     Ok(_) => Outcome::Other,
-                                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => Outcome::ResponseTimeout,
+                                    Err(e)
+                                        if matches!(
+                                            e.kind(),
+                                            std::io::ErrorKind::WouldBlock
+                                                | std::io::ErrorKind::TimedOut
+                                        ) =>
+                                    {
+                                        Outcome::ResponseTimeout
+                                    }
                                     Err(_) => Outcome::Other,
                                 }
                             }
-                            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Outcome::Refused,
-                            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Outcome::ConnectTimeout,
+                            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                                Outcome::Refused
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                                Outcome::ConnectTimeout
+                            }
                             Err(_) => Outcome::Other,
                         };
                         results.lock().unwrap().push((o, measured, late));
@@ -193,7 +218,11 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
     }
     let (hold_t0, hold_cpu0) = hold_start.unwrap_or((start, cpu0));
     let hold_secs = hold_t0.elapsed().as_secs_f64();
-    let cpu_permille = (cgroup_usage(cgroup) - hold_cpu0) as f64 / 1e9 / hold_secs / (QUOTA_US as f64 / PERIOD_US as f64) * 1000.0;
+    let cpu_permille = (cgroup_usage(cgroup) - hold_cpu0) as f64
+        / 1e9
+        / hold_secs
+        / (QUOTA_US as f64 / PERIOD_US as f64)
+        * 1000.0;
     let mut served = server_times(lab);
     served.sort_by(|a, b| a.total_cmp(b));
     drop(tx);
@@ -231,7 +260,10 @@ fn offer(lab: &Lab, cgroup: &str, rate: impl Fn(f64) -> f64, secs: f64, hold_fro
 }
 
 fn cgroup_usage(cgroup: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/{cgroup}/cpuacct.usage")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/{cgroup}/cpuacct.usage"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn print(label: &str, r: &PhaseResult) {
@@ -262,10 +294,13 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     let lab = Lab::new("fovl", 232);
     let cgroup = crate::unique("flowctl-ovl-");
     for ctl in ["cpu", "cpuacct"] {
-        std::fs::create_dir_all(format!("/sys/fs/cgroup/{ctl}/{cgroup}")).expect("create the service cgroup (cgroup v1 cpu/cpuacct)");
+        std::fs::create_dir_all(format!("/sys/fs/cgroup/{ctl}/{cgroup}"))
+            .expect("create the service cgroup (cgroup v1 cpu/cpuacct)");
     }
-    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_period_us"), PERIOD_US.to_string()).unwrap();
-    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_quota_us"), QUOTA_US.to_string()).unwrap();
+    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_period_us"), PERIOD_US.to_string())
+        .unwrap();
+    std::fs::write(format!("/sys/fs/cgroup/cpu/{cgroup}/cpu.cfs_quota_us"), QUOTA_US.to_string())
+        .unwrap();
     let mut service = std::process::Command::new(bench_bin)
         .args(["serve-cpu", &lab.ns_srv, &format!("{}:{PORT}", lab.ip_srv), &cgroup])
         .spawn()
@@ -275,7 +310,8 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     let dev = lab.veth_cli.clone();
     let _peer = Lab::in_ns(&lab.ns_cli, move || {
         let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
-        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        let prog: &mut aya::programs::Xdp =
+            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
         prog.load().unwrap();
         prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
         ebpf
@@ -297,7 +333,11 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
         .expect("start the agent");
     std::thread::sleep(Duration::from_secs(2));
     let apply = |p: &std::path::Path| {
-        let out = std::process::Command::new(flowctl_bin).args(["apply", &lab.veth_srv, "--netns", &lab.ns_srv]).arg(p).output().unwrap();
+        let out = std::process::Command::new(flowctl_bin)
+            .args(["apply", &lab.veth_srv, "--netns", &lab.ns_srv])
+            .arg(p)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "apply: {}", String::from_utf8_lossy(&out.stderr));
     };
 
@@ -323,7 +363,13 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     apply(&sticky);
     let held = offer(&lab, &cgroup, ramp, 20.0, 10.0);
     print("3x, BBR, release 600", &held);
-    let ratio = |r: &PhaseResult| (r.goodput_per_s / capacity, r.server_p99_ms / unloaded.server_p99_ms.max(0.001), r.p99_ms / unloaded.p99_ms.max(0.001));
+    let ratio = |r: &PhaseResult| {
+        (
+            r.goodput_per_s / capacity,
+            r.server_p99_ms / unloaded.server_p99_ms.max(0.001),
+            r.p99_ms / unloaded.p99_ms.max(0.001),
+        )
+    };
     for (label, r) in [("BBR on", &with), ("BBR on, release 600", &held), ("BBR off", &without)] {
         let (g, s, c) = ratio(r);
         println!("  {label} at 3x: goodput {g:.2}x capacity (target >= 0.90); accept-to-close p99 {s:.1}x unloaded (target <= 3); client p99 {c:.1}x unloaded");

@@ -128,7 +128,8 @@ impl V6 {
         if proto == 1 {
             proto = 58;
         }
-        let later_fragment = self.ext.iter().any(|(n, b)| *n == 44 && u16::from_be_bytes([b[2], b[3]]) >> 3 != 0);
+        let later_fragment =
+            self.ext.iter().any(|(n, b)| *n == 44 && u16::from_be_bytes([b[2], b[3]]) >> 3 != 0);
         let mut exts = Vec::new();
         // Chain: each header's first byte is the next header.
         for (i, (_, b)) in self.ext.iter().enumerate() {

@@ -34,7 +34,11 @@ impl TestPlane {
 
     /// As `new_with`, with the XDP variant chosen (the benchmark needs the
     /// single-buffer one: it tail-calls into it from a single-buffer program).
-    pub fn new_variant(profile_text: &str, tweak: impl FnOnce(&mut profile::Settings), variant: dataplane::XdpVariant) -> Self {
+    pub fn new_variant(
+        profile_text: &str,
+        tweak: impl FnOnce(&mut profile::Settings),
+        variant: dataplane::XdpVariant,
+    ) -> Self {
         flowctl::pins::ensure_bpffs().expect("bpffs");
         remove_orphaned_test_pins();
         let mut set = profile::parse("test.toml", profile_text).expect("test profile");
@@ -43,7 +47,8 @@ impl TestPlane {
         let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
         let id = AttachId { netns_ino: 1, ifindex };
         let _ = dataplane::detach(&id);
-        let ebpf = dataplane::load_variant(&id, &set.settings, variant).expect("load the XDP program");
+        let ebpf =
+            dataplane::load_variant(&id, &set.settings, variant).expect("load the XDP program");
         let mut maps = Maps::open(&id).expect("open pinned maps");
         let mut state = AttachState {
             layout_version: LAYOUT_VERSION,
@@ -107,7 +112,12 @@ impl TestPlane {
 
     /// The record of rule `name`.
     pub fn record(&self, rule: &str) -> u32 {
-        self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record
+        self.state
+            .rules
+            .iter()
+            .find(|r| r.name == rule)
+            .unwrap_or_else(|| panic!("no rule {rule}"))
+            .record
     }
 
     /// Makes the kernel see a live agent (fresh heartbeat) or a dead one.
@@ -119,7 +129,13 @@ impl TestPlane {
     }
 
     pub fn counters(&self, rule: &str) -> RuleCounters {
-        let rec = self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record;
+        let rec = self
+            .state
+            .rules
+            .iter()
+            .find(|r| r.name == rule)
+            .unwrap_or_else(|| panic!("no rule {rule}"))
+            .record;
         self.maps.counters(rec).unwrap()
     }
 
@@ -130,7 +146,13 @@ impl TestPlane {
     /// A rule's statistics ring summed over the last few buckets, the
     /// current one included (tests run well inside one ring span).
     pub fn ring(&self, rule: &str) -> flowctl_common::stats::StatsSum {
-        let rec = self.state.rules.iter().find(|r| r.name == rule).unwrap_or_else(|| panic!("no rule {rule}")).record;
+        let rec = self
+            .state
+            .rules
+            .iter()
+            .find(|r| r.name == rule)
+            .unwrap_or_else(|| panic!("no rule {rule}"))
+            .record;
         let shape = self.state.stats;
         let cur = flowctl_common::stats::epoch_of(flowctl::pins::monotonic_ns(), shape.bucket_ns);
         let back = (shape.buckets as u64 - 1).min(cur - 1);
@@ -158,7 +180,12 @@ pub fn pin_to_cpu(cpu: usize) {
 
 /// Two threads, pinned to CPUs 0 and 1, each running `frame` through the
 /// program `calls` times with `repeat` repetitions per call.
-pub fn hammer_on_two_cpus(plane: &std::sync::Arc<TestPlane>, frame: &[u8], calls: usize, repeat: u32) {
+pub fn hammer_on_two_cpus(
+    plane: &std::sync::Arc<TestPlane>,
+    frame: &[u8],
+    calls: usize,
+    repeat: u32,
+) {
     let handles: Vec<_> = (0..2)
         .map(|cpu| {
             let (p, frame) = (plane.clone(), frame.to_vec());
@@ -184,7 +211,9 @@ fn remove_orphaned_test_pins() {
     let me = std::process::id() % 100_000;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(ifindex) = name.strip_prefix("1-").and_then(|i| i.parse::<u32>().ok()) else { continue };
+        let Some(ifindex) = name.strip_prefix("1-").and_then(|i| i.parse::<u32>().ok()) else {
+            continue;
+        };
         if ifindex < 1_000_000 {
             continue;
         }

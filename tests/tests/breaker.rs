@@ -52,7 +52,15 @@ print(json.dumps(out))
 "#;
 
 fn target(port_lo: u16, port_hi: u16, flags: u8) -> Target {
-    Target { addr: [0x7f00_0001, 0, 0, 0], prefix_len: 32, family: 4, flags, port_lo, port_hi, ..Default::default() }
+    Target {
+        addr: [0x7f00_0001, 0, 0, 0],
+        prefix_len: 32,
+        family: 4,
+        flags,
+        port_lo,
+        port_hi,
+        ..Default::default()
+    }
 }
 
 fn dir_ino(p: &std::path::Path) -> u64 {
@@ -61,7 +69,8 @@ fn dir_ino(p: &std::path::Path) -> u64 {
 }
 
 fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
-    let root = &flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
+    let root = &flowctl::cgroup::cgroup2_mount()
+        .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
     let cg = root.join(flowctl_tests::unique("flowctl-brk-"));
     let other = root.join(flowctl_tests::unique("flowctl-brko-"));
     std::fs::create_dir(&cg).unwrap();
@@ -75,28 +84,64 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         }
     }
     let _rm = Rm(vec![cg.clone(), other.clone()]);
-    let mut ebpf = EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
+    let mut ebpf =
+        EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
     let live = flowctl::pins::monotonic_ns() + 60_000_000_000;
     let refuse = Control { drop_ppm: 1_000_000, errno: 111, ..Default::default() };
-    let mut deadline: Array<_, u64> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").unwrap()).unwrap();
+    let mut deadline: Array<_, u64> =
+        Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").unwrap()).unwrap();
     deadline.set(0, live, 0).unwrap();
     {
-        let mut targets: Array<_, Target> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
-        let in_cgroup = |port, cgroup: &std::path::Path| Target { cgroup_id: dir_ino(cgroup), cgroup_level: 1, ..target(port, port, 0) };
+        let mut targets: Array<_, Target> =
+            Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
+        let in_cgroup = |port, cgroup: &std::path::Path| Target {
+            cgroup_id: dir_ino(cgroup),
+            cgroup_level: 1,
+            ..target(port, port, 0)
+        };
         targets.set(0, target(7903, 7903, target_flags::EXEMPT), 0).unwrap();
         targets.set(1, target(7902, 7902, 0), 0).unwrap();
         targets.set(2, target(7905, 7905, 0), 0).unwrap();
         targets.set(3, target(7901, 7904, 0), 0).unwrap();
-        targets.set(4, Target { addr: [0x0a63_0001, 0, 0, 0], prefix_len: 32, family: 4, port_lo: 80, port_hi: 80, ..Default::default() }, 0).unwrap();
+        targets
+            .set(
+                4,
+                Target {
+                    addr: [0x0a63_0001, 0, 0, 0],
+                    prefix_len: 32,
+                    family: 4,
+                    port_lo: 80,
+                    port_hi: 80,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
         targets.set(5, in_cgroup(7906, &other), 0).unwrap();
         targets.set(6, in_cgroup(7907, &cg), 0).unwrap();
-        targets.set(7, Target { addr: [0, 0, 0, 1], prefix_len: 128, family: 6, port_lo: 7909, port_hi: 7909, ..Default::default() }, 0).unwrap();
-        let mut control: Array<_, Control> = Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+        targets
+            .set(
+                7,
+                Target {
+                    addr: [0, 0, 0, 1],
+                    prefix_len: 128,
+                    family: 6,
+                    port_lo: 7909,
+                    port_hi: 7909,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        let mut control: Array<_, Control> =
+            Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
         for slot in [0, 1, 5, 6, 7] {
             control.set(slot, refuse, 0).unwrap();
         }
         // Half-open, one probe, round (epoch) 5.
-        control.set(2, Control { probes: 1, probe_word: probe_word::pack(5, 0, 0, 0), ..refuse }, 0).unwrap();
+        control
+            .set(2, Control { probes: 1, probe_word: probe_word::pack(5, 0, 0, 0), ..refuse }, 0)
+            .unwrap();
         control.set(3, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
         control.set(4, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
     }
@@ -110,40 +155,84 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     p.load().unwrap();
     p.attach(&fd, CgroupAttachMode::Single).unwrap();
 
-    let out = std::process::Command::new("unshare").args(["-n", "python3", "-c", CHILD]).arg(&cg).output().unwrap();
+    let out = std::process::Command::new("unshare")
+        .args(["-n", "python3", "-c", CHILD])
+        .arg(&cg)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     println!("{v}");
     assert_eq!(v["refused_v4"][0], 111, "ECONNREFUSED from the hook");
-    assert!(flowctl_tests::need::in_vm() || v["refused_v4"][1].as_f64().unwrap() < 1000.0, "fails at once: {} us", v["refused_v4"][1]);
-    assert_eq!(v["refused_mapped_v6"][0], 111, "a connect6 to an IPv4-mapped address matches the IPv4 target");
+    assert!(
+        flowctl_tests::need::in_vm() || v["refused_v4"][1].as_f64().unwrap() < 1000.0,
+        "fails at once: {} us",
+        v["refused_v4"][1]
+    );
+    assert_eq!(
+        v["refused_mapped_v6"][0], 111,
+        "a connect6 to an IPv4-mapped address matches the IPv4 target"
+    );
     assert_eq!(v["udp"], "ok", "UDP connect() is never throttled");
-    assert_eq!(v["exempt"][0], 111, "exempt: passed through, and refused by the real (closed) port");
+    assert_eq!(
+        v["exempt"][0], 111,
+        "exempt: passed through, and refused by the real (closed) port"
+    );
     assert_eq!(v["success"][0], "ok");
     assert_eq!(v["real_refusal"][0], 111);
     assert_ne!(v["black_hole"][0], "ok");
     assert_eq!(v["probe"][0], "ok", "half-open: the one probe goes");
     assert_eq!(v["after_probe"][0], 111, "half-open: no probe left, refused");
 
-    let counts: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("FLOWCTL_BREAKER_COUNTS").unwrap()).unwrap();
-    let get = |t: u32, c: u32| -> u64 { counts.get(&(t * counter::COUNT + c), 0).unwrap().iter().sum() };
-    assert_eq!((get(1, counter::CALLS), get(1, counter::REFUSED_LOCALLY)), (2, 2), "v4 and mapped v6 refused locally");
+    let counts: PerCpuArray<_, u64> =
+        PerCpuArray::try_from(ebpf.map("FLOWCTL_BREAKER_COUNTS").unwrap()).unwrap();
+    let get =
+        |t: u32, c: u32| -> u64 { counts.get(&(t * counter::COUNT + c), 0).unwrap().iter().sum() };
+    assert_eq!(
+        (get(1, counter::CALLS), get(1, counter::REFUSED_LOCALLY)),
+        (2, 2),
+        "v4 and mapped v6 refused locally"
+    );
     assert_eq!(get(1, counter::ATTEMPTS), 0, "nothing was sent to the refused target");
-    assert_eq!((get(0, counter::CALLS), get(0, counter::REFUSED_LOCALLY), get(0, counter::ATTEMPTS)), (1, 0, 0), "exempt target passes, uncounted");
+    assert_eq!(
+        (get(0, counter::CALLS), get(0, counter::REFUSED_LOCALLY), get(0, counter::ATTEMPTS)),
+        (1, 0, 0),
+        "exempt target passes, uncounted"
+    );
     assert_eq!(get(3, counter::ATTEMPTS), 2, "the success and the real refusal went out");
     assert_eq!(get(3, counter::SUCCESSES), 1);
     assert_eq!(get(3, counter::REFUSED_BY_PEER), 1, "SYN_SENT -> CLOSE of the refused connect");
     assert_eq!(get(4, counter::ATTEMPTS), 1);
     assert_eq!(get(4, counter::TIMEOUTS), 1, "the SYN's first retransmission timeout decides it");
-    assert_eq!((get(4, counter::SUCCESSES), get(4, counter::REFUSED_BY_PEER)), (0, 0), "and nothing else counts it again");
-    assert_eq!((get(2, counter::PROBES), get(2, counter::REFUSED_LOCALLY), get(2, counter::SUCCESSES)), (1, 1, 1));
+    assert_eq!(
+        (get(4, counter::SUCCESSES), get(4, counter::REFUSED_BY_PEER)),
+        (0, 0),
+        "and nothing else counts it again"
+    );
+    assert_eq!(
+        (get(2, counter::PROBES), get(2, counter::REFUSED_LOCALLY), get(2, counter::SUCCESSES)),
+        (1, 1, 1)
+    );
     assert_eq!(get(5, counter::CALLS), 0, "a breaker for another cgroup does not see this process");
-    assert_eq!((get(6, counter::CALLS), get(6, counter::REFUSED_LOCALLY)), (1, 1), "one for its own cgroup does");
+    assert_eq!(
+        (get(6, counter::CALLS), get(6, counter::REFUSED_LOCALLY)),
+        (1, 1),
+        "one for its own cgroup does"
+    );
     assert_eq!(v["this_cgroup"][0], 111);
-    assert_eq!((get(7, counter::CALLS), get(7, counter::REFUSED_LOCALLY), get(7, counter::ATTEMPTS)), (1, 1, 0), "an IPv6 target (::1/128)");
-    let control: Array<_, Control> = Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+    assert_eq!(
+        (get(7, counter::CALLS), get(7, counter::REFUSED_LOCALLY), get(7, counter::ATTEMPTS)),
+        (1, 1, 0),
+        "an IPv6 target (::1/128)"
+    );
+    let control: Array<_, Control> =
+        Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
     let w = control.get(&2, 0).unwrap().probe_word;
-    assert_eq!((probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)), (5, 1, 1, 0), "the probe's success lands in its round");
+    assert_eq!(
+        (probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)),
+        (5, 1, 1, 0),
+        "the probe's success lands in its round"
+    );
 }
 
 /// The test and what it needs (flowctl_tests::need): a cgroup v2 hierarchy

@@ -24,7 +24,10 @@ impl V1Cgroup {
         let mounts = flowctl::cgroup::mounts().expect("the mount table");
         let mut cg = Self { name, dirs: Vec::new(), child: None };
         for ctl in ["cpu", "cpuacct"] {
-            let root = flowctl::cgroup::v1_of(&mounts, ctl).into_iter().next().expect("a v1 hierarchy (the test declares Need::CgroupV1Cpu)");
+            let root = flowctl::cgroup::v1_of(&mounts, ctl)
+                .into_iter()
+                .next()
+                .expect("a v1 hierarchy (the test declares Need::CgroupV1Cpu)");
             let d = root.join(&cg.name);
             if !cg.dirs.contains(&d) {
                 std::fs::create_dir(&d).expect("create a v1 cgroup");
@@ -38,7 +41,10 @@ impl V1Cgroup {
 
     /// Starts a busy loop (bounded: it exits after 20 s) inside the cgroup.
     fn spin(&mut self) {
-        let child = Command::new("timeout").args(["20", "sh", "-c", "while :; do :; done"]).spawn().unwrap();
+        let child = Command::new("timeout")
+            .args(["20", "sh", "-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
         // `timeout` forks the shell; move both (the shell inherits the
         // cgroup only if it forks after the move, so move the tree's pids).
         std::thread::sleep(Duration::from_millis(50));
@@ -97,13 +103,16 @@ struct V2Cgroup {
 
 impl V2Cgroup {
     fn new(cpu_max: &str) -> Self {
-        let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2Cpu)");
+        let mount = flowctl::cgroup::cgroup2_mount()
+            .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2Cpu)");
         let name = flowctl_tests::unique("flowctl-cg2-");
         let mut cg = Self { dir: mount.join(&name), name, enabled_cpu_in: None, child: None };
         let control = mount.join("cgroup.subtree_control");
-        let enabled = std::fs::read_to_string(&control).unwrap().split_whitespace().any(|c| c == "cpu");
+        let enabled =
+            std::fs::read_to_string(&control).unwrap().split_whitespace().any(|c| c == "cpu");
         if !enabled {
-            std::fs::write(&control, "+cpu").expect("enable the cpu controller in the v2 root's subtree_control");
+            std::fs::write(&control, "+cpu")
+                .expect("enable the cpu controller in the v2 root's subtree_control");
             cg.enabled_cpu_in = Some(control);
         }
         std::fs::create_dir(&cg.dir).expect("create a v2 cgroup");
@@ -116,15 +125,28 @@ impl V2Cgroup {
     /// the cgroup.
     fn spin(&mut self) {
         let child = Command::new("sh")
-            .args(["-c", r#"echo $$ > "$1/cgroup.procs" && exec timeout 20 sh -c 'while :; do :; done'"#, "sh"])
+            .args([
+                "-c",
+                r#"echo $$ > "$1/cgroup.procs" && exec timeout 20 sh -c 'while :; do :; done'"#,
+                "sh",
+            ])
             .arg(&self.dir)
             .spawn()
             .unwrap();
         self.child = Some(child);
-        let procs = || std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default().split_whitespace().count();
+        let procs = || {
+            std::fs::read_to_string(self.dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .count()
+        };
         let t = std::time::Instant::now();
         while procs() < 2 {
-            assert!(t.elapsed() < Duration::from_secs(5), "the busy loop never showed up in {}", self.dir.display());
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the busy loop never showed up in {}",
+                self.dir.display()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

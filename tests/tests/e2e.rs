@@ -2,8 +2,8 @@
 //! UDP traffic. Bounds come from timestamps the harness records, never from
 //! exact counts or sleeps. Root only; serial.
 
-use flowctl_tests::lab::Lab;
 use flowctl_tests::cli::{attachment, bin, flowctl, rule};
+use flowctl_tests::lab::Lab;
 use serde_json::Value;
 use std::{
     io::Write,
@@ -12,8 +12,6 @@ use std::{
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
-
-
 
 fn profile_file(text: &str) -> tempfile_lite::File {
     tempfile_lite::File::new(text)
@@ -31,7 +29,8 @@ mod tempfile_lite {
     pub struct File(pub std::path::PathBuf);
     impl File {
         pub fn new(text: &str) -> Self {
-            let p = std::env::temp_dir().join(format!("{}.toml", flowctl_tests::unique("flowctl-profile-")));
+            let p = std::env::temp_dir()
+                .join(format!("{}.toml", flowctl_tests::unique("flowctl-profile-")));
             std::fs::write(&p, text).unwrap();
             Self(p)
         }
@@ -52,7 +51,9 @@ impl Agent {
     fn start(lab: &Lab, profile: &str, extra: &[&str]) -> Self {
         let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile];
         args.extend_from_slice(extra);
-        Self::spawn_until(&args, || attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true))
+        Self::spawn_until(&args, || {
+            attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true)
+        })
     }
 
     /// Runs `flowctl ARGS` and waits (at most 15 s) until `ready`.
@@ -96,8 +97,6 @@ impl Drop for Agent {
     }
 }
 
-
-
 /// Sends UDP from the client namespace's address at about `pps` for `secs`
 /// (at most `max` packets); returns (sent, first send, last send).
 fn blast(lab: &Lab, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant, Instant) {
@@ -105,7 +104,14 @@ fn blast(lab: &Lab, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant,
 }
 
 /// `blast` from `src`, any address of the client namespace.
-fn blast_from(lab: &Lab, src: &str, dport: u16, pps: u64, secs: f64, max: u64) -> (u64, Instant, Instant) {
+fn blast_from(
+    lab: &Lab,
+    src: &str,
+    dport: u16,
+    pps: u64,
+    secs: f64,
+    max: u64,
+) -> (u64, Instant, Instant) {
     let (src, dst) = (src.to_string(), format!("{}:{dport}", lab.ip_srv));
     Lab::in_ns(&lab.ns_cli, move || {
         let s = UdpSocket::bind(format!("{src}:0")).unwrap();
@@ -142,26 +148,40 @@ fn udp_limit_holds_within_bounds_then_detaches() {
     let lower = 0.9 * (sent as f64).min(b + rate * t);
     println!("sent {sent} over {t:.3}s: admitted {admitted}, bounds [{lower:.0}, {upper:.0}]");
     assert_eq!(r["offered_pkts"].as_u64().unwrap(), sent);
-    assert!((admitted as f64) <= upper && (admitted as f64) >= lower, "admitted {admitted} outside [{lower}, {upper}]");
+    assert!(
+        (admitted as f64) <= upper && (admitted as f64) >= lower,
+        "admitted {admitted} outside [{lower}, {upper}]"
+    );
     assert_eq!(r["dropped_by_reason"]["rate"].as_u64().unwrap(), sent - admitted);
 
     // explain agrees with the profile, from the kernel's tables.
-    let out = flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7000", "--netns", &lab.ns_srv]);
+    let out =
+        flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7000", "--netns", &lab.ns_srv]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("rule   udp") && text.contains("key    src"), "{text}");
-    let out = flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7001", "--netns", &lab.ns_srv]);
+    let out =
+        flowctl(&["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7001", "--netns", &lab.ns_srv]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("no rule matches"));
 
     agent.stop();
     assert!(attachment(&lab.veth_srv).is_none(), "SIGINT detaches");
     let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("nothing attached"), "detach is idempotent");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing attached"),
+        "detach is idempotent"
+    );
 }
 
 fn map_ids(iface: &str) -> Vec<u32> {
     let a = attachment(iface).unwrap();
-    let dir = format!("{}/v{}/ifaces/{}-{}", flowctl_common::PIN_ROOT, flowctl_common::LAYOUT_VERSION, a["netns_inode"], a["ifindex"]);
+    let dir = format!(
+        "{}/v{}/ifaces/{}-{}",
+        flowctl_common::PIN_ROOT,
+        flowctl_common::LAYOUT_VERSION,
+        a["netns_inode"],
+        a["ifindex"]
+    );
     flowctl_common::map_names::ALL
         .iter()
         .map(|n| aya::maps::MapData::from_pin(format!("{dir}/{n}")).unwrap().info().unwrap().id())
@@ -193,7 +213,11 @@ fn keep_survives_sigkill_and_restart_adopts_state() {
     assert_eq!(map_ids(&lab.veth_srv), ids, "map ids unchanged across restart");
     blast(&lab, 7100, 100, 0.2, 5);
     let r = rule(&lab.veth_srv, "slow");
-    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3, "drained key still refused after re-adoption");
+    assert_eq!(
+        r["passed_pkts"].as_u64().unwrap(),
+        3,
+        "drained key still refused after re-adoption"
+    );
     agent.stop();
 }
 
@@ -205,14 +229,27 @@ fn apply_through_the_agent_is_all_or_nothing() {
     // A client that connects to the control socket and says nothing must not
     // hold up the agent (heartbeat, other requests).
     let a = attachment(&lab.veth_srv).unwrap();
-    let silent = std::os::unix::net::UnixStream::connect(format!("/run/flowctl/{}-{}/agent.sock", a["netns_inode"], a["ifindex"])).unwrap();
+    let silent = std::os::unix::net::UnixStream::connect(format!(
+        "/run/flowctl/{}-{}/agent.sock",
+        a["netns_inode"], a["ifindex"]
+    ))
+    .unwrap();
     let bad = profile_file("[[rule]]\nname = \"x\"\nrate = \"0/s\"\n");
     let out = flowctl(&["apply", &lab.veth_srv, bad.path(), "--netns", &lab.ns_srv]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains(&format!("{}:3:", bad.path())) && err.contains("greater than zero"), "{err}");
-    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0, "nothing applied");
-    let good = profile_file(&format!("{UDP_RULE}[[rule]]\nname = \"icmp\"\nproto = \"icmp\"\nrate = \"10/s\"\n"));
+    assert!(
+        err.contains(&format!("{}:3:", bad.path())) && err.contains("greater than zero"),
+        "{err}"
+    );
+    assert_eq!(
+        attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(),
+        gen0,
+        "nothing applied"
+    );
+    let good = profile_file(&format!(
+        "{UDP_RULE}[[rule]]\nname = \"icmp\"\nproto = \"icmp\"\nrate = \"10/s\"\n"
+    ));
     let t = Instant::now();
     let out = flowctl(&["apply", &lab.veth_srv, good.path(), "--netns", &lab.ns_srv]);
     assert!(t.elapsed() < Duration::from_secs(3), "apply waited on the silent client");
@@ -238,7 +275,11 @@ fn error_paths_say_how_to_fix() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs root"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs root"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // A bad profile is rejected with file and line before anything happens.
     let bad = profile_file("[[rule]]\nname = \"x\"\nsrc = \"10.0.0.1/8\"\nrate = \"1/s\"\n");
     let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", bad.path()]);
@@ -376,7 +417,10 @@ fn tcp_connection_quota() {
     let agent = Agent::start(&lab, prof.path(), &[]);
     let (ok, attempts, _) = connect_many(&lab, 7300, 12, Duration::from_secs(5));
     let r = rule(&lab.veth_srv, "conns");
-    println!("{attempts} connects, {ok} established; quota drops {}", r["dropped_by_reason"]["quota"]);
+    println!(
+        "{attempts} connects, {ok} established; quota drops {}",
+        r["dropped_by_reason"]["quota"]
+    );
     assert_eq!(ok, 5, "exactly the quota within one window");
     assert_eq!(r["dropped_by_reason"]["quota"].as_u64().unwrap(), attempts - ok);
     assert_eq!(server.stop(), 5);
@@ -388,13 +432,18 @@ fn tcp_connection_quota() {
 fn foreign_xdp_program_is_not_replaced() {
     let lab = Lab::new("fxdp", 216);
     let prof = profile_file(UDP_RULE);
-    let (ns, dev, path, bin) = (lab.ns_srv.clone(), lab.veth_srv.clone(), prof.path().to_string(), bin());
+    let (ns, dev, path, bin) =
+        (lab.ns_srv.clone(), lab.veth_srv.clone(), prof.path().to_string(), bin());
     let out = Lab::in_ns(&lab.ns_srv, move || {
         let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
-        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        let prog: &mut aya::programs::Xdp =
+            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
         prog.load().unwrap();
         prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
-        let out = Command::new(bin).args(["attach", &dev, "--netns", &ns, "--profile", &path]).output().unwrap();
+        let out = Command::new(bin)
+            .args(["attach", &dev, "--netns", &ns, "--profile", &path])
+            .output()
+            .unwrap();
         drop(ebpf);
         out
     });
@@ -412,15 +461,27 @@ fn one_agent_per_attachment_and_layout_versions_are_checked() {
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already running"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     agent.kill9();
     // Pretend the pins were written by a future flowctl.
     let a = attachment(&lab.veth_srv).unwrap();
-    let dir = format!("{}/v{}/ifaces/{}-{}", flowctl_common::PIN_ROOT, flowctl_common::LAYOUT_VERSION, a["netns_inode"], a["ifindex"]);
-    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> = aya::maps::Array::try_from(aya::maps::Map::Array(
-        aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL)).unwrap(),
-    ))
-    .unwrap();
+    let dir = format!(
+        "{}/v{}/ifaces/{}-{}",
+        flowctl_common::PIN_ROOT,
+        flowctl_common::LAYOUT_VERSION,
+        a["netns_inode"],
+        a["ifindex"]
+    );
+    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(
+            aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL))
+                .unwrap(),
+        ))
+        .unwrap();
     let mut g = global.get(&0, 0).unwrap();
     g.layout_version = 99;
     global.set(0, g, 0).unwrap();
@@ -462,23 +523,42 @@ fn metrics_endpoint_matches_status() {
     let mut samples = std::collections::HashMap::new();
     for line in body.lines().filter(|l| !l.is_empty()) {
         if line.starts_with('#') {
-            assert!(line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF", "{line}");
+            assert!(
+                line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF",
+                "{line}"
+            );
             continue;
         }
         let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
         let v: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line}"));
         let name = series.split('{').next().unwrap();
-        assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && name.starts_with("flowctl_"), "{name}");
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && name.starts_with("flowctl_"),
+            "{name}"
+        );
         if let Some(labels) = series.strip_prefix(name) {
-            assert!(labels.is_empty() || (labels.starts_with('{') && labels.ends_with('}')), "{series}");
+            assert!(
+                labels.is_empty() || (labels.starts_with('{') && labels.ends_with('}')),
+                "{series}"
+            );
         }
         samples.insert(series.to_string(), v);
     }
     let r = rule(&lab.veth_srv, "udp");
     let get = |k: &str| *samples.get(k).unwrap_or_else(|| panic!("missing {k} in\n{body}"));
-    assert_eq!(get("flowctl_offered_packets_total{rule=\"udp\"}") as u64, r["offered_pkts"].as_u64().unwrap());
-    assert_eq!(get("flowctl_packets_total{rule=\"udp\",verdict=\"passed\",reason=\"\"}") as u64, r["passed_pkts"].as_u64().unwrap());
-    assert_eq!(get("flowctl_packets_total{rule=\"udp\",verdict=\"dropped\",reason=\"rate\"}") as u64, r["dropped_by_reason"]["rate"].as_u64().unwrap());
+    assert_eq!(
+        get("flowctl_offered_packets_total{rule=\"udp\"}") as u64,
+        r["offered_pkts"].as_u64().unwrap()
+    );
+    assert_eq!(
+        get("flowctl_packets_total{rule=\"udp\",verdict=\"passed\",reason=\"\"}") as u64,
+        r["passed_pkts"].as_u64().unwrap()
+    );
+    assert_eq!(
+        get("flowctl_packets_total{rule=\"udp\",verdict=\"dropped\",reason=\"rate\"}") as u64,
+        r["dropped_by_reason"]["rate"].as_u64().unwrap()
+    );
     assert_eq!(get("flowctl_admission_ratio{rule=\"udp\"}"), 1.0);
     assert_eq!(get("flowctl_rules"), 1.0);
     assert!(get("flowctl_kernel_memory_bytes") > 0.0);
@@ -503,14 +583,26 @@ fn top_once_json_agrees_with_traffic() {
         (sent, last.duration_since(first).as_secs_f64(), v)
     });
     assert_eq!(v["schema"], 1);
-    let a = v["attachments"].as_array().unwrap().iter().find(|a| a["iface"] == lab.veth_srv.as_str()).unwrap().clone();
+    let a = v["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["iface"] == lab.veth_srv.as_str())
+        .unwrap()
+        .clone();
     let r = a["rules"][0].clone();
     let rate = sent as f64 / secs;
-    println!("harness sent {rate:.0} pps; top: offered {} passed {} dropped {} drop% {}", r["offered_pps"], r["passed_pps"], r["dropped_pps"], r["drop_pct"]);
+    println!(
+        "harness sent {rate:.0} pps; top: offered {} passed {} dropped {} drop% {}",
+        r["offered_pps"], r["passed_pps"], r["dropped_pps"], r["drop_pct"]
+    );
     let offered = r["offered_pps"].as_f64().unwrap();
     assert!(offered > 0.7 * rate && offered < 1.3 * rate, "offered {offered} vs sent {rate}");
     let passed = r["passed_pps"].as_f64().unwrap();
-    assert!(passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75, "passed {passed} pps against a 100/s limit");
+    assert!(
+        passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75,
+        "passed {passed} pps against a 100/s limit"
+    );
     assert_eq!(r["top_reason"], "rate");
     // The agent's CPU signal (host source by default), from its record.
     let cpu = a["cpu"].as_str().unwrap();
@@ -519,7 +611,13 @@ fn top_once_json_agrees_with_traffic() {
     assert!(permille <= 1000);
     // One client source: the source cache holds exactly one entry (the
     // agent walked the empty table at start, the insert counter adds it).
-    let sources = a["key_tables"].as_array().expect("key tables with a running agent").iter().find(|t| t["table"] == "sources").unwrap().clone();
+    let sources = a["key_tables"]
+        .as_array()
+        .expect("key tables with a running agent")
+        .iter()
+        .find(|t| t["table"] == "sources")
+        .unwrap()
+        .clone();
     assert_eq!(sources["entries"], 1, "{sources}");
     assert!(a["key_tables_note"].as_str().unwrap().starts_with("approximate"));
     // After the traffic: totals agree with status exactly.
@@ -540,16 +638,40 @@ fn top_keys_finds_the_heaviest_sources() {
     let lab = Lab::new("fkey", 222);
     let srcs = ["10.201.222.10", "10.201.222.11", "10.201.222.12"];
     for a in srcs {
-        flowctl_tests::lab::sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{a}/24"), "dev", &lab.veth_cli]);
+        flowctl_tests::lab::sh(&[
+            "ip",
+            "-n",
+            &lab.ns_cli,
+            "addr",
+            "add",
+            &format!("{a}/24"),
+            "dev",
+            &lab.veth_cli,
+        ]);
     }
     let prof = profile_file(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     let run_phase = |label: &str| {
         let (v, sent) = std::thread::scope(|scope| {
             let lab = &lab;
-            let senders: Vec<_> = srcs.iter().zip([600u64, 200, 50]).map(|(a, pps)| scope.spawn(move || blast_from(lab, a, 7000, pps, 3.5, u64::MAX).0)).collect();
+            let senders: Vec<_> = srcs
+                .iter()
+                .zip([600u64, 200, 50])
+                .map(|(a, pps)| scope.spawn(move || blast_from(lab, a, 7000, pps, 3.5, u64::MAX).0))
+                .collect();
             std::thread::sleep(Duration::from_millis(300));
-            let out = flowctl(&["top", &lab.veth_srv, "--keys", "udp", "--once", "--json", "--interval", "2.5", "--count", "5"]);
+            let out = flowctl(&[
+                "top",
+                &lab.veth_srv,
+                "--keys",
+                "udp",
+                "--once",
+                "--json",
+                "--interval",
+                "2.5",
+                "--count",
+                "5",
+            ]);
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
             let v: Value = serde_json::from_slice(&out.stdout).unwrap();
             let sent: Vec<u64> = senders.into_iter().map(|h| h.join().unwrap()).collect();
@@ -561,9 +683,14 @@ fn top_keys_finds_the_heaviest_sources() {
         for (i, (addr, pps)) in srcs.iter().zip([600.0, 200.0]).enumerate() {
             assert_eq!(keys[i]["key"], *addr, "{label}: rank {i}");
             let est = keys[i]["pps"].as_f64().unwrap();
-            assert!(est > 0.6 * pps && est < 1.4 * pps, "{label}: {addr} estimated {est} pps, sent {pps}");
+            assert!(
+                est > 0.6 * pps && est < 1.4 * pps,
+                "{label}: {addr} estimated {est} pps, sent {pps}"
+            );
         }
-        assert!(v["bound_pps"].as_f64().unwrap() >= 0.0 && v["sample_every"].as_u64().unwrap() >= 1);
+        assert!(
+            v["bound_pps"].as_f64().unwrap() >= 0.0 && v["sample_every"].as_u64().unwrap() >= 1
+        );
     };
     run_phase("through the agent");
     agent.stop();
@@ -571,7 +698,10 @@ fn top_keys_finds_the_heaviest_sources() {
     let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let a = &v["attachments"][0];
-    assert_eq!((a["agent_running"].clone(), a["cpu"].clone()), (Value::Bool(false), Value::from("agent not running")));
+    assert_eq!(
+        (a["agent_running"].clone(), a["cpu"].clone()),
+        (Value::Bool(false), Value::from("agent not running"))
+    );
     assert!(a["cpu_permille"].is_null() && a["key_tables"].is_null(), "{a}");
     run_phase("without an agent");
     let g = flowctl(&["status", "--json"]);
@@ -592,11 +722,17 @@ fn top_runs_in_a_terminal_and_restores_it() {
     // always filled in by the time the pane is reported dead.
     let status_file = std::env::temp_dir().join(format!("{session}.status"));
     let _ = std::fs::remove_file(&status_file);
-    let cmd = format!("sh -c '{} top --interval 0.3; echo $? > {}'", bin().display(), status_file.display());
+    let cmd = format!(
+        "sh -c '{} top --interval 0.3; echo $? > {}'",
+        bin().display(),
+        status_file.display()
+    );
     let out = tmux(&["new-session", "-d", "-s", &session, "-x", "220", "-y", "30", &cmd]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
-    let screen = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string();
+    let screen = || {
+        String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string()
+    };
     let wait_for = |needle: &str| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -615,7 +751,12 @@ fn top_runs_in_a_terminal_and_restores_it() {
     tmux(&["send-keys", "-t", &session, "q"]);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let dead = String::from_utf8_lossy(&tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{alternate_on}"]).stdout).trim().to_string();
+        let dead = String::from_utf8_lossy(
+            &tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{alternate_on}"])
+                .stdout,
+        )
+        .trim()
+        .to_string();
         if dead.starts_with('1') {
             assert_eq!(dead, "1 0", "the alternate screen is off");
             let status = std::fs::read_to_string(&status_file).unwrap_or_default();
@@ -644,7 +785,12 @@ impl UdpStreams {
         let threads = ports
             .iter()
             .map(|port| {
-                let (stop, src, dst, ns) = (stop.clone(), lab.ip_cli.clone(), format!("{}:{port}", lab.ip_srv), lab.ns_cli.clone());
+                let (stop, src, dst, ns) = (
+                    stop.clone(),
+                    lab.ip_cli.clone(),
+                    format!("{}:{port}", lab.ip_srv),
+                    lab.ns_cli.clone(),
+                );
                 std::thread::spawn(move || {
                     flowctl::pins::enter_netns(&ns).unwrap();
                     let s = UdpSocket::bind(format!("{src}:0")).unwrap();
@@ -700,7 +846,8 @@ fn connect_each(lab: &Lab, port: u16, n: u32, gap: Duration, keep: bool) -> Atte
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                     a.refused += 1;
-                    a.slowest_refusal_ms = a.slowest_refusal_ms.max(t.elapsed().as_secs_f64() * 1e3);
+                    a.slowest_refusal_ms =
+                        a.slowest_refusal_ms.max(t.elapsed().as_secs_f64() * 1e3);
                 }
                 Err(_) => a.timed_out += 1,
             }
@@ -724,7 +871,8 @@ fn bbr_refuses_connections_beyond_the_limit_and_fails_open() {
     let _peer_xdp = Lab::in_ns(&lab.ns_cli, move || {
         let _ = &ns;
         let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
-        let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        let prog: &mut aya::programs::Xdp =
+            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
         prog.load().unwrap();
         prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
         ebpf
@@ -745,10 +893,16 @@ bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"
     let warm = connect_each(&lab, 7400, 30, Duration::from_millis(20), false);
     assert_eq!((warm.refused, warm.timed_out), (0, 0), "{warm:?}");
     std::thread::sleep(Duration::from_millis(400));
-    let v: Value = serde_json::from_slice(&flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout).unwrap();
+    let v: Value = serde_json::from_slice(
+        &flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout,
+    )
+    .unwrap();
     let bbr = v["attachments"][0]["rules"][0]["bbr"].clone();
     println!("after the warm-up: {bbr}");
-    assert!(bbr["max_pass"].as_u64().unwrap() >= 1 && bbr["min_rt_ms"].as_u64().unwrap() >= 1, "{bbr}");
+    assert!(
+        bbr["max_pass"].as_u64().unwrap() >= 1 && bbr["min_rt_ms"].as_u64().unwrap() >= 1,
+        "{bbr}"
+    );
     assert_eq!(bbr["overloaded"], true, "CPU 950 is over the threshold");
     let limit = bbr["max_in_flight"].as_u64().expect("a limit once the window has data");
 
@@ -766,23 +920,47 @@ bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"
     if held.timed_out > 0 {
         for (ns, dev) in [(&lab.ns_srv, &lab.veth_srv), (&lab.ns_cli, &lab.veth_cli)] {
             let st = flowctl_tests::lab::sh(&["ip", "netns", "exec", ns, "ethtool", "-S", dev]);
-            println!("{dev}: {}", st.lines().filter(|l| l.contains("xdp") || l.contains("drop") || l.contains("peer")).collect::<Vec<_>>().join(" |"));
-            println!("{}", flowctl_tests::lab::sh(&["ip", "-n", ns, "-s", "-s", "link", "show", "dev", dev]));
+            println!(
+                "{dev}: {}",
+                st.lines()
+                    .filter(|l| l.contains("xdp") || l.contains("drop") || l.contains("peer"))
+                    .collect::<Vec<_>>()
+                    .join(" |")
+            );
+            println!(
+                "{}",
+                flowctl_tests::lab::sh(&["ip", "-n", ns, "-s", "-s", "link", "show", "dev", dev])
+            );
         }
     }
-    assert!(held.refused >= 20, "most of 40 held connections beyond a limit of {limit} are refused: {held:?}");
+    assert!(
+        held.refused >= 20,
+        "most of 40 held connections beyond a limit of {limit} are refused: {held:?}"
+    );
     assert_eq!(held.timed_out, 0, "refused with a RST, not left to time out");
-    assert!(held.slowest_refusal_ms < 100.0, "clients fail fast: {:.1} ms", held.slowest_refusal_ms);
+    assert!(
+        held.slowest_refusal_ms < 100.0,
+        "clients fail fast: {:.1} ms",
+        held.slowest_refusal_ms
+    );
     assert_eq!(drops, held.refused, "every refusal counted as a BBR drop");
     // The in-flight snapshot lags the kernel by at most one 100 ms tick
     // (four connects at this pace).
-    assert!((held.open.len() as u64) <= limit.max(1) + 5, "{} held over a limit of {limit}", held.open.len());
+    assert!(
+        (held.open.len() as u64) <= limit.max(1) + 5,
+        "{} held over a limit of {limit}",
+        held.open.len()
+    );
 
     // 3. Fail-safe: the agent dies; after the grace period BBR is open.
     agent.kill9();
     std::thread::sleep(Duration::from_millis(1500));
     let open = connect_each(&lab, 7400, 3, Duration::from_millis(10), true);
-    assert_eq!(open.open.len(), 3, "no agent for longer than the grace period: admitted ({open:?})");
+    assert_eq!(
+        open.open.len(),
+        3,
+        "no agent for longer than the grace period: admitted ({open:?})"
+    );
 
     // 4. A restarted agent adopts the data plane; with the CPU low it admits.
     std::fs::write(&cpu, "100\n").unwrap();
@@ -790,8 +968,14 @@ bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     assert_eq!(map_ids(&lab.veth_srv), ids, "the pinned maps were adopted, not recreated");
     std::thread::sleep(Duration::from_millis(600));
-    let v: Value = serde_json::from_slice(&flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout).unwrap();
-    println!("after the restart: cpu {} bbr {}", v["attachments"][0]["cpu"], v["attachments"][0]["rules"][0]["bbr"]);
+    let v: Value = serde_json::from_slice(
+        &flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.1"]).stdout,
+    )
+    .unwrap();
+    println!(
+        "after the restart: cpu {} bbr {}",
+        v["attachments"][0]["cpu"], v["attachments"][0]["rules"][0]["bbr"]
+    );
     // Below the threshold nothing is refused, however many are in flight.
     let again = connect_each(&lab, 7400, 10, Duration::from_millis(20), true);
     assert_eq!(again.open.len(), 10, "CPU below threshold: all admitted ({again:?})");
@@ -830,9 +1014,15 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
         let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.5"]);
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["attachments"][0].clone()
     };
-    let ratio = |a: &Value, rule: &str| a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()["admission_ratio"].as_f64().unwrap();
+    let ratio = |a: &Value, rule: &str| {
+        a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()
+            ["admission_ratio"]
+            .as_f64()
+            .unwrap()
+    };
     // Traffic on both rules for the whole test (bounded: 30 s at most).
-    let streams = UdpStreams::start(&lab, &[7700, 7701], Duration::from_millis(5), Duration::from_secs(30));
+    let streams =
+        UdpStreams::start(&lab, &[7700, 7701], Duration::from_millis(5), Duration::from_secs(30));
     // Over the threshold: both are cut 0.05 per period until checkout sits
     // at its floor of 0.9; batch keeps going down.
     std::thread::sleep(Duration::from_secs(5));
@@ -842,13 +1032,28 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
     assert_eq!(k["baselines"][0]["band"], "cut");
     assert_eq!(k["baselines"][0]["level"], 300.0);
     assert!(ratio(&a, "checkout") >= 0.9 - 1e-6, "checkout's priority floor holds in round 1");
-    assert!(ratio(&a, "batch") < 0.7, "batch is cut below checkout's floor: {}", ratio(&a, "batch"));
-    let reason = k["entries"].as_array().unwrap().iter().find(|e| e["rule"] == "batch").unwrap()["reason"].as_str().unwrap().to_string();
-    assert!(reason.starts_with("cut") && reason.contains("db: level 300.0 over threshold 60.0"), "{reason}");
+    assert!(
+        ratio(&a, "batch") < 0.7,
+        "batch is cut below checkout's floor: {}",
+        ratio(&a, "batch")
+    );
+    let reason = k["entries"].as_array().unwrap().iter().find(|e| e["rule"] == "batch").unwrap()
+        ["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.starts_with("cut") && reason.contains("db: level 300.0 over threshold 60.0"),
+        "{reason}"
+    );
     // The kernel admits batch at about its ratio (per packet).
     let r = a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == "batch").unwrap().clone();
     let frac = r["passed_pps"].as_f64().unwrap() / r["offered_pps"].as_f64().unwrap().max(1.0);
-    assert!((frac - ratio(&a, "batch")).abs() < 0.25, "admitted fraction {frac} vs ratio {}", ratio(&a, "batch"));
+    assert!(
+        (frac - ratio(&a, "batch")).abs() < 0.25,
+        "admitted fraction {frac} vs ratio {}",
+        ratio(&a, "batch")
+    );
     assert!(r["top_reason"] == "admission", "{r}");
     // Garbage: hold.
     std::fs::write(&gauge, "banana\n").unwrap();
@@ -857,7 +1062,11 @@ fn klimiter_cuts_low_priority_first_and_holds_on_garbage() {
     std::thread::sleep(Duration::from_millis(600));
     let a = top();
     assert_eq!(a["klimiter"]["baselines"][0]["band"], "stale");
-    assert!((ratio(&a, "batch") - held).abs() < 1e-9, "garbage never cuts: {held} -> {}", ratio(&a, "batch"));
+    assert!(
+        (ratio(&a, "batch") - held).abs() < 1e-9,
+        "garbage never cuts: {held} -> {}",
+        ratio(&a, "batch")
+    );
     // A low level: ratios climb back.
     std::fs::write(&gauge, "10\n").unwrap();
     std::thread::sleep(Duration::from_secs(3));
@@ -879,7 +1088,10 @@ fn klimiter_holds_an_egress_level_by_cutting_low_priority_first() {
     let lab = Lab::new("fegr", 225);
     // The downstream: a third namespace behind a second veth pair.
     let down = format!("{}d", &lab.ns_srv[..lab.ns_srv.len() - 1]);
-    let (a, b) = (format!("{}a", &lab.veth_srv[..lab.veth_srv.len() - 2]), format!("{}b", &lab.veth_srv[..lab.veth_srv.len() - 2]));
+    let (a, b) = (
+        format!("{}a", &lab.veth_srv[..lab.veth_srv.len() - 2]),
+        format!("{}b", &lab.veth_srv[..lab.veth_srv.len() - 2]),
+    );
     struct DropNs(String);
     impl Drop for DropNs {
         fn drop(&mut self) {
@@ -888,7 +1100,21 @@ fn klimiter_holds_an_egress_level_by_cutting_low_priority_first() {
     }
     flowctl_tests::lab::sh(&["ip", "netns", "add", &down]);
     let _down_guard = DropNs(down.clone());
-    flowctl_tests::lab::sh(&["ip", "link", "add", &a, "netns", &lab.ns_srv, "type", "veth", "peer", "name", &b, "netns", &down]);
+    flowctl_tests::lab::sh(&[
+        "ip",
+        "link",
+        "add",
+        &a,
+        "netns",
+        &lab.ns_srv,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &b,
+        "netns",
+        &down,
+    ]);
     for (ns, dev, ip) in [(&lab.ns_srv, &a, "10.201.226.1/24"), (&down, &b, "10.201.226.2/24")] {
         flowctl_tests::lab::sh(&["ip", "-n", ns, "addr", "add", ip, "dev", dev]);
         flowctl_tests::lab::sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
@@ -906,10 +1132,14 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     // The relay: what the XDP program admits reaches these sockets.
     let relayed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let relay = {
-        let (stop, ns, ip, relayed) = (stop.clone(), lab.ns_srv.clone(), lab.ip_srv.clone(), relayed.clone());
+        let (stop, ns, ip, relayed) =
+            (stop.clone(), lab.ns_srv.clone(), lab.ip_srv.clone(), relayed.clone());
         std::thread::spawn(move || {
             flowctl::pins::enter_netns(&ns).unwrap();
-            let rx = [UdpSocket::bind(format!("{ip}:7800")).unwrap(), UdpSocket::bind(format!("{ip}:7801")).unwrap()];
+            let rx = [
+                UdpSocket::bind(format!("{ip}:7800")).unwrap(),
+                UdpSocket::bind(format!("{ip}:7801")).unwrap(),
+            ];
             for s in &rx {
                 s.set_nonblocking(true).unwrap();
             }
@@ -936,12 +1166,22 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     // 800 packets/s offered to each rule: 2400 downstream packets/s at full
     // admission, twice the threshold (high rates keep the per-packet
     // admission's sampling noise to ~2% per period).
-    let streams = UdpStreams::start(&lab, &[7800, 7801], Duration::from_micros(1250), Duration::from_secs(if in_vm() { 120 } else { 40 }));
+    let streams = UdpStreams::start(
+        &lab,
+        &[7800, 7801],
+        Duration::from_micros(1250),
+        Duration::from_secs(if in_vm() { 120 } else { 40 }),
+    );
     let top = || -> Value {
         let out = flowctl(&["top", &lab.veth_srv, "--once", "--json", "--interval", "0.2"]);
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["attachments"][0].clone()
     };
-    let ratio = |a: &Value, rule: &str| a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()["admission_ratio"].as_f64().unwrap();
+    let ratio = |a: &Value, rule: &str| {
+        a["rules"].as_array().unwrap().iter().find(|r| r["rule"] == rule).unwrap()
+            ["admission_ratio"]
+            .as_f64()
+            .unwrap()
+    };
     let first = top();
     println!("start: level {}", first["klimiter"]["baselines"][0]["level"]);
     // Settle: both cut 0.05 a period until "high" sits at 0.8 (4 periods),
@@ -957,7 +1197,12 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
         std::thread::sleep(Duration::from_millis(1000));
     }
     println!("relayed {} packets", relayed.load(std::sync::atomic::Ordering::Relaxed));
-    println!("held: levels {levels:?}; low {} high {}; {}", ratio(&last, "low"), ratio(&last, "high"), last["klimiter"]);
+    println!(
+        "held: levels {levels:?}; low {} high {}; {}",
+        ratio(&last, "low"),
+        ratio(&last, "high"),
+        last["klimiter"]
+    );
     streams.stop();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     relay.join().unwrap();
@@ -968,8 +1213,15 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     // the egress counter's attachment and the cut order are. On the host the
     // level is held within 5%.
     let tolerance = if in_vm() { 0.5 } else { 0.05 };
-    assert!((mean - 1200.0).abs() <= tolerance * 1200.0, "the level is held within {:.0}% of 1200: mean {mean:.0} of {levels:?}", tolerance * 100.0);
-    assert!(ratio(&last, "high") >= 0.8 - 1e-6, "the high-priority entry stays at or above its floor");
+    assert!(
+        (mean - 1200.0).abs() <= tolerance * 1200.0,
+        "the level is held within {:.0}% of 1200: mean {mean:.0} of {levels:?}",
+        tolerance * 100.0
+    );
+    assert!(
+        ratio(&last, "high") >= 0.8 - 1e-6,
+        "the high-priority entry stays at or above its floor"
+    );
     assert!(ratio(&last, "low") < ratio(&last, "high"), "the low-priority entry was cut first");
 }
 
@@ -1020,18 +1272,33 @@ struct Attempt {
     us: f64,
 }
 
-fn client(lab: &Lab, cgroup: &str, port: u16, gap_ms: u64, timeout_s: f64, threads: u32, secs: f64) -> Vec<Attempt> {
+fn client(
+    lab: &Lab,
+    cgroup: &str,
+    port: u16,
+    gap_ms: u64,
+    timeout_s: f64,
+    threads: u32,
+    secs: f64,
+) -> Vec<Attempt> {
     // nsenter, not `ip netns exec`: the latter remounts /sys, hiding the
     // cgroup hierarchy the client must join.
     let out = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{}", lab.ns_cli))
         .args(["python3", "-c", BREAKER_CLIENT, cgroup, &lab.ip_srv])
-        .args([port.to_string(), gap_ms.to_string(), timeout_s.to_string(), threads.to_string(), secs.to_string()])
+        .args([
+            port.to_string(),
+            gap_ms.to_string(),
+            timeout_s.to_string(),
+            threads.to_string(),
+            secs.to_string(),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "client: {}", String::from_utf8_lossy(&out.stderr));
     let v: Vec<(f64, i64, f64)> = serde_json::from_slice(&out.stdout).unwrap();
-    let mut v: Vec<Attempt> = v.into_iter().map(|(t, errno, us)| Attempt { t, errno, us }).collect();
+    let mut v: Vec<Attempt> =
+        v.into_iter().map(|(t, errno, us)| Attempt { t, errno, us }).collect();
     v.sort_by(|a, b| a.t.total_cmp(&b.t));
     v
 }
@@ -1061,17 +1328,55 @@ impl Downstream {
 
     /// SYNs seen so far for `port`.
     fn syns(&self, port: u16) -> u64 {
-        let text = flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "list", "chain", "inet", "flowctl_test", "pre"]);
-        let line = text.lines().find(|l| l.contains(&format!("dport {port} "))).expect("counter rule");
+        let text = flowctl_tests::lab::sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.ns,
+            "nft",
+            "list",
+            "chain",
+            "inet",
+            "flowctl_test",
+            "pre",
+        ]);
+        let line =
+            text.lines().find(|l| l.contains(&format!("dport {port} "))).expect("counter rule");
         let n = line.split("packets ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap();
         n.parse().unwrap()
     }
 
     fn black_hole(&self, port: u16, on: bool) {
         if on {
-            flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "add", "rule", "inet", "flowctl_test", "bh", "tcp", "dport", &port.to_string(), "drop"]);
+            flowctl_tests::lab::sh(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.ns,
+                "nft",
+                "add",
+                "rule",
+                "inet",
+                "flowctl_test",
+                "bh",
+                "tcp",
+                "dport",
+                &port.to_string(),
+                "drop",
+            ]);
         } else {
-            flowctl_tests::lab::sh(&["ip", "netns", "exec", &self.ns, "nft", "flush", "chain", "inet", "flowctl_test", "bh"]);
+            flowctl_tests::lab::sh(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.ns,
+                "nft",
+                "flush",
+                "chain",
+                "inet",
+                "flowctl_test",
+                "bh",
+            ]);
         }
     }
 }
@@ -1084,7 +1389,8 @@ struct TestCgroup {
 
 impl TestCgroup {
     fn new() -> Self {
-        let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
+        let mount = flowctl::cgroup::cgroup2_mount()
+            .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
         let parent = mount.join(flowctl_tests::unique("flowctl-e2e-"));
         std::fs::create_dir(&parent).unwrap();
         std::fs::create_dir(parent.join("app")).unwrap();
@@ -1109,7 +1415,9 @@ impl Agent {
     /// `flowctl attach --cgroup PATH --profile P`, ready once `status`
     /// shows its breakers.
     fn start_breakers(cgroup: &str, profile: &str) -> Self {
-        Self::spawn_until(&["attach", "--cgroup", cgroup, "--profile", profile], || breakers_of(cgroup).is_some())
+        Self::spawn_until(&["attach", "--cgroup", cgroup, "--profile", profile], || {
+            breakers_of(cgroup).is_some()
+        })
     }
 }
 
@@ -1121,7 +1429,13 @@ fn breakers_of(cgroup: &str) -> Option<Value> {
 }
 
 fn breaker(cgroup: &str, name: &str) -> Value {
-    breakers_of(cgroup).expect("breakers published")["breakers"].as_array().unwrap().iter().find(|b| b["name"] == name).cloned().expect("breaker")
+    breakers_of(cgroup).expect("breakers published")["breakers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == name)
+        .cloned()
+        .expect("breaker")
 }
 
 /// SRE mode through the CLI: healthy -> no refusals; the downstream refuses
@@ -1135,7 +1449,15 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let cg = TestCgroup::new();
     let lab = Lab::new("fbrk", 233);
     let down = Downstream::new(&lab, &[7100, 7101]);
-    flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
+    flowctl_tests::lab::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns_cli,
+        "sysctl",
+        "-qw",
+        "net.ipv4.tcp_syn_retries=1",
+    ]);
     let profile = |dry: bool| {
         format!(
             "[settings]\ngrace_period = \"1s\"\n\n[[breaker]]\nname = \"db\"\ntarget = \"{}\"\nport = 7100\ncgroup = \"{}\"\nmin_requests = 20\nerrno = \"ECONNABORTED\"\nexempt = [\"{}:7101\"]\ndry_run = {dry}\n",
@@ -1150,7 +1472,11 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     // Healthy: every connect succeeds, nothing is refused.
     let server = TcpServer::start(&lab, 7100);
     let healthy = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 0.5);
-    assert!(healthy.len() >= 30 && healthy.iter().all(|a| a.errno == 0), "healthy: {} attempts", healthy.len());
+    assert!(
+        healthy.len() >= 30 && healthy.iter().all(|a| a.errno == 0),
+        "healthy: {} attempts",
+        healthy.len()
+    );
     assert_eq!(breaker(&cg.parent(), "db")["state"], "closed");
     drop(server);
 
@@ -1159,15 +1485,24 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
     let refusing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 5.0);
     let (local, real) = (count(&refusing, LOCAL), count(&refusing, REFUSED));
-    assert_eq!(local + real, refusing.len(), "every connect fails, locally or by the downstream's RST");
+    assert_eq!(
+        local + real,
+        refusing.len(),
+        "every connect fails, locally or by the downstream's RST"
+    );
     assert_eq!(down.syns(7100) - syn0, real as u64, "a locally refused connect sends nothing");
-    let first_local = refusing.iter().find(|a| a.errno == LOCAL).expect("the breaker refuses").t - t0;
+    let first_local =
+        refusing.iter().find(|a| a.errno == LOCAL).expect("the breaker refuses").t - t0;
     assert!(first_local < 3.0, "refusing within one window: first after {first_local:.2} s");
     // Once the healthy phase's accepts have left the window (3 s and a
     // bucket) and it holds >= 20 failed requests, p = min(cap, R/(R+1)) = 0.9.
     let late: Vec<&Attempt> = refusing.iter().filter(|a| a.t - t0 > 3.4).collect();
     let share = late.iter().filter(|a| a.errno == LOCAL).count() as f64 / late.len() as f64;
-    assert!((0.82..=0.97).contains(&share), "refused share {share:.3} of {} (predicted 0.90)", late.len());
+    assert!(
+        (0.82..=0.97).contains(&share),
+        "refused share {share:.3} of {} (predicted 0.90)",
+        late.len()
+    );
     let slowest = refusing.iter().filter(|a| a.errno == LOCAL).map(|a| a.us).fold(0.0, f64::max);
     println!("refusing: {local} local, {real} real; share {share:.3}; slowest local refusal {slowest:.0} us");
     let b = breaker(&cg.parent(), "db");
@@ -1194,9 +1529,16 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     assert!(p_at_heal > 0.5, "throttling when the downstream heals: p = {p_at_heal}");
     let healed_at = flowctl::pins::monotonic_ns() as f64 / 1e9;
     let healing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 4.5);
-    let last_local = healing.iter().filter(|a| a.errno == LOCAL).map(|a| a.t - healed_at).fold(0.0, f64::max);
-    println!("recovered {last_local:.2} s after the downstream healed ({} local refusals after healing)", count(&healing, LOCAL));
-    assert!(last_local <= 3.5, "recovery bound 3.4 s: last refusal {last_local:.2} s after healing");
+    let last_local =
+        healing.iter().filter(|a| a.errno == LOCAL).map(|a| a.t - healed_at).fold(0.0, f64::max);
+    println!(
+        "recovered {last_local:.2} s after the downstream healed ({} local refusals after healing)",
+        count(&healing, LOCAL)
+    );
+    assert!(
+        last_local <= 3.5,
+        "recovery bound 3.4 s: last refusal {last_local:.2} s after healing"
+    );
     assert!(healing.iter().rev().take(50).all(|a| a.errno == 0));
 
     // Black-holed (SYNs dropped at the downstream): no accepts, so once the
@@ -1209,11 +1551,22 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let hole = client(&lab, &cg.app(), 7100, 5, 1.5, 24, 6.0);
     down.black_hole(7100, false);
     let timeouts = count(&hole, 110);
-    assert_eq!(count(&hole, LOCAL) + timeouts + count(&hole, 0), hole.len(), "only timeouts, local refusals, and successes before the hole");
+    assert_eq!(
+        count(&hole, LOCAL) + timeouts + count(&hole, 0),
+        hole.len(),
+        "only timeouts, local refusals, and successes before the hole"
+    );
     let late: Vec<&Attempt> = hole.iter().filter(|a| a.t - t0 > 4.0).collect();
     let share = late.iter().filter(|a| a.errno == LOCAL).count() as f64 / late.len().max(1) as f64;
-    println!("black-holed: {timeouts} timeouts, {} local refusals; share after 4 s {share:.3} of {}", count(&hole, LOCAL), late.len());
-    assert!(share > 0.75, "refusing at about the cap (0.9) once the window holds only the outage: {share:.3}");
+    println!(
+        "black-holed: {timeouts} timeouts, {} local refusals; share after 4 s {share:.3} of {}",
+        count(&hole, LOCAL),
+        late.len()
+    );
+    assert!(
+        share > 0.75,
+        "refusing at about the cap (0.9) once the window holds only the outage: {share:.3}"
+    );
     let syns = down.syns(7100) - syn0;
     assert!(syns <= 2 * timeouts as u64 + count(&hole, 0) as u64, "{syns} SYNs for {timeouts} timed-out connects (each one SYN and one retransmission): refused ones sent nothing");
     assert!(breaker(&cg.parent(), "db")["totals"]["timeouts"].as_u64().unwrap() > 0);
@@ -1245,7 +1598,11 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     std::thread::sleep(Duration::from_millis(1300));
     let hung = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 0.5);
     unsafe { libc::kill(agent.0.id() as i32, libc::SIGCONT) };
-    assert_eq!(count(&hung, LOCAL), 0, "fail open once the agent's deadline (grace 1 s) has passed");
+    assert_eq!(
+        count(&hung, LOCAL),
+        0,
+        "fail open once the agent's deadline (grace 1 s) has passed"
+    );
     agent.stop();
     assert!(breakers_of(&cg.parent()).is_none(), "gone from status once the agent stops");
 }
@@ -1259,7 +1616,15 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     let cg = TestCgroup::new();
     let lab = Lab::new("fbst", 234);
     let down = Downstream::new(&lab, &[7200]);
-    flowctl_tests::lab::sh(&["ip", "netns", "exec", &lab.ns_cli, "sysctl", "-qw", "net.ipv4.tcp_syn_retries=1"]);
+    flowctl_tests::lab::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns_cli,
+        "sysctl",
+        "-qw",
+        "net.ipv4.tcp_syn_retries=1",
+    ]);
     let p = profile_file(&format!(
         "[[breaker]]\nname = \"api\"\ntarget = \"{}/32\"\nport = \"7200-7200\"\nmode = \"state\"\nwindow = \"2s\"\nmin_requests = 10\nfailure_ratio = 0.5\nsleep = \"1s\"\nprobes = 2\nerrno = \"ECONNABORTED\"\n",
         lab.ip_srv
@@ -1287,9 +1652,15 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     let hole = client(&lab, &cg.app(), 7200, 20, 1.5, 12, if in_vm() { 20.0 } else { 4.0 });
     let seen = watcher.join().unwrap();
     println!("states seen while black-holed: {seen:?}");
-    assert!(seen.windows(3).any(|w| w == ["open", "half-open", "open"]), "open -> half-open (probes) -> open on a failed probe: {seen:?}");
+    assert!(
+        seen.windows(3).any(|w| w == ["open", "half-open", "open"]),
+        "open -> half-open (probes) -> open on a failed probe: {seen:?}"
+    );
     let first_local = hole.iter().find(|a| a.errno == LOCAL).expect("opened").t - t0;
-    assert!(first_local < if in_vm() { 8.0 } else { 2.0 }, "open within the first timeouts: {first_local:.2} s");
+    assert!(
+        first_local < if in_vm() { 8.0 } else { 2.0 },
+        "open within the first timeouts: {first_local:.2} s"
+    );
     let timeouts = count(&hole, 110);
     let local = count(&hole, LOCAL);
     assert!(timeouts >= 10 && local > timeouts, "{timeouts} timeouts, {local} local refusals");
@@ -1300,9 +1671,16 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     refusals.sort_by(f64::total_cmp);
     let p95 = refusals[(refusals.len() * 95 / 100).min(refusals.len() - 1)];
     let slowest = refusals.last().copied().unwrap_or(0.0);
-    assert!(p95 < if in_vm() { 1_000_000.0 } else { 20_000.0 }, "open fails at once: p95 {p95:.0} us (slowest {slowest:.0} us)");
+    assert!(
+        p95 < if in_vm() { 1_000_000.0 } else { 20_000.0 },
+        "open fails at once: p95 {p95:.0} us (slowest {slowest:.0} us)"
+    );
     let b = breaker(&cg.app(), "api");
-    assert!(b["totals"]["timeouts"].as_u64().unwrap() >= 10 && b["totals"]["probes"].as_u64().unwrap() >= 2, "{b}");
+    assert!(
+        b["totals"]["timeouts"].as_u64().unwrap() >= 10
+            && b["totals"]["probes"].as_u64().unwrap() >= 2,
+        "{b}"
+    );
 
     // Healed: two probes succeed and close it. Bound: a probe still out
     // (it fails at its first retransmission timeout, 1 s, and reopens it),
@@ -1316,8 +1694,15 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     assert_eq!(b["state"], "closed", "{b}");
     assert_eq!(b["last_transition"]["reason"], "2 probes succeeded", "{b}");
     println!("first success {first_ok:.2} s after healing");
-    assert!(first_ok <= if in_vm() { 6.0 } else { 2.3 }, "closed within a pending probe's timeout, the sleep and a tick: {first_ok:.2} s");
-    assert_eq!(down.syns(7200) - syn0, count(&after, 0) as u64, "only admitted connects reached the downstream");
+    assert!(
+        first_ok <= if in_vm() { 6.0 } else { 2.3 },
+        "closed within a pending probe's timeout, the sleep and a tick: {first_ok:.2} s"
+    );
+    assert_eq!(
+        down.syns(7200) - syn0,
+        count(&after, 0) as u64,
+        "only admitted connects reached the downstream"
+    );
     agent.stop();
 }
 

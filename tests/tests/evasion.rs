@@ -40,7 +40,8 @@ fn attach(lab: &Lab, profile: &std::path::Path) -> Agent {
         .spawn()
         .expect("spawn flowctl attach");
     let agent = Agent(child, lab.veth_srv.clone(), lab.ns_srv.clone());
-    let deadline = Instant::now() + Duration::from_secs(if flowctl_tests::need::in_vm() { 180 } else { 20 });
+    let deadline =
+        Instant::now() + Duration::from_secs(if flowctl_tests::need::in_vm() { 180 } else { 20 });
     while Instant::now() < deadline {
         if attachment(&lab.veth_srv).is_some_and(|a| a["agent_ready"] == true) {
             return agent;
@@ -133,7 +134,8 @@ impl Frames {
         udp[2..4].copy_from_slice(&dport.to_be_bytes());
         udp[4..6].copy_from_slice(&(8 + payload.len() as u16).to_be_bytes());
         udp.extend_from_slice(payload);
-        let pseudo = [&CLI6[..], &SRV6[..], &(udp.len() as u32).to_be_bytes(), &[0, 0, 0, 17]].concat();
+        let pseudo =
+            [&CLI6[..], &SRV6[..], &(udp.len() as u32).to_be_bytes(), &[0, 0, 0, 17]].concat();
         let c = checksum(&[&pseudo, &udp]);
         udp[6..8].copy_from_slice(&c.to_be_bytes());
         let mut chain = Vec::new();
@@ -183,7 +185,14 @@ fn send(dev: &str, frames: &[Vec<u8>]) {
         addr.sll_ifindex = libc::if_nametoindex(name.as_ptr()) as i32;
         addr.sll_halen = 6;
         for f in frames {
-            let n = libc::sendto(fd, f.as_ptr().cast(), f.len(), 0, (&addr as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+            let n = libc::sendto(
+                fd,
+                f.as_ptr().cast(),
+                f.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
             assert_eq!(n, f.len() as isize, "sendto: {}", std::io::Error::last_os_error());
         }
         libc::close(fd);
@@ -194,7 +203,8 @@ fn send(dev: &str, frames: &[Vec<u8>]) {
 fn drain(sock: &UdpSocket) -> usize {
     let mut n = 0;
     let mut buf = [0u8; 4096];
-    let deadline = Instant::now() + Duration::from_millis(if flowctl_tests::need::in_vm() { 3000 } else { 500 });
+    let deadline = Instant::now()
+        + Duration::from_millis(if flowctl_tests::need::in_vm() { 3000 } else { 500 });
     while Instant::now() < deadline {
         match sock.recv(&mut buf) {
             Ok(_) => n += 1,
@@ -214,13 +224,20 @@ fn syns_in(ns: &str) -> u64 {
 
 /// One phase: every layout `COPIES` times; returns (SYNs at input, datagrams
 /// behind 8 headers, datagrams behind the long header).
-fn phase(lab: &Lab, f: &Frames, sock8: &UdpSocket, sock_long: &UdpSocket, round: u16) -> (u64, usize, usize) {
+fn phase(
+    lab: &Lab,
+    f: &Frames,
+    sock8: &UdpSocket,
+    sock_long: &UdpSocket,
+    round: u16,
+) -> (u64, usize, usize) {
     let syns_before = syns_in(&lab.ns_srv);
     let mut frames = Vec::new();
     for i in 0..COPIES as u16 {
         frames.extend(f.tiny_fragment_syn(40000 + round * 100 + i, 53));
     }
-    let eight: Vec<_> = std::iter::once(small_opts(0)).chain((0..7).map(|_| small_opts(60))).collect();
+    let eight: Vec<_> =
+        std::iter::once(small_opts(0)).chain((0..7).map(|_| small_opts(60))).collect();
     frames.extend((0..COPIES).map(|_| f.udp6_behind(&eight, 53)));
     frames.extend((0..COPIES).map(|_| f.udp6_behind(&[long_dstopts()], 5353)));
     let dev = lab.veth_cli.clone();
@@ -231,13 +248,20 @@ fn phase(lab: &Lab, f: &Frames, sock8: &UdpSocket, sock_long: &UdpSocket, round:
 
 fn crafted_layouts_do_not_reach_the_socket_behind_a_drained_rule() {
     let lab = Lab::new("fev", 235);
-    for (ns, dev, ip) in [(&lab.ns_srv, &lab.veth_srv, "fd13::1/64"), (&lab.ns_cli, &lab.veth_cli, "fd13::2/64")] {
+    for (ns, dev, ip) in
+        [(&lab.ns_srv, &lab.veth_srv, "fd13::1/64"), (&lab.ns_cli, &lab.veth_cli, "fd13::2/64")]
+    {
         sh(&["ip", "-n", ns, "link", "set", dev, "mtu", "9000"]);
         sh(&["ip", "-n", ns, "-6", "addr", "add", ip, "dev", dev, "nodad"]);
     }
     sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "add table inet flowctl_ev; add chain inet flowctl_ev in { type filter hook input priority 0 ; } ; add rule inet flowctl_ev in tcp dport 53 tcp flags syn counter"]);
     let ip4 = |s: &str| s.parse::<std::net::Ipv4Addr>().unwrap().octets();
-    let f = Frames::new(mac(&lab.ns_srv, &lab.veth_srv), mac(&lab.ns_cli, &lab.veth_cli), ip4(&lab.ip_cli), ip4(&lab.ip_srv));
+    let f = Frames::new(
+        mac(&lab.ns_srv, &lab.veth_srv),
+        mac(&lab.ns_cli, &lab.veth_cli),
+        ip4(&lab.ip_cli),
+        ip4(&lab.ip_srv),
+    );
     let (sock8, sock_long) = Lab::in_ns(&lab.ns_srv, || {
         let a = UdpSocket::bind("[::]:53").unwrap();
         let b = UdpSocket::bind("[::]:5353").unwrap();
@@ -275,7 +299,11 @@ fn crafted_layouts_do_not_reach_the_socket_behind_a_drained_rule() {
     let a = attachment(&lab.veth_srv).expect("the attachment in status");
     let g = &a["unmatched"];
     println!("unmatched: {g}");
-    assert_eq!(g["dropped_by_reason"]["evasive"], 2 * COPIES, "both fragments of each tiny-fragment SYN dropped as evasive");
+    assert_eq!(
+        g["dropped_by_reason"]["evasive"],
+        2 * COPIES,
+        "both fragments of each tiny-fragment SYN dropped as evasive"
+    );
     assert_eq!(g["unparsed_pkts"], COPIES, "the long-header datagrams matched as unparsed");
     drop(agent);
     let _ = std::fs::remove_file(&profile);

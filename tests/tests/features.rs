@@ -9,8 +9,8 @@
 //! its own namespaces and interfaces (unique names, removed on drop) and
 //! bounds its traffic in packets and seconds.
 
-use flowctl_tests::lab::Lab;
 use flowctl_tests::cli::{attachment, bin, rule};
+use flowctl_tests::lab::Lab;
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
@@ -19,14 +19,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-
-
 /// A profile in a temp file, removed on drop.
 struct Profile(std::path::PathBuf);
 
 impl Profile {
     fn new(text: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("{}.toml", flowctl_tests::unique("flowctl-features-")));
+        let p = std::env::temp_dir()
+            .join(format!("{}.toml", flowctl_tests::unique("flowctl-features-")));
         std::fs::write(&p, text).unwrap();
         Self(p)
     }
@@ -47,9 +46,15 @@ struct Agent(Child);
 
 impl Agent {
     fn start(lab: &Lab, profile: &Profile, extra: &[&str], disable: &str) -> Self {
-        let mut args = vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile.path()];
+        let mut args =
+            vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile.path()];
         args.extend_from_slice(extra);
-        let child = Command::new(bin()).args(&args).env("FLOWCTL_DISABLE_FEATURES", disable).stdin(Stdio::null()).spawn().unwrap();
+        let child = Command::new(bin())
+            .args(&args)
+            .env("FLOWCTL_DISABLE_FEATURES", disable)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
         let mut a = Agent(child);
         // Generous: under TCG (the kernel matrix's VMs) verifying the XDP
         // program alone takes 15-40 s on 6.1.
@@ -94,8 +99,6 @@ impl Drop for Agent {
     }
 }
 
-
-
 /// Runs `flowctl ARGS` that must exit by itself within `secs` (killed and
 /// failed otherwise).
 fn flowctl_exits(args: &[&str], disable: &str, secs: u64) -> Output {
@@ -118,7 +121,10 @@ fn flowctl_exits(args: &[&str], disable: &str, secs: u64) -> Output {
     std::thread::sleep(Duration::from_secs(2));
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
-    panic!("flowctl {args:?} did not exit within {secs} s: {}", String::from_utf8_lossy(&out.stderr));
+    panic!(
+        "flowctl {args:?} did not exit within {secs} s: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn sh_ns(ns: &str, args: &[&str]) -> String {
@@ -152,7 +158,12 @@ fn doctor_verifies_every_program_and_leaves_nothing_behind() {
     let took = started.elapsed();
     let (bpf_after, run_after) = (tree("/sys/fs/bpf"), tree("/run/flowctl"));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "doctor failed ({}): {stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "doctor failed ({}): {stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_str(&stdout).unwrap();
     println!("doctor took {took:?} on {}", v["kernel"]);
     assert_eq!(v["ok"], true);
@@ -161,9 +172,15 @@ fn doctor_verifies_every_program_and_leaves_nothing_behind() {
     for want in ["flowctl_egress", "flowctl_connect4", "flowctl_connect6", "flowctl_sock_ops"] {
         assert!(names.contains(&want), "{want} in {names:?}");
     }
-    assert!(names.contains(&v["xdp_program"].as_str().unwrap()), "the XDP program the loader chooses is tried");
+    assert!(
+        names.contains(&v["xdp_program"].as_str().unwrap()),
+        "the XDP program the loader chooses is tried"
+    );
     for p in progs {
-        println!("{}: verifies {}, {} instructions", p["program"], p["verifies"], p["verified_insns"]);
+        println!(
+            "{}: verifies {}, {} instructions",
+            p["program"], p["verifies"], p["verified_insns"]
+        );
         assert_eq!(p["verifies"], true, "{p}");
         assert!(p["verified_insns"].as_u64().unwrap_or(0) > 0, "{p}");
     }
@@ -172,7 +189,11 @@ fn doctor_verifies_every_program_and_leaves_nothing_behind() {
     // attachments and test planes): only what doctor could have made counts,
     // which is anything but those.
     let foreign = |p: &&String| {
-        let under = |root: &str| p.strip_prefix(root).and_then(|r| r.split('/').next()).is_some_and(|d| !d.starts_with("0-"));
+        let under = |root: &str| {
+            p.strip_prefix(root)
+                .and_then(|r| r.split('/').next())
+                .is_some_and(|d| !d.starts_with("0-"))
+        };
         under("/sys/fs/bpf/flowctl/v1/ifaces/") || under("/run/flowctl/")
     };
     let new_bpf: Vec<&String> = bpf_after.difference(&bpf_before).filter(|p| !foreign(p)).collect();
@@ -189,8 +210,16 @@ fn doctor_with_a_profile_names_what_this_kernel_lacks() {
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
     assert_eq!(out.status.code(), Some(1), "a part that cannot run fails doctor");
-    assert!(text.contains("[[rule]]s (XDP data plane)") && text.contains("can run on this kernel"), "{text}");
-    assert!(text.contains("CANNOT RUN on this kernel") && text.contains("bpf_set_retval") && text.contains("Linux 5.18+"), "{text}");
+    assert!(
+        text.contains("[[rule]]s (XDP data plane)") && text.contains("can run on this kernel"),
+        "{text}"
+    );
+    assert!(
+        text.contains("CANNOT RUN on this kernel")
+            && text.contains("bpf_set_retval")
+            && text.contains("Linux 5.18+"),
+        "{text}"
+    );
 }
 
 fn a_profile_needing_a_missing_feature_is_rejected_whole() {
@@ -199,11 +228,21 @@ fn a_profile_needing_a_missing_feature_is_rejected_whole() {
         "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\nrate = \"10/s\"\nburst = 5\n\n[[breaker]]\nname = \"db\"\ntarget = \"{}\"\nport = 5432\n",
         lab.ip_cli
     ));
-    let out = flowctl_exits(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", both.path()], "set_retval", 120);
+    let out = flowctl_exits(
+        &["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", both.path()],
+        "set_retval",
+        120,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     println!("{err}");
     assert!(!out.status.success());
-    assert!(err.contains("[[breaker]]") && err.contains("bpf_set_retval") && err.contains("Linux 5.18+") && err.contains("this kernel is"), "{err}");
+    assert!(
+        err.contains("[[breaker]]")
+            && err.contains("bpf_set_retval")
+            && err.contains("Linux 5.18+")
+            && err.contains("this kernel is"),
+        "{err}"
+    );
     assert!(attachment(&lab.veth_srv).is_none(), "nothing was attached");
     let ip_link = sh_ns(&lab.ns_srv, &["ip", "link", "show", &lab.veth_srv]);
     assert!(!ip_link.contains("xdp"), "no XDP program on the interface: {ip_link}");
@@ -234,7 +273,9 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
         let agent = Agent::start(&lab, &prof, &[], "tcx");
         let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
         assert!(filters.contains("flowctl_egress"), "a netlink filter on egress: {filters}");
-        assert!(sh_ns(&lab.ns_srv, &["tc", "qdisc", "show", "dev", &lab.veth_srv]).contains("clsact"));
+        assert!(
+            sh_ns(&lab.ns_srv, &["tc", "qdisc", "show", "dev", &lab.veth_srv]).contains("clsact")
+        );
         // 50 datagrams out of the interface to the counted target.
         let (ip_srv, ip_cli, veth) = (lab.ip_srv.clone(), lab.ip_cli.clone(), lab.veth_srv.clone());
         let counted = Lab::in_ns(&lab.ns_srv, move || {
@@ -256,18 +297,31 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
             // A killed agent cannot remove its netlink filter; the next agent
             // of the attachment removes exactly that one before adding its own.
             agent.kill9();
-            let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
-            assert!(filters.contains("flowctl_egress"), "the killed agent's filter stays: {filters}");
+            let filters =
+                sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+            assert!(
+                filters.contains("flowctl_egress"),
+                "the killed agent's filter stays: {filters}"
+            );
             let again = Agent::start(&lab, &prof, &[], "tcx");
-            let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
-            assert_eq!(filters.lines().filter(|l| l.contains("flowctl_egress")).count(), 1, "one filter, the new agent's: {filters}");
+            let filters =
+                sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+            assert_eq!(
+                filters.lines().filter(|l| l.contains("flowctl_egress")).count(),
+                1,
+                "one filter, the new agent's: {filters}"
+            );
             again
         };
         agent.stop();
         let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
         assert!(!filters.contains("flowctl_egress"), "the filter is gone: {filters}");
         let qdiscs = sh_ns(&lab.ns_srv, &["tc", "qdisc", "show", "dev", &lab.veth_srv]);
-        assert_eq!(qdiscs.contains("clsact"), preexisting, "a clsact flowctl added goes, one that was there stays: {qdiscs}");
+        assert_eq!(
+            qdiscs.contains("clsact"),
+            preexisting,
+            "a clsact flowctl added goes, one that was there stays: {qdiscs}"
+        );
     }
 }
 
@@ -288,7 +342,17 @@ fn send_datagrams(lab: &Lab, port: u16, size: usize, count: usize) {
 fn jumbo_case(mtu: u32, size: usize, disable: &str) {
     let lab = Lab::new("ffjm", 243);
     for (ns, dev) in [(&lab.ns_srv, &lab.veth_srv), (&lab.ns_cli, &lab.veth_cli)] {
-        flowctl_tests::lab::sh(&["ip", "-n", ns, "link", "set", "dev", dev, "mtu", &mtu.to_string()]);
+        flowctl_tests::lab::sh(&[
+            "ip",
+            "-n",
+            ns,
+            "link",
+            "set",
+            "dev",
+            dev,
+            "mtu",
+            &mtu.to_string(),
+        ]);
     }
     let prof = Profile::new(
         "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"big\"\nproto = \"udp\"\ndport = 7900\nrate = \"1/min\"\nburst = 5\nkey = \"src\"\n",
@@ -326,10 +390,26 @@ fn a_single_buffer_program_is_refused_on_a_jumbo_veth() {
         flowctl_tests::lab::sh(&["ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000"]);
     }
     let prof = Profile::new("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"big\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 5\n");
-    let out = flowctl_exits(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path(), "--mode", "native"], "xdp_frags", 120);
+    let out = flowctl_exits(
+        &[
+            "attach",
+            &lab.veth_srv,
+            "--netns",
+            &lab.ns_srv,
+            "--profile",
+            prof.path(),
+            "--mode",
+            "native",
+        ],
+        "xdp_frags",
+        120,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     println!("{err}");
-    assert!(!out.status.success(), "the single-buffer program must not attach natively at MTU 9000");
+    assert!(
+        !out.status.success(),
+        "the single-buffer program must not attach natively at MTU 9000"
+    );
     assert!(err.contains("multi-buffer XDP") && err.contains("5.18"), "{err}");
     assert!(attachment(&lab.veth_srv).is_none(), "nothing left attached");
 }
@@ -342,16 +422,22 @@ fn tail_calls_need_the_single_buffer_variant() {
     use aya::{maps::ProgramArray, programs::Xdp};
     use flowctl::dataplane::XdpVariant;
     let profile = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n[[rule]]\nname = \"a\"\nrate = \"10/s\"\nburst = 5\n";
-    let mut refs = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
+    let mut refs =
+        aya::EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
     let spread: &mut Xdp = refs.program_mut("bench_spread").unwrap().try_into().unwrap();
     spread.load().unwrap();
     for (variant, ok) in [(XdpVariant::Single, true), (XdpVariant::Frags, false)] {
         let plane = flowctl_tests::testrun::TestPlane::new_variant(profile, |_| {}, variant);
         assert_eq!(plane.prog_name(), variant.program());
         let fd = plane.prog().fd().unwrap().try_clone().unwrap();
-        let mut next: ProgramArray<_> = ProgramArray::try_from(refs.map_mut("BENCH_NEXT").unwrap()).unwrap();
+        let mut next: ProgramArray<_> =
+            ProgramArray::try_from(refs.map_mut("BENCH_NEXT").unwrap()).unwrap();
         let r = next.set(0, &fd, 0);
-        println!("{}: tail call target {}", variant.program(), if r.is_ok() { "accepted" } else { "refused" });
+        println!(
+            "{}: tail call target {}",
+            variant.program(),
+            if r.is_ok() { "accepted" } else { "refused" }
+        );
         assert_eq!(r.is_ok(), ok, "{:?}", r.err());
         let _ = next.clear_index(&0);
     }

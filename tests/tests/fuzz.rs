@@ -13,8 +13,16 @@ fn regressions_dir() -> PathBuf {
 /// In the kernel matrix's VMs (TCG, 10-50x slower) 20,000, under 4 profiles.
 fn fuzz_smoke_200k() {
     let out = std::env::temp_dir().join(flowctl_tests::unique("flowctl-fuzz-smoke"));
-    let (frames, per_profile) = if flowctl_tests::need::in_vm() { (20_000, 5_000) } else { (200_000, 25_000) };
-    let o = Options { frames, frames_per_profile: per_profile, seed: 13, out: out.clone(), max_failures: 20, ..Options::default() };
+    let (frames, per_profile) =
+        if flowctl_tests::need::in_vm() { (20_000, 5_000) } else { (200_000, 25_000) };
+    let o = Options {
+        frames,
+        frames_per_profile: per_profile,
+        seed: 13,
+        out: out.clone(),
+        max_failures: 20,
+        ..Options::default()
+    };
     let s = run::run(&o);
     let report = run::report(&s);
     print!("{report}");
@@ -44,7 +52,13 @@ fn fuzz_regression_frames() {
             }
         }
     }
-    assert!(bad.is_empty(), "{} of {} regression frames disagree: {}", bad.len(), cases.len(), bad.join(", "));
+    assert!(
+        bad.is_empty(),
+        "{} of {} regression frames disagree: {}",
+        bad.len(),
+        cases.len(),
+        bad.join(", ")
+    );
 }
 
 fn main() {

@@ -32,7 +32,10 @@ fn verifier_instruction_budget() {
     let p = TestPlane::new(&profile(STRICT_UDP_53));
     let n = p.verified_insns();
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    println!("flowctl_xdp: verifier processed {n} instructions on {} (budget {VERIFIER_BUDGET})", kernel.trim());
+    println!(
+        "flowctl_xdp: verifier processed {n} instructions on {} (budget {VERIFIER_BUDGET})",
+        kernel.trim()
+    );
     assert!(n > 0 && n <= VERIFIER_BUDGET, "{n} processed instructions, budget {VERIFIER_BUDGET}");
 }
 
@@ -124,7 +127,11 @@ fn attacker_layouts_do_not_escape_enforcing_rules() {
     let evasive = |name: &str, frame: Vec<u8>| {
         let before = p.unmatched().dropped_pkts[reason::EVASIVE];
         assert_eq!(p.run(&frame), XDP_DROP, "{name}: dropped");
-        assert_eq!(p.unmatched().dropped_pkts[reason::EVASIVE], before + 1, "{name}: counted evasive");
+        assert_eq!(
+            p.unmatched().dropped_pkts[reason::EVASIVE],
+            before + 1,
+            "{name}: counted evasive"
+        );
     };
     tagged.vlans = vec![10, 20, 30, 40, 50];
     evasive("5 VLAN tags", tagged.build(udp53, 16));
@@ -136,7 +143,10 @@ fn attacker_layouts_do_not_escape_enforcing_rules() {
     evasive("a first fragment with 4 bytes of UDP", v4_cut(udp_first, 14 + 20 + 4));
     let mut overlap = V4::new([10, 13, 0, 2]);
     overlap.frag = (1, false);
-    evasive("a TCP fragment at offset 8 (RFC 3128)", overlap.build(L4::Tcp { sport: 1000, dport: 53, flags: 0x02 }, 16));
+    evasive(
+        "a TCP fragment at offset 8 (RFC 3128)",
+        overlap.build(L4::Tcp { sport: 1000, dport: 53, flags: 0x02 }, 16),
+    );
     let mut v6first = V6::new(src6);
     v6first.ext = vec![ext_fragment(0, true), ext_dstopts_long(64)];
     let frame = v6first.build(udp53, 16);
@@ -154,7 +164,11 @@ fn attacker_layouts_do_not_escape_enforcing_rules() {
     let mut short = V4::new([10, 13, 0, 3]).build(udp53, 16);
     short[16..18].copy_from_slice(&24u16.to_be_bytes()); // 4 bytes of UDP, the rest padding
     p.run(&short);
-    assert_eq!(p.unmatched().malformed_pkts, before + 2, "total length past the frame, and a UDP header in padding");
+    assert_eq!(
+        p.unmatched().malformed_pkts,
+        before + 2,
+        "total length past the frame, and a UDP header in padding"
+    );
     assert_eq!(p.counters("dns").offered_pkts, counted);
 }
 
@@ -172,7 +186,10 @@ key = "src"
     let a = V4::new([10, 1, 1, 1]).build(L4::Udp { sport: 1000, dport: 53 }, 10);
     let b = V4::new([10, 1, 1, 2]).build(L4::Udp { sport: 1000, dport: 53 }, 10);
     let verdicts: Vec<u32> = (0..8).map(|_| p.run(&a)).collect();
-    assert_eq!(verdicts, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP]);
+    assert_eq!(
+        verdicts,
+        [XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP]
+    );
     // Another source has its own bucket.
     assert_eq!(p.run(&b), XDP_PASS);
     let c = p.counters("per-src");
@@ -210,7 +227,9 @@ fn connections_unit_counts_only_syns() {
 }
 
 fn dry_run_counts_would_drop_and_passes() {
-    let p = TestPlane::new(&profile("[[rule]]\nname = \"dry\"\nrate = \"1/min\"\nburst = 1\naction = \"dry-run\"\n"));
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"dry\"\nrate = \"1/min\"\nburst = 1\naction = \"dry-run\"\n",
+    ));
     let f = V4::new([10, 4, 0, 1]).build(L4::Icmp, 10);
     for _ in 0..4 {
         assert_eq!(p.run(&f), XDP_PASS);
@@ -268,7 +287,9 @@ fn header_layouts_are_parsed() {
 }
 
 fn non_ip_always_passes() {
-    let p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n"));
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"all\"\nrate = \"1/min\"\nburst = 1\nkey = \"rule\"\n",
+    ));
     for _ in 0..3 {
         assert_eq!(p.run(&arp()), XDP_PASS);
     }
@@ -297,7 +318,12 @@ fn truncation_at_every_boundary() {
         for f in &frames {
             for cut in 14..f.len() {
                 let v = p.run(&f[..cut]);
-                assert_eq!(v, if drop_policy { XDP_DROP } else { XDP_PASS }, "cut at {cut} of {}", f.len());
+                assert_eq!(
+                    v,
+                    if drop_policy { XDP_DROP } else { XDP_PASS },
+                    "cut at {cut} of {}",
+                    f.len()
+                );
                 cuts += 1;
             }
             assert_eq!(p.run(f), XDP_PASS, "the whole frame parses");
@@ -328,7 +354,11 @@ fn fragment_policy_v4_and_v6() {
         let mut later = V4::new([10, 9, 0, 1]);
         later.frag = (10, false);
         assert_eq!(p.run(&first.build(udp, 64)), XDP_PASS);
-        assert_eq!(p.run(&first.build(udp, 64)), XDP_DROP, "first fragments are keyed with L4 and hit the port rule");
+        assert_eq!(
+            p.run(&first.build(udp, 64)),
+            XDP_DROP,
+            "first fragments are keyed with L4 and hit the port rule"
+        );
         let want = if drop_fragments { XDP_DROP } else { XDP_PASS };
         assert_eq!(p.run(&later.build(udp, 64)), want, "v4 later fragment");
         let mut v6later = V6::new([0xfd, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
@@ -337,7 +367,11 @@ fn fragment_policy_v4_and_v6() {
         let mut v6first = V6::new([0xfd, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
         v6first.ext = vec![ext_fragment(0, true)];
         // The port rule's one token was spent above: the v6 first fragment hits it too.
-        assert_eq!(p.run(&v6first.build(udp, 64)), XDP_DROP, "v6 first fragment matches the port rule");
+        assert_eq!(
+            p.run(&v6first.build(udp, 64)),
+            XDP_DROP,
+            "v6 first fragment matches the port rule"
+        );
         let g = p.unmatched();
         assert_eq!(g.fragment_pkts, 2);
         assert_eq!(g.dropped_pkts[reason::FRAGMENT], if drop_fragments { 2 } else { 0 });
@@ -360,7 +394,9 @@ fn apply_keeps_state_and_reclassifies_cached_sources() {
     assert_eq!(p.run(&f), XDP_PASS);
     assert_eq!(p.run(&f), XDP_DROP);
     // Same rule, plus an unrelated one: the drained bucket survives.
-    p.apply(&profile(&format!("{base}[[rule]]\nname = \"other\"\nsrc = \"10.11.0.0/16\"\nrate = \"1/s\"\n")));
+    p.apply(&profile(&format!(
+        "{base}[[rule]]\nname = \"other\"\nsrc = \"10.11.0.0/16\"\nrate = \"1/s\"\n"
+    )));
     assert_eq!(p.run(&f), XDP_DROP, "unchanged rule keeps its bucket across apply");
     // Move the source to a new, more specific rule placed first.
     p.apply(&profile(&format!("[[rule]]\nname = \"vip\"\nsrc = \"10.10.0.1/32\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n{base}")));
@@ -374,7 +410,14 @@ fn apply_keeps_state_and_reclassifies_cached_sources() {
 
 /// Every key kind builds buckets as documented.
 fn key_kinds_split_buckets() {
-    let cases = [("rule", false, false), ("src", true, false), ("src_prefix", false, true), ("dport", false, true), ("src_dport", true, true), ("5tuple", true, true)];
+    let cases = [
+        ("rule", false, false),
+        ("src", true, false),
+        ("src_prefix", false, true),
+        ("dport", false, true),
+        ("src_dport", true, true),
+        ("5tuple", true, true),
+    ];
     for (key, split_by_host, split_by_port) in cases {
         let p = TestPlane::new(&profile(&format!("[[rule]]\nname = \"k\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"{key}\"\n")));
         let a = V4::new([10, 12, 0, 1]).build(L4::Udp { sport: 1, dport: 80 }, 0);
@@ -383,7 +426,11 @@ fn key_kinds_split_buckets() {
         assert_eq!(p.run(&a), XDP_PASS, "{key}");
         let want = |split: bool| if split { XDP_PASS } else { XDP_DROP };
         assert_eq!(p.run(&other_host), want(split_by_host), "{key}: same /24, other host");
-        assert_eq!(p.run(&other_net), want(split_by_port || split_by_host), "{key}: other /24 and port");
+        assert_eq!(
+            p.run(&other_net),
+            want(split_by_port || split_by_host),
+            "{key}: other /24 and port"
+        );
     }
 }
 
@@ -392,14 +439,21 @@ fn key_kinds_split_buckets() {
 fn exact_under_concurrency() {
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     assert!(ncpu >= 2, "needs two CPUs");
-    let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"hot\"\nrate = \"1000/s\"\nburst = 50\nkey = \"rule\"\n")));
+    let p = std::sync::Arc::new(TestPlane::new(&profile(
+        "[[rule]]\nname = \"hot\"\nrate = \"1000/s\"\nburst = 50\nkey = \"rule\"\n",
+    )));
     let frame = V4::new([10, 14, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let start = std::time::Instant::now();
     flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 200, 1000);
     let elapsed = start.elapsed().as_secs_f64();
     let c = p.counters("hot");
     let bound = 50.0 + 1000.0 * elapsed + 1.0;
-    println!("offered {} admitted {} bound {bound:.0} over {elapsed:.3}s, contended {}", c.offered_pkts, c.passed_pkts, c.dropped_pkts[reason::CONTENDED]);
+    println!(
+        "offered {} admitted {} bound {bound:.0} over {elapsed:.3}s, contended {}",
+        c.offered_pkts,
+        c.passed_pkts,
+        c.dropped_pkts[reason::CONTENDED]
+    );
     assert_eq!(c.offered_pkts, 400_000);
     assert!((c.passed_pkts as f64) <= bound, "admitted {} > bound {bound}", c.passed_pkts);
     assert!(c.passed_pkts >= 50, "the burst at least");
@@ -414,7 +468,10 @@ fn verifier_rejection_carries_the_log_tail() {
     let msg = flowctl::dataplane::load_error(err).to_string();
     println!("{msg}");
     assert!(msg.contains("verifier rejected"), "{msg}");
-    assert!(msg.contains("invalid access to packet") || msg.contains("R1") || msg.contains("processed"), "log tail present: {msg}");
+    assert!(
+        msg.contains("invalid access to packet") || msg.contains("R1") || msg.contains("processed"),
+        "log tail present: {msg}"
+    );
 }
 
 /// A flood of new sources on one rule evicts another rule's drained key from
@@ -433,10 +490,12 @@ fn eviction_hands_no_fresh_burst_to_refused_keys() {
         let b = i.to_be_bytes();
         p.run(&V4::new([10, 30 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
     }
-    let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-        aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE)).unwrap(),
-    ))
-    .unwrap();
+    let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
+                .unwrap(),
+        ))
+        .unwrap();
     let key = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a14_0001] };
     assert!(cache.get(&key, 0).is_err(), "the flood evicted the victim's entry");
     assert_eq!(p.run(&victim), XDP_DROP, "back after eviction, still refused");
@@ -454,7 +513,10 @@ fn quota_admits_n_per_window() {
     let f = V4::new([10, 40, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let start = std::time::Instant::now();
     let v: Vec<u32> = (0..8).map(|_| p.run(&f)).collect();
-    assert!(start.elapsed() < std::time::Duration::from_millis(300), "the burst must fit in one window");
+    assert!(
+        start.elapsed() < std::time::Duration::from_millis(300),
+        "the burst must fit in one window"
+    );
     assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP]);
     assert_eq!(p.counters("q").dropped_pkts[reason::QUOTA], 3);
     // Another key has its own window.
@@ -474,7 +536,11 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
     let v: Vec<u32> = (0..6).map(|_| p.run(&f)).collect();
     assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP, XDP_DROP]);
     let c = p.counters("both");
-    assert_eq!((c.dropped_pkts[reason::RATE], c.dropped_pkts[reason::QUOTA]), (4, 0), "the bucket refused first");
+    assert_eq!(
+        (c.dropped_pkts[reason::RATE], c.dropped_pkts[reason::QUOTA]),
+        (4, 0),
+        "the bucket refused first"
+    );
     // The quota counted only the 2 admitted: a fresh plane with a roomier
     // bucket and a tiny quota shows the other direction.
     let p = TestPlane::new(&profile("[[rule]]\nname = \"both\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 10\nquota = 2\nquota_window = \"1min\"\nkey = \"src\"\n"));
@@ -485,16 +551,21 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
     // Tokens left: 10 - 2. Raise the quota by apply (same bucket state, as the
     // bucket's limits did not change... but the quota is part of the rule's
     // identity, so the rule restarts): instead read the key's TAT directly.
-    let keys: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-        aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE)).unwrap(),
-    ))
-    .unwrap();
+    let keys: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
+                .unwrap(),
+        ))
+        .unwrap();
     let e = keys.get(&flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a29_0001] }, 0).unwrap();
     let now = flowctl::pins::monotonic_ns();
     // Two tokens spent of a 1/min bucket: the TAT is about 2 minutes of
     // emission ahead of the first packet, not 6.
     let ahead = e.tat.saturating_sub(now);
-    assert!(ahead <= 2 * 60_000_000_000 && ahead > 60_000_000_000, "TAT {ahead} ns ahead: quota refusals took tokens?");
+    assert!(
+        ahead <= 2 * 60_000_000_000 && ahead > 60_000_000_000,
+        "TAT {ahead} ns ahead: quota refusals took tokens?"
+    );
 }
 
 /// Two threads on two CPUs race one quota key across bucket boundaries:
@@ -510,7 +581,14 @@ fn quota_exact_under_concurrency() {
     let c = p.counters("hotq");
     // Upper bound: N per started window, with windows of W = 100 ms.
     let windows = (elapsed / 100e6).ceil() + 1.0;
-    println!("offered {} admitted {} over {:.0} ms: at most {:.0} allowed, contended {}", c.offered_pkts, c.passed_pkts, elapsed / 1e6, windows * 1000.0, c.dropped_pkts[reason::CONTENDED]);
+    println!(
+        "offered {} admitted {} over {:.0} ms: at most {:.0} allowed, contended {}",
+        c.offered_pkts,
+        c.passed_pkts,
+        elapsed / 1e6,
+        windows * 1000.0,
+        c.dropped_pkts[reason::CONTENDED]
+    );
     assert_eq!(c.offered_pkts, 400_000);
     assert!((c.passed_pkts as f64) <= windows * 1000.0);
     assert_eq!(c.passed_pkts + c.dropped_pkts.iter().sum::<u64>(), c.offered_pkts);
@@ -522,12 +600,22 @@ fn quota_exact_under_concurrency() {
     let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"exact\"\nquota = 150000\nquota_window = \"10min\"\nquota_buckets = 1\nkey = \"rule\"\n")));
     flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 100, 2000);
     let c = p.counters("exact");
-    let quotas: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-        aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::QUOTAS)).unwrap(),
-    ))
-    .unwrap();
-    let ring_total: u64 = quotas.iter().filter_map(|r| r.ok()).map(|(_, ring)| ring.words.iter().map(|w| (*w as u32) as u64).sum::<u64>()).sum();
-    println!("exact: admitted {} of 400000, ring holds {ring_total}, contended {}", c.passed_pkts, c.dropped_pkts[reason::CONTENDED]);
+    let quotas: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::QUOTAS))
+                .unwrap(),
+        ))
+        .unwrap();
+    let ring_total: u64 = quotas
+        .iter()
+        .filter_map(|r| r.ok())
+        .map(|(_, ring)| ring.words.iter().map(|w| (*w as u32) as u64).sum::<u64>())
+        .sum();
+    println!(
+        "exact: admitted {} of 400000, ring holds {ring_total}, contended {}",
+        c.passed_pkts,
+        c.dropped_pkts[reason::CONTENDED]
+    );
     // (A run that straddles the 10-minute bucket boundary is no exception:
     // with K = 1 the previous bucket is still in the window.)
     assert_eq!(ring_total, c.passed_pkts, "the ring counted exactly the admitted packets");
@@ -553,18 +641,28 @@ fn statistics_ring_agrees_with_the_counters() {
     assert_eq!((r.offered_pkts, r.passed_pkts), (8, 3));
     assert_eq!((r.offered_bytes, r.passed_bytes), (c.offered_bytes, c.passed_bytes));
     assert_eq!(r.dropped_pkts[reason::RATE], 5);
-    assert_eq!((r.syn_offered, r.syn_passed), (5, 2), "SYN, SYN admitted; the third admitted packet is the FIN");
+    assert_eq!(
+        (r.syn_offered, r.syn_passed),
+        (5, 2),
+        "SYN, SYN admitted; the third admitted packet is the FIN"
+    );
     assert_eq!(r.fin_rst, 3);
 }
 
 fn statistics_ring_sums_cpus_exactly() {
-    let p = std::sync::Arc::new(TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n")));
+    let p = std::sync::Arc::new(TestPlane::new(&profile(
+        "[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n",
+    )));
     let f = V4::new([10, 9, 0, 2]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     flowctl_tests::testrun::hammer_on_two_cpus(&p, &f, 20, 1000);
     let c = p.counters("all");
     let r = p.ring("all");
     assert_eq!(c.offered_pkts, 40_000);
-    assert_eq!((r.offered_pkts, r.passed_pkts), (c.offered_pkts, c.passed_pkts), "per-CPU copies neither lose nor double-count");
+    assert_eq!(
+        (r.offered_pkts, r.passed_pkts),
+        (c.offered_pkts, c.passed_pkts),
+        "per-CPU copies neither lose nor double-count"
+    );
 }
 
 fn control_level_keeps_what_the_loops_read_and_prunes_the_rest() {
@@ -579,7 +677,11 @@ fn control_level_keeps_what_the_loops_read_and_prunes_the_rest() {
     assert_eq!((a.offered_pkts, a.passed_pkts, a.dropped_pkts[reason::RATE]), (2, 1, 1));
     assert_eq!((b.offered_pkts, b.passed_pkts), (2, 1), "what BBR and KLimiter read stays");
     assert_eq!((b.offered_bytes, b.dropped_total()), (0, 0), "display-only fields are not kept");
-    assert_eq!(lean.counters("dns").dropped_pkts[reason::RATE], 1, "drop-reason counters never depend on the level");
+    assert_eq!(
+        lean.counters("dns").dropped_pkts[reason::RATE],
+        1,
+        "drop-reason counters never depend on the level"
+    );
     let (nf, nl) = (full.verified_insns(), lean.verified_insns());
     println!("verifier: full {nf}, control {nl} processed instructions");
     assert!(nl < nf, "the switched-off code is pruned at load");
@@ -653,7 +755,9 @@ fn bbr_stage_refuses_new_connections_only_while_overloaded() {
 }
 
 fn bbr_reset_answers_a_refused_syn_with_a_valid_rst() {
-    let mut p = TestPlane::new(&profile(&BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\"")));
+    let mut p = TestPlane::new(&profile(
+        &BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\""),
+    ));
     p.set_heartbeat(true);
     set_bbr(&mut p, "web", true, 10, 5);
     // A SYN with 12 bytes after its header (as options would be).
@@ -697,7 +801,9 @@ fn check_rst(t: &[u8], sport: u16, ack: u32, pseudo: u32) {
 /// The same reply for IPv6 (no extension headers): addresses swapped, hop
 /// limit 64, payload length 20, a valid TCP checksum over the v6 pseudo header.
 fn bbr_reset_answers_an_ipv6_syn_with_a_valid_rst() {
-    let mut p = TestPlane::new(&profile(&BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\"")));
+    let mut p = TestPlane::new(&profile(
+        &BBR_RULE.replace("cpu_threshold = 800", "cpu_threshold = 800, reject = \"reset\""),
+    ));
     p.set_heartbeat(true);
     set_bbr(&mut p, "web", true, 10, 5);
     let mut src = [0u8; 16];
@@ -739,7 +845,11 @@ fn connections_are_tracked_from_syn_to_fin() {
     p.run(&tcp(7, 2002, 0x02, 1, 0));
     p.run(&tcp(7, 2002, 0x04, 2, 0));
     let r = p.ring("web");
-    assert_eq!((r.arrivals, r.established, r.completed), (3, 2, 1), "retransmitted SYNs arrive once");
+    assert_eq!(
+        (r.arrivals, r.established, r.completed),
+        (3, 2, 1),
+        "retransmitted SYNs arrive once"
+    );
     assert_eq!(r.rt_count, 1);
     assert!(r.rt_sum_us >= 20_000, "A lived at least 20 ms: {} us", r.rt_sum_us);
     assert_eq!(p.maps.in_flight(rec, 30_000_000_000, now()).unwrap(), 1);
@@ -764,13 +874,16 @@ fn set_admission(p: &mut TestPlane, rule: &str, ppm: u32, per_flow: bool) {
 }
 
 fn admission_ratio_is_per_flow_and_spares_established_tcp() {
-    let mut p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n"));
+    let mut p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"all\"\nrate = \"1000000000/s\"\nkey = \"rule\"\n",
+    ));
     p.set_heartbeat(true);
     set_admission(&mut p, "all", 500_000, true);
     // 1000 UDP flows: about half admitted, each flow wholly in or out.
     let mut admitted = 0;
     for i in 0..1000u32 {
-        let f = V4::new([10, 50, (i >> 8) as u8, i as u8]).build(L4::Udp { sport: 1000 + (i % 7) as u16, dport: 53 }, 0);
+        let f = V4::new([10, 50, (i >> 8) as u8, i as u8])
+            .build(L4::Udp { sport: 1000 + (i % 7) as u16, dport: 53 }, 0);
         let v = p.run(&f);
         for _ in 0..3 {
             assert_eq!(p.run(&f), v, "flow {i} changed its verdict");
@@ -782,14 +895,20 @@ fn admission_ratio_is_per_flow_and_spares_established_tcp() {
     // TCP: only new connections face the ratio.
     let mut syn_refused = 0;
     for i in 0..200u16 {
-        let syn = V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x02 }, 0);
-        let ack = V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x10 }, 10);
+        let syn =
+            V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x02 }, 0);
+        let ack =
+            V4::new([10, 51, 0, 1]).build(L4::Tcp { sport: 2000 + i, dport: 80, flags: 0x10 }, 10);
         syn_refused += (p.run(&syn) == XDP_DROP) as u32;
         assert_eq!(p.run(&ack), XDP_PASS, "an established connection's segments always pass");
     }
     assert!(syn_refused > 50 && syn_refused < 150, "{syn_refused} of 200 SYNs refused");
     let dropped = p.counters("all").dropped_pkts[reason::ADMISSION];
-    assert_eq!(dropped, (1000 - admitted as u64) * 4 + syn_refused as u64, "every refusal counted by reason");
+    assert_eq!(
+        dropped,
+        (1000 - admitted as u64) * 4 + syn_refused as u64,
+        "every refusal counted by reason"
+    );
     // Per packet: one flow's packets split about evenly.
     set_admission(&mut p, "all", 500_000, false);
     let f = V4::new([10, 52, 0, 1]).build(L4::Udp { sport: 1, dport: 53 }, 0);
@@ -805,12 +924,19 @@ fn profile_admission_ratio_reaches_the_kernel() {
     let mut p = TestPlane::new(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\nadmission_ratio = 0.25\n"));
     p.set_heartbeat(true);
     let admitted = (0..800u32)
-        .filter(|i| p.run(&V4::new([10, 60, (i >> 8) as u8, *i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0)) == XDP_PASS)
+        .filter(|i| {
+            p.run(
+                &V4::new([10, 60, (i >> 8) as u8, *i as u8])
+                    .build(L4::Udp { sport: 9, dport: 9 }, 0),
+            ) == XDP_PASS
+        })
         .count();
     assert!((140..=260).contains(&admitted), "{admitted} of 800 flows at 0.25");
     // Applying the rule without a ratio removes it.
     p.apply(&profile("[[rule]]\nname = \"shed\"\nproto = \"udp\"\nrate = \"1000000000/s\"\n"));
-    assert!((0..100u32).all(|i| p.run(&V4::new([10, 61, 0, i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0)) == XDP_PASS));
+    assert!((0..100u32)
+        .all(|i| p.run(&V4::new([10, 61, 0, i as u8]).build(L4::Udp { sport: 9, dport: 9 }, 0))
+            == XDP_PASS));
 }
 
 /// The tests and what each needs (flowctl_tests::need): run as root, each

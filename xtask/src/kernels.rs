@@ -17,13 +17,19 @@ pub struct Kernel {
 
 enum Package {
     /// `prefix` + the newest ABI number in the archive + `suffix`.
-    Newest { prefix: &'static str, suffix: &'static str },
+    Newest {
+        prefix: &'static str,
+        suffix: &'static str,
+    },
     Fixed(&'static str),
 }
 
 pub const KERNELS: &[Kernel] = &[
     // 6.1 LTS: Debian 12's own kernel (and most 6.1-based distributions').
-    Kernel { version: "6.1", package: Package::Newest { prefix: "linux-image-6.1.0-", suffix: "-amd64-unsigned" } },
+    Kernel {
+        version: "6.1",
+        package: Package::Newest { prefix: "linux-image-6.1.0-", suffix: "-amd64-unsigned" },
+    },
     // 6.12 LTS: Debian 12's backports.
     Kernel { version: "6.12", package: Package::Fixed("linux-image-6.12-amd64") },
 ];
@@ -39,7 +45,8 @@ impl Kernel {
             .filter_map(|e| e.ok())
             .filter_map(|e| {
                 let name = e.file_name().to_str()?.to_string();
-                (name.starts_with(&want) && name.ends_with("-amd64")).then(|| (natural(&name), e.path()))
+                (name.starts_with(&want) && name.ends_with("-amd64"))
+                    .then(|| (natural(&name), e.path()))
             })
             .collect();
         found.sort();
@@ -72,4 +79,3 @@ pub fn newest_package(prefix: &str, suffix: &str) -> Result<String> {
         .map(|abi| format!("{prefix}{abi}{suffix}"))
         .with_context(|| format!("no package {prefix}N{suffix} in the apt lists (apt-get update?)"))
 }
-

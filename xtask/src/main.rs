@@ -97,7 +97,15 @@ fn main() -> Result<()> {
             run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
             let bin = std::env::current_dir()?.join("target/release/flowctl");
             run(Command::new("cargo")
-                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-demo"])
+                .args([
+                    "run",
+                    "--release",
+                    "--quiet",
+                    "--package",
+                    "flowctl-tests",
+                    "--bin",
+                    "flowctl-demo",
+                ])
                 .env("FLOWCTL_BIN", bin))
         }
         Cmd::Fuzz { frames, args } => {
@@ -107,7 +115,16 @@ fn main() -> Result<()> {
             }
             let out = root().join("target/fuzz");
             run(Command::new("cargo")
-                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-fuzz", "--"])
+                .args([
+                    "run",
+                    "--release",
+                    "--quiet",
+                    "--package",
+                    "flowctl-tests",
+                    "--bin",
+                    "flowctl-fuzz",
+                    "--",
+                ])
                 .arg(frames.to_string())
                 .arg("--out")
                 .arg(&out)
@@ -123,7 +140,16 @@ fn main() -> Result<()> {
             run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
             let bin = std::env::current_dir()?.join("target/release/flowctl");
             run(Command::new("cargo")
-                .args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", "flowctl-bench", "--"])
+                .args([
+                    "run",
+                    "--release",
+                    "--quiet",
+                    "--package",
+                    "flowctl-tests",
+                    "--bin",
+                    "flowctl-bench",
+                    "--",
+                ])
                 .args(args)
                 .env("FLOWCTL_BIN", bin))
         }

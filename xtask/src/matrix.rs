@@ -14,11 +14,7 @@ use crate::{
     vm,
 };
 use anyhow::{bail, Context, Result};
-use std::{
-    path::PathBuf,
-    process::Command,
-    time::Instant,
-};
+use std::{path::PathBuf, process::Command, time::Instant};
 
 /// Which tiers `cargo xtask test` runs.
 pub struct Selection {
@@ -41,7 +37,10 @@ impl Selection {
                     s.vms.push(vm);
                 }
             } else {
-                bail!("--kernel {k}: not one of host, all, {}", KERNELS.iter().map(|k| k.version).collect::<Vec<_>>().join(", "));
+                bail!(
+                    "--kernel {k}: not one of host, all, {}",
+                    KERNELS.iter().map(|k| k.version).collect::<Vec<_>>().join(", ")
+                );
             }
         }
         if all {
@@ -62,16 +61,32 @@ struct Artifact {
 }
 
 fn cargo_executables(args: &[&str]) -> Result<Vec<Artifact>> {
-    let out = Command::new("cargo").args(args).arg("--message-format=json").current_dir(root()).stderr(std::process::Stdio::inherit()).output()?;
+    let out = Command::new("cargo")
+        .args(args)
+        .arg("--message-format=json")
+        .current_dir(root())
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
     if !out.status.success() {
         bail!("cargo {args:?} failed: {}", out.status);
     }
     let mut v = Vec::new();
     for line in out.stdout.split(|b| *b == b'\n') {
         let Ok(m) = serde_json::from_slice::<serde_json::Value>(line) else { continue };
-        let (Some(exe), Some(name)) = (m["executable"].as_str(), m["target"]["name"].as_str()) else { continue };
-        let kinds = m["target"]["kind"].as_array().map(|a| a.iter().filter_map(|k| k.as_str().map(String::from)).collect()).unwrap_or_default();
-        v.push(Artifact { name: name.to_string(), kinds, test: m["profile"]["test"].as_bool().unwrap_or(false), path: PathBuf::from(exe) });
+        let (Some(exe), Some(name)) = (m["executable"].as_str(), m["target"]["name"].as_str())
+        else {
+            continue;
+        };
+        let kinds = m["target"]["kind"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|k| k.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        v.push(Artifact {
+            name: name.to_string(),
+            kinds,
+            test: m["profile"]["test"].as_bool().unwrap_or(false),
+            path: PathBuf::from(exe),
+        });
     }
     Ok(v)
 }
@@ -85,11 +100,22 @@ pub fn test(sel: Selection) -> Result<()> {
         // Tier 1: pure logic and property tests (no root).
         let c = tee::run(
             Command::new("cargo")
-                .args(["test", "--workspace", "--exclude", "flowctl-tests", "--exclude", "flowctl-ebpf", "--exclude", "flowctl-bench-ebpf", "--no-fail-fast"])
+                .args([
+                    "test",
+                    "--workspace",
+                    "--exclude",
+                    "flowctl-tests",
+                    "--exclude",
+                    "flowctl-ebpf",
+                    "--exclude",
+                    "flowctl-bench-ebpf",
+                    "--no-fail-fast",
+                ])
                 .current_dir(root()),
             tee::Opts { log: None, err_log: None, timeout: None, prefix: None },
         )?;
-        let problem = (!c.status.is_some_and(|s| s.success())).then(|| format!("cargo test: {:?}", c.status));
+        let problem =
+            (!c.status.is_some_and(|s| s.success())).then(|| format!("cargo test: {:?}", c.status));
         host_rows.push(Row::new("unit", c.counts, problem, Some(t_host.elapsed().as_secs_f64())));
     }
     if !crate::is_root() {
@@ -102,11 +128,12 @@ pub fn test(sel: Selection) -> Result<()> {
         .find(|a| a.name == "flowctl" && a.kinds.iter().any(|k| k == "bin"))
         .map(|a| a.path)
         .context("cargo build --package flowctl wrote no flowctl executable")?;
-    let bins: Vec<TestBin> = cargo_executables(&["test", "--package", "flowctl-tests", "--no-run"])?
-        .into_iter()
-        .filter(|a| a.test || a.kinds.iter().any(|k| k == "test"))
-        .map(|a| TestBin { name: a.name, path: a.path })
-        .collect();
+    let bins: Vec<TestBin> =
+        cargo_executables(&["test", "--package", "flowctl-tests", "--no-run"])?
+            .into_iter()
+            .filter(|a| a.test || a.kinds.iter().any(|k| k == "test"))
+            .map(|a| TestBin { name: a.name, path: a.path })
+            .collect();
     for want in KERNEL_TIER.iter().chain(["e2e"].iter()) {
         if !bins.iter().any(|b| b.name == *want) {
             bail!("no test executable `{want}` in flowctl-tests (tests/tests/{want}.rs)");
@@ -119,7 +146,10 @@ pub fn test(sel: Selection) -> Result<()> {
         for b in &bins {
             let t = Instant::now();
             let c = tee::run(
-                Command::new(&b.path).arg("--test-threads=1").current_dir(root().join("tests")).env("FLOWCTL_BIN", &flowctl),
+                Command::new(&b.path)
+                    .arg("--test-threads=1")
+                    .current_dir(root().join("tests"))
+                    .env("FLOWCTL_BIN", &flowctl),
                 tee::Opts { log: None, err_log: None, timeout: None, prefix: None },
             )?;
             let problem = match c.status {
@@ -129,21 +159,36 @@ pub fn test(sel: Selection) -> Result<()> {
             host_rows.push(Row::new(&b.name, c.counts, problem, Some(t.elapsed().as_secs_f64())));
         }
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        runs.push(KernelRun { kernel: format!("host {}", release.trim()), rows: host_rows, wall: t_host.elapsed(), boot_s: None, console_tail: None });
+        runs.push(KernelRun {
+            kernel: format!("host {}", release.trim()),
+            rows: host_rows,
+            wall: t_host.elapsed(),
+            boot_s: None,
+            console_tail: None,
+        });
     }
     // The VMs side by side: each guest runs its tests one at a time, so
     // under TCG one keeps about one of the machine's two cores busy; in
     // sequence the matrix took twice as long. Each echoes its console with
     // its kernel in front; the summary comes after both.
     let vm_runs: Vec<Result<KernelRun>> = std::thread::scope(|s| {
-        let handles: Vec<_> = sel.vms.iter().map(|k| s.spawn(|| vm::run(k, &bins, &flowctl, sel.full))).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a VM's thread panicked")))).collect()
+        let handles: Vec<_> =
+            sel.vms.iter().map(|k| s.spawn(|| vm::run(k, &bins, &flowctl, sel.full))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a VM's thread panicked"))))
+            .collect()
     });
     for r in vm_runs {
         runs.push(r?);
     }
     summary(&runs);
-    let failed: Vec<String> = runs.iter().flat_map(|r| r.rows.iter().filter(|x| x.failed()).map(move |x| format!("{} {}", r.kernel, x.tier))).collect();
+    let failed: Vec<String> = runs
+        .iter()
+        .flat_map(|r| {
+            r.rows.iter().filter(|x| x.failed()).map(move |x| format!("{} {}", r.kernel, x.tier))
+        })
+        .collect();
     if !failed.is_empty() {
         bail!("failed tiers: {}", failed.join(", "));
     }
@@ -156,7 +201,10 @@ fn summary(runs: &[KernelRun]) {
             eprintln!("\n==== {}: the guest console's last lines ====\n{tail}", r.kernel);
         }
     }
-    println!("\n{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} notes", "kernel", "tier", "passed", "failed", "ignored", "time", "result");
+    println!(
+        "\n{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} notes",
+        "kernel", "tier", "passed", "failed", "ignored", "time", "result"
+    );
     for r in runs {
         for row in &r.rows {
             let c = &row.counts;
@@ -178,13 +226,30 @@ fn summary(runs: &[KernelRun]) {
                 "ok"
             };
             let secs = row.secs.map(|s| format!("{s:.0}s")).unwrap_or_default();
-            println!("{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} {}", r.kernel, row.tier, c.passed, c.failed, c.ignored, secs, result, notes.join("; "));
+            println!(
+                "{:<22} {:<8} {:>6} {:>6} {:>7} {:>6}  {:<6} {}",
+                r.kernel,
+                row.tier,
+                c.passed,
+                c.failed,
+                c.ignored,
+                secs,
+                result,
+                notes.join("; ")
+            );
         }
         let boot = r.boot_s.map(|b| format!(" (boot {b:.0} s)")).unwrap_or_default();
         println!("{:<22} {:<8} wall {:.0} s{boot}", r.kernel, "total", r.wall.as_secs_f64());
     }
     // One closing line over every tier and kernel, in the plain form CI
     // readers take ("total: N passed, N failed, N skipped").
-    let sum = |f: fn(&tee::Counts) -> u64| runs.iter().flat_map(|r| r.rows.iter()).map(|row| f(&row.counts)).sum::<u64>();
-    println!("total: {} passed, {} failed, {} skipped", sum(|c| c.passed), sum(|c| c.failed), sum(|c| c.ignored));
+    let sum = |f: fn(&tee::Counts) -> u64| {
+        runs.iter().flat_map(|r| r.rows.iter()).map(|row| f(&row.counts)).sum::<u64>()
+    };
+    println!(
+        "total: {} passed, {} failed, {} skipped",
+        sum(|c| c.passed),
+        sum(|c| c.failed),
+        sum(|c| c.ignored)
+    );
 }

@@ -16,7 +16,16 @@ use std::{
 };
 
 const BPF_LINKER_VERSION: &str = "0.10.3";
-const DEBIAN_PACKAGES: &[&str] = &["iproute2", "nftables", "bpftool", "iputils-ping", "ethtool", "util-linux", "tmux", "python3"];
+const DEBIAN_PACKAGES: &[&str] = &[
+    "iproute2",
+    "nftables",
+    "bpftool",
+    "iputils-ping",
+    "ethtool",
+    "util-linux",
+    "tmux",
+    "python3",
+];
 /// The kernel matrix's Debian packages: QEMU for the VMs, and a statically
 /// linked busybox ("a statically linked busybox could not be found" without).
 const VM_DEBIAN_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static"];
@@ -24,19 +33,43 @@ const VIRTME_NG: &str = "virtme-ng";
 
 pub fn setup() -> Result<()> {
     let mut installed: Vec<String> = Vec::new();
-    let have_src = output_ok(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", "nightly"]))
-        .is_some_and(|s| s.lines().any(|l| l.starts_with("rust-src")));
+    let have_src = output_ok(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        "nightly",
+    ]))
+    .is_some_and(|s| s.lines().any(|l| l.starts_with("rust-src")));
     if !have_src {
-        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
         installed.push("rust-src".into());
     }
-    let linker_ok = output_ok(Command::new("bpf-linker").arg("--version")).is_some_and(|v| v.contains(BPF_LINKER_VERSION));
+    let linker_ok = output_ok(Command::new("bpf-linker").arg("--version"))
+        .is_some_and(|v| v.contains(BPF_LINKER_VERSION));
     if !linker_ok {
-        run(Command::new("cargo").args(["install", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--locked", "--force"]))?;
+        run(Command::new("cargo").args([
+            "install",
+            &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+            "--locked",
+            "--force",
+        ]))?;
         installed.push(format!("bpf-linker {BPF_LINKER_VERSION}"));
     }
-    let mut missing: Vec<String> = DEBIAN_PACKAGES.iter().chain(VM_DEBIAN_PACKAGES).filter(|p| !dpkg_installed(p)).map(|p| p.to_string()).collect();
-    let missing_kernels: Vec<&kernels::Kernel> = kernels::KERNELS.iter().filter(|k| k.image().is_none()).collect();
+    let mut missing: Vec<String> = DEBIAN_PACKAGES
+        .iter()
+        .chain(VM_DEBIAN_PACKAGES)
+        .filter(|p| !dpkg_installed(p))
+        .map(|p| p.to_string())
+        .collect();
+    let missing_kernels: Vec<&kernels::Kernel> =
+        kernels::KERNELS.iter().filter(|k| k.image().is_none()).collect();
     if !missing.is_empty() || !missing_kernels.is_empty() {
         if !is_root() {
             bail!("missing Debian packages {missing:?} or kernel images {:?}: run `sudo cargo xtask setup`", missing_kernels.iter().map(|k| k.version).collect::<Vec<_>>());
@@ -49,7 +82,14 @@ pub fn setup() -> Result<()> {
         args.extend(missing.iter().map(String::as_str));
         apt_get(&args)?;
         for k in &missing_kernels {
-            k.image().with_context(|| format!("installed {:?} but found no {}{}* in /boot", k.package(), kernels::BOOT_PREFIX, k.version))?;
+            k.image().with_context(|| {
+                format!(
+                    "installed {:?} but found no {}{}* in /boot",
+                    k.package(),
+                    kernels::BOOT_PREFIX,
+                    k.version
+                )
+            })?;
         }
         installed.extend(missing);
     }
@@ -69,37 +109,56 @@ pub fn setup() -> Result<()> {
 fn kernel_list() -> String {
     kernels::KERNELS
         .iter()
-        .map(|k| format!("{} ({})", k.version, k.image().map(|p| p.display().to_string()).unwrap_or_else(|| "missing".into())))
+        .map(|k| {
+            format!(
+                "{} ({})",
+                k.version,
+                k.image().map(|p| p.display().to_string()).unwrap_or_else(|| "missing".into())
+            )
+        })
         .collect::<Vec<_>>()
         .join(", ")
 }
 
 fn dpkg_installed(p: &str) -> bool {
-    output_ok(Command::new("dpkg-query").args(["-W", "-f=${Status}", p])).is_some_and(|s| s.contains("install ok installed"))
+    output_ok(Command::new("dpkg-query").args(["-W", "-f=${Status}", p]))
+        .is_some_and(|s| s.contains("install ok installed"))
 }
 
 /// apt-get, waiting for another apt's lock instead of failing at once.
 fn apt_get(args: &[&str]) -> Result<()> {
-    run(Command::new("apt-get").args(["-o", "DPkg::Lock::Timeout=600"]).args(args).env("DEBIAN_FRONTEND", "noninteractive"))
+    run(Command::new("apt-get")
+        .args(["-o", "DPkg::Lock::Timeout=600"])
+        .args(args)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
 /// The `vng` to run: on PATH (through pyenv's shims, here), else in the
 /// scripts directory of the python3 on PATH (where pip put it; `sudo`
 /// may drop the shims from PATH).
 pub fn vng() -> Option<PathBuf> {
-    let scripts = output_ok(Command::new("python3").args(["-c", "import sysconfig; print(sysconfig.get_path('scripts'))"]))
-        .map(|s| Path::new(s.trim()).join("vng"));
-    [Some(PathBuf::from("vng")), scripts]
-        .into_iter()
-        .flatten()
-        .find(|p| output_ok(Command::new(p).arg("--version")).is_some_and(|v| v.contains("virtme-ng")))
+    let scripts = output_ok(
+        Command::new("python3")
+            .args(["-c", "import sysconfig; print(sysconfig.get_path('scripts'))"]),
+    )
+    .map(|s| Path::new(s.trim()).join("vng"));
+    [Some(PathBuf::from("vng")), scripts].into_iter().flatten().find(|p| {
+        output_ok(Command::new(p).arg("--version")).is_some_and(|v| v.contains("virtme-ng"))
+    })
 }
 
 fn pip_install(pkg: &str) -> Result<()> {
     let plain = run(Command::new("python3").args(["-m", "pip", "install", "-q", pkg]));
     if plain.is_err() {
         // Debian's own python3 refuses pip installs without this (PEP 668).
-        run(Command::new("python3").args(["-m", "pip", "install", "-q", "--break-system-packages", pkg]))?;
+        run(Command::new("python3").args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--break-system-packages",
+            pkg,
+        ]))?;
     }
     // pyenv's shims appear only after a rehash.
     let _ = output_ok(Command::new("pyenv").arg("rehash"));

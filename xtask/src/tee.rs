@@ -74,7 +74,6 @@ impl Counts {
         text.lines().for_each(|l| c.line(l));
         c
     }
-
 }
 
 pub struct Captured {
@@ -99,7 +98,8 @@ pub struct Opts {
 /// side by side), for the signal handler: xtask's own Ctrl-C or SIGTERM
 /// must not leave a VM behind (each runs in its own group, so the
 /// terminal's SIGINT does not reach it).
-static GROUPS: [AtomicI32; 4] = [AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0)];
+static GROUPS: [AtomicI32; 4] =
+    [AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0), AtomicI32::new(0)];
 
 extern "C" fn on_signal(sig: libc::c_int) {
     for g in &GROUPS {
@@ -119,7 +119,9 @@ fn watch_group(pid: i32) -> Option<usize> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     });
-    GROUPS.iter().position(|g| g.compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst).is_ok())
+    GROUPS
+        .iter()
+        .position(|g| g.compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst).is_ok())
 }
 
 pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
@@ -136,7 +138,8 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
     let slot = if opts.timeout.is_some() { watch_group(pid) } else { None };
     let err_thread = match (opts.err_log.as_ref(), child.stderr.take()) {
         (Some(path), Some(err)) => {
-            let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+            let mut f =
+                File::create(path).with_context(|| format!("creating {}", path.display()))?;
             Some(std::thread::spawn(move || {
                 for line in BufReader::new(err).split(b'\n').map_while(|l| l.ok()) {
                     let _ = f.write_all(&line);
@@ -174,7 +177,10 @@ pub fn run(cmd: &mut Command, opts: Opts) -> Result<Captured> {
             break Some(st);
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
-            eprintln!("xtask: deadline of {:?} passed: killing process group {pid}", opts.timeout.unwrap());
+            eprintln!(
+                "xtask: deadline of {:?} passed: killing process group {pid}",
+                opts.timeout.unwrap()
+            );
             unsafe { libc::kill(-pid, libc::SIGKILL) };
             let _ = child.wait();
             break None;

@@ -67,7 +67,12 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn new(tier: &str, counts: tee::Counts, problem: Option<String>, secs: Option<f64>) -> Self {
+    pub fn new(
+        tier: &str,
+        counts: tee::Counts,
+        problem: Option<String>,
+        secs: Option<f64>,
+    ) -> Self {
         Row { tier: tier.to_string(), counts, problem, secs, skipped: None, note: None }
     }
 
@@ -92,4 +97,3 @@ pub struct TestBin {
     pub name: String,
     pub path: PathBuf,
 }
-

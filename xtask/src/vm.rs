@@ -12,8 +12,8 @@
 
 use crate::{
     kernels::Kernel,
-    tiers::{KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
     root, setup, tee,
+    tiers::{KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
 };
 use anyhow::{Context, Result};
 use std::{
@@ -35,7 +35,8 @@ const MEMORY: &str = "4G";
 const CPUS: &str = "2";
 
 pub fn timeout() -> Duration {
-    let s = std::env::var(TIMEOUT_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_TIMEOUT_S);
+    let s =
+        std::env::var(TIMEOUT_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_TIMEOUT_S);
     Duration::from_secs(s)
 }
 
@@ -52,14 +53,30 @@ struct Step {
 const NO_XDP: &str = "not run: the XDP program does not load on this kernel (see xdp-gate)";
 
 fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
-    let exe = |name: &str| bins.iter().find(|b| b.name == name).map(|b| b.path.clone()).with_context(|| format!("no test executable {name}"));
-    let args = |a: &[&str]| a.iter().flat_map(|s| s.split(' ')).map(String::from).collect::<Vec<_>>();
+    let exe = |name: &str| {
+        bins.iter()
+            .find(|b| b.name == name)
+            .map(|b| b.path.clone())
+            .with_context(|| format!("no test executable {name}"))
+    };
+    let args =
+        |a: &[&str]| a.iter().flat_map(|s| s.split(' ')).map(String::from).collect::<Vec<_>>();
     // Serial, and uncaptured: the console shows what each test prints
     // (verifier instruction counts, skips), in order.
     let serial = "--test-threads=1 --nocapture";
     let mut v = vec![
-        Step { name: "xdp-gate", exe: exe("kernel")?, args: args(&[serial, "--exact", XDP_GATE]), without_xdp: None },
-        Step { name: "kernel", exe: exe("kernel")?, args: args(&[serial, "--exact", "--skip", XDP_GATE]), without_xdp: Some(None) },
+        Step {
+            name: "xdp-gate",
+            exe: exe("kernel")?,
+            args: args(&[serial, "--exact", XDP_GATE]),
+            without_xdp: None,
+        },
+        Step {
+            name: "kernel",
+            exe: exe("kernel")?,
+            args: args(&[serial, "--exact", "--skip", XDP_GATE]),
+            without_xdp: Some(None),
+        },
     ];
     for name in KERNEL_TIER.iter().filter(|n| **n != "kernel") {
         v.push(Step { name, exe: exe(name)?, args: args(&[serial]), without_xdp: None });
@@ -69,7 +86,12 @@ fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
         a.extend(E2E_SUBSET.iter().filter(|t| all || !t.xdp).map(|t| t.name.to_string()));
         a
     };
-    v.push(Step { name: "e2e", exe: exe("e2e")?, args: subset(true), without_xdp: Some(Some(subset(false))) });
+    v.push(Step {
+        name: "e2e",
+        exe: exe("e2e")?,
+        args: subset(true),
+        without_xdp: Some(Some(subset(false))),
+    });
     Ok(v)
 }
 
@@ -113,7 +135,9 @@ skip() {{
         flowctl = q(flowctl),
         tests = q(&root().join("tests")),
     );
-    let cmd = |exe: &Path, args: &[String]| format!("{} {}", q(exe), args.iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" "));
+    let cmd = |exe: &Path, args: &[String]| {
+        format!("{} {}", q(exe), args.iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" "))
+    };
     for st in plan {
         let name = sh_quote(st.name);
         match &st.without_xdp {
@@ -127,7 +151,14 @@ skip() {{
                         let _ = writeln!(s, "    skip {name} {}", sh_quote(NO_XDP));
                     }
                     Some(args) => {
-                        let _ = writeln!(s, "    echo {} > \"$OUT/\"{name}.note\n    run {name} {}", sh_quote("only the tests without XDP: the XDP program does not load here"), cmd(&st.exe, args));
+                        let _ = writeln!(
+                            s,
+                            "    echo {} > \"$OUT/\"{name}.note\n    run {name} {}",
+                            sh_quote(
+                                "only the tests without XDP: the XDP program does not load here"
+                            ),
+                            cmd(&st.exe, args)
+                        );
                     }
                 }
                 s.push_str("fi\n");
@@ -156,7 +187,11 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
         console_tail: None,
     };
     let Some(image) = k.image() else {
-        return Ok(fail(format!("no {}{}* (cargo xtask setup installs it)", crate::kernels::BOOT_PREFIX, k.version)));
+        return Ok(fail(format!(
+            "no {}{}* (cargo xtask setup installs it)",
+            crate::kernels::BOOT_PREFIX,
+            k.version
+        )));
     };
     let Some(vng) = setup::vng() else {
         return Ok(fail("no vng (cargo xtask setup installs virtme-ng)".into()));
@@ -168,7 +203,13 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
     let script = out.join("guest.sh");
     std::fs::write(&script, guest_script(&out, flowctl, &plan))?;
     let limit = timeout();
-    eprintln!("xtask: kernel {} ({}) in a VM under TCG, timeout {} s ({TIMEOUT_ENV}); logs in {}", k.version, image.display(), limit.as_secs(), out.display());
+    eprintln!(
+        "xtask: kernel {} ({}) in a VM under TCG, timeout {} s ({TIMEOUT_ENV}); logs in {}",
+        k.version,
+        image.display(),
+        limit.as_secs(),
+        out.display()
+    );
     let console = out.join("console.log");
     let kmsg = out.join("kmsg.log");
     let mut boot_note = None;
@@ -197,27 +238,38 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
         let first = out.join("kmsg.boot1.log");
         let _ = std::fs::rename(&kmsg, &first);
         eprintln!("xtask: the {} guest stopped before its script started ({:?}); booting once more (its kernel log: {})", k.version, c.status, first.display());
-        boot_note = Some(format!("booted twice: the first guest died before the script ({})", first.display()));
+        boot_note = Some(format!(
+            "booted twice: the first guest died before the script ({})",
+            first.display()
+        ));
     };
     let wall = t0.elapsed();
-    let boot_s = std::fs::read_to_string(out.join("boot_s")).ok().and_then(|s| s.trim().parse::<f64>().ok());
+    let boot_s =
+        std::fs::read_to_string(out.join("boot_s")).ok().and_then(|s| s.trim().parse::<f64>().ok());
     let mut rows = Vec::new();
     let mut running_when_killed = true;
     for st in &plan {
         let bin = st.name;
         let rc = std::fs::read_to_string(out.join(format!("{bin}.rc"))).ok();
-        let counts = tee::Counts::of_text(&std::fs::read_to_string(out.join(format!("{bin}.log"))).unwrap_or_default());
+        let counts = tee::Counts::of_text(
+            &std::fs::read_to_string(out.join(format!("{bin}.log"))).unwrap_or_default(),
+        );
         let mut secs = None;
         let mut skipped = None;
         let problem = match rc.as_deref().map(|r| r.split_whitespace().collect::<Vec<_>>()) {
-            None if c.status.is_none() && std::mem::take(&mut running_when_killed) => Some("not finished: the VM timed out".to_string()),
+            None if c.status.is_none() && std::mem::take(&mut running_when_killed) => {
+                Some("not finished: the VM timed out".to_string())
+            }
             None => Some("not run: the guest stopped before it".to_string()),
             Some(f) if f.first() == Some(&"skip") => {
                 skipped = Some(NO_XDP.to_string());
                 None
             }
             Some(f) => {
-                if let (Some(a), Some(b)) = (f.get(1).and_then(|s| s.parse::<f64>().ok()), f.get(2).and_then(|s| s.parse::<f64>().ok())) {
+                if let (Some(a), Some(b)) = (
+                    f.get(1).and_then(|s| s.parse::<f64>().ok()),
+                    f.get(2).and_then(|s| s.parse::<f64>().ok()),
+                ) {
                     secs = Some(b - a);
                 }
                 match f.first() {
@@ -229,13 +281,25 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
         };
         let mut row = Row::new(bin, counts, problem, secs);
         row.skipped = skipped;
-        row.note = std::fs::read_to_string(out.join(format!("{bin}.note"))).ok().map(|n| n.trim().to_string());
+        row.note = std::fs::read_to_string(out.join(format!("{bin}.note")))
+            .ok()
+            .map(|n| n.trim().to_string());
         rows.push(row);
     }
     if c.status.is_none() {
-        rows.push(Row::new("vm", Default::default(), Some(format!("timed out after {} s: killed", limit.as_secs())), None));
+        rows.push(Row::new(
+            "vm",
+            Default::default(),
+            Some(format!("timed out after {} s: killed", limit.as_secs())),
+            None,
+        ));
     } else if !out.join("done").exists() {
-        rows.push(Row::new("vm", Default::default(), Some(format!("the guest script did not finish (vng: {:?})", c.status)), None));
+        rows.push(Row::new(
+            "vm",
+            Default::default(),
+            Some(format!("the guest script did not finish (vng: {:?})", c.status)),
+            None,
+        ));
     }
     let failed = rows.iter().any(|r| r.failed());
     let console_tail = failed.then(|| {

@@ -116,7 +116,11 @@ pub fn bench_bare(ctx: XdpContext) -> u32 {
         let Some(new) = gcra::admit(old, now, inc, burst) else {
             return xdp_action::XDP_DROP;
         };
-        let (_, ok) = unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(tat, old, new) };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat, old, new,
+            )
+        };
         if ok {
             return xdp_action::XDP_PASS;
         }

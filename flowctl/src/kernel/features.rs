@@ -63,7 +63,10 @@ impl Feature {
 
     /// Its name in JSON and in FLOWCTL_DISABLE_FEATURES.
     pub fn key(self) -> String {
-        serde_json::to_value(self).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
     }
 
     /// What it is, as messages name it.
@@ -80,7 +83,9 @@ impl Feature {
             Feature::CgroupSockAddr => "cgroup connect4/connect6 programs",
             Feature::SockOps => "sock_ops programs",
             Feature::SetRetval => "bpf_set_retval for cgroup connect hooks",
-            Feature::AncestorCgroupId => "bpf_get_current_ancestor_cgroup_id for cgroup connect hooks",
+            Feature::AncestorCgroupId => {
+                "bpf_get_current_ancestor_cgroup_id for cgroup connect hooks"
+            }
             Feature::Cgroup2 => "a mounted cgroup v2 hierarchy",
         }
     }
@@ -156,7 +161,10 @@ impl Part {
     pub fn in_profile(self, set: &RuleSet) -> bool {
         match self {
             Part::Rules => !set.rules.is_empty(),
-            Part::EgressBaselines => set.baselines.iter().any(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. })),
+            Part::EgressBaselines => set
+                .baselines
+                .iter()
+                .any(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. })),
             Part::Breakers => !set.breakers.is_empty(),
         }
     }
@@ -235,12 +243,20 @@ impl Features {
 
     /// Required features a part lacks here.
     pub fn missing_for(&self, part: Part) -> Vec<&'static Requirement> {
-        REQUIREMENTS.iter().filter(|r| r.part == part && r.need == Need::Required && !self.has(r.feature)).collect()
+        REQUIREMENTS
+            .iter()
+            .filter(|r| r.part == part && r.need == Need::Required && !self.has(r.feature))
+            .collect()
     }
 
     /// Preferred features a part will run without here (degraded).
     pub fn degraded_for(&self, part: Part) -> Vec<&'static Requirement> {
-        REQUIREMENTS.iter().filter(|r| r.part == part && matches!(r.need, Need::Preferred(_)) && !self.has(r.feature)).collect()
+        REQUIREMENTS
+            .iter()
+            .filter(|r| {
+                r.part == part && matches!(r.need, Need::Preferred(_)) && !self.has(r.feature)
+            })
+            .collect()
     }
 
     /// Rejects `set` whole when a part of it needs what this kernel lacks;
@@ -271,11 +287,18 @@ pub fn missing_message(r: &Requirement, release: &str) -> String {
         None => String::new(),
     };
     let fix = match r.feature {
-        Feature::Cgroup2 => "mount one (`mount -t cgroup2 none /sys/fs/cgroup/unified`) or remove them".to_string(),
+        Feature::Cgroup2 => {
+            "mount one (`mount -t cgroup2 none /sys/fs/cgroup/unified`) or remove them".to_string()
+        }
         f if f.min_version().is_some() => "remove them or upgrade the kernel".to_string(),
         _ => "remove them".to_string(),
     };
-    format!("the profile's {} need {} ({since}for {}); this kernel is {release}: {fix}", r.part.title(), r.feature.title(), r.why)
+    format!(
+        "the profile's {} need {} ({since}for {}); this kernel is {release}: {fix}",
+        r.part.title(),
+        r.feature.title(),
+        r.why
+    )
 }
 
 /// The running kernel's features, probed on first use.
@@ -306,7 +329,9 @@ fn probe_all() -> Features {
     };
     let map = |t| aya::sys::is_map_supported(t).map_err(|e| e.to_string());
     let prog = |t| aya::sys::is_program_supported(t).map_err(|e| e.to_string());
-    let helper = |h| aya::sys::is_helper_supported(ProgramType::CgroupSockAddr, h).map_err(|e| e.to_string());
+    let helper = |h| {
+        aya::sys::is_helper_supported(ProgramType::CgroupSockAddr, h).map_err(|e| e.to_string())
+    };
     let (xdp_link, tcx) = in_throwaway_netns(|| (probe_xdp_link(), probe_tcx()))
         .unwrap_or_else(|e| (Err(e.clone()), Err(e)));
     let mut probes = vec![
@@ -325,7 +350,11 @@ fn probe_all() -> Features {
     ];
     probes.push(match crate::breaker_agent::cgroup2_mount() {
         Ok(p) => Probe { detail: Some(p.display().to_string()), ..yes(Feature::Cgroup2) },
-        Err(_) => Probe { feature: Feature::Cgroup2, available: false, detail: Some("no cgroup2 line in /proc/self/mounts".into()) },
+        Err(_) => Probe {
+            feature: Feature::Cgroup2,
+            available: false,
+            detail: Some("no cgroup2 line in /proc/self/mounts".into()),
+        },
     });
     disable_from_env(&mut probes, std::env::var("FLOWCTL_DISABLE_FEATURES").ok().as_deref());
     Features { release: release(), probes }
@@ -390,7 +419,9 @@ struct LinkCreateAttr {
 
 fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>() as u32) };
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>() as u32)
+    };
     if rc < 0 {
         Err(std::io::Error::last_os_error())
     } else {
@@ -399,7 +430,12 @@ fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<std::os::fd::O
 }
 
 /// `r0 = verdict; exit`: a program every verifier accepts.
-fn load_trivial(prog_type: u32, expected_attach_type: u32, prog_flags: u32, verdict: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+fn load_trivial(
+    prog_type: u32,
+    expected_attach_type: u32,
+    prog_flags: u32,
+    verdict: i32,
+) -> std::io::Result<std::os::fd::OwnedFd> {
     let insns: [u64; 2] = [
         // BPF_ALU64 | BPF_MOV | BPF_K (0xb7), dst r0, imm verdict.
         0xb7 | ((verdict as u32 as u64) << 32),
@@ -428,17 +464,30 @@ fn probe_xdp_frags() -> Result<bool, String> {
     }
 }
 
-fn link_create(prog_type: u32, expected_attach_type: u32, attach_type: u32, flags: u32) -> Result<bool, String> {
+fn link_create(
+    prog_type: u32,
+    expected_attach_type: u32,
+    attach_type: u32,
+    flags: u32,
+) -> Result<bool, String> {
     use std::os::fd::AsRawFd;
-    let prog = load_trivial(prog_type, expected_attach_type, 0, if prog_type == BPF_PROG_TYPE_XDP { 2 } else { 0 })
-        .map_err(|e| format!("loading the probe program: {e}"))?;
+    let prog = load_trivial(
+        prog_type,
+        expected_attach_type,
+        0,
+        if prog_type == BPF_PROG_TYPE_XDP { 2 } else { 0 },
+    )
+    .map_err(|e| format!("loading the probe program: {e}"))?;
     // lo is ifindex 1 in every network namespace.
-    let mut attr = LinkCreateAttr { prog_fd: prog.as_raw_fd() as u32, target_ifindex: 1, attach_type, flags };
+    let mut attr =
+        LinkCreateAttr { prog_fd: prog.as_raw_fd() as u32, target_ifindex: 1, attach_type, flags };
     match sys_bpf(BPF_LINK_CREATE, &mut attr) {
         // Dropping the link's fd detaches it.
         Ok(_link) => Ok(true),
         // An attach type the kernel does not know (or cannot link).
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)) => Ok(false),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)) => {
+            Ok(false)
+        }
         Err(e) => Err(format!("BPF_LINK_CREATE: {e}")),
     }
 }
@@ -455,10 +504,15 @@ fn probe_tcx() -> Result<bool, String> {
 
 /// Runs `f` on a thread in a network namespace of its own (its lo is the
 /// only device); the namespace goes when the thread ends.
-fn in_throwaway_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+fn in_throwaway_netns<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
     std::thread::spawn(move || {
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-            return Err(format!("creating a throwaway network namespace: {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "creating a throwaway network namespace: {}",
+                std::io::Error::last_os_error()
+            ));
         }
         Ok(f())
     })
@@ -493,7 +547,11 @@ fn probe_btf_load() -> Result<bool, String> {
         u32le(&mut blob, v);
     }
     blob.extend_from_slice(strings);
-    let mut attr = BtfLoadAttr { btf: blob.as_ptr() as u64, btf_size: blob.len() as u32, ..Default::default() };
+    let mut attr = BtfLoadAttr {
+        btf: blob.as_ptr() as u64,
+        btf_size: blob.len() as u32,
+        ..Default::default()
+    };
     match sys_bpf(BPF_BTF_LOAD, &mut attr) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
@@ -504,7 +562,8 @@ fn probe_btf_load() -> Result<bool, String> {
 fn probe_vmlinux_btf() -> Result<bool, String> {
     use std::io::Read;
     let mut magic = [0u8; 2];
-    match std::fs::File::open("/sys/kernel/btf/vmlinux").and_then(|mut f| f.read_exact(&mut magic)) {
+    match std::fs::File::open("/sys/kernel/btf/vmlinux").and_then(|mut f| f.read_exact(&mut magic))
+    {
         Ok(()) => Ok(u16::from_le_bytes(magic) == 0xeb9f),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(format!("/sys/kernel/btf/vmlinux: {e}")),
@@ -518,7 +577,14 @@ mod tests {
     fn kernel(missing: &[Feature]) -> Features {
         Features {
             release: "5.15.0".into(),
-            probes: Feature::ALL.iter().map(|&feature| Probe { feature, available: !missing.contains(&feature), detail: None }).collect(),
+            probes: Feature::ALL
+                .iter()
+                .map(|&feature| Probe {
+                    feature,
+                    available: !missing.contains(&feature),
+                    detail: None,
+                })
+                .collect(),
         }
     }
 
@@ -549,7 +615,11 @@ mod tests {
 
     #[test]
     fn a_profile_is_checked_only_for_the_parts_it_has() {
-        let rules_only = crate::profile::parse("r.toml", "[[rule]]\nname = \"a\"\nproto = \"udp\"\nrate = \"10/s\"\nburst = 1\n").unwrap();
+        let rules_only = crate::profile::parse(
+            "r.toml",
+            "[[rule]]\nname = \"a\"\nproto = \"udp\"\nrate = \"10/s\"\nburst = 1\n",
+        )
+        .unwrap();
         let old = kernel(&[Feature::SetRetval, Feature::Tcx, Feature::XdpFrags]);
         // No breakers: the missing helper is not asked about; TCX and frags
         // only degrade.
@@ -560,14 +630,21 @@ mod tests {
 
     #[test]
     fn a_missing_requirement_names_the_feature_and_the_version_that_has_it() {
-        let set = crate::profile::parse("b.toml", "[[breaker]]\nname = \"db\"\ntarget = \"192.0.2.10\"\nport = 5432\n").unwrap();
+        let set = crate::profile::parse(
+            "b.toml",
+            "[[breaker]]\nname = \"db\"\ntarget = \"192.0.2.10\"\nport = 5432\n",
+        )
+        .unwrap();
         let err = kernel(&[Feature::SetRetval]).check_profile(&set).unwrap_err().to_string();
         assert!(err.contains("bpf_set_retval"), "{err}");
         assert!(err.contains("Linux 5.18+"), "{err}");
         assert!(err.contains("this kernel is 5.15.0"), "{err}");
         assert!(err.contains("[[breaker]]"), "{err}");
         kernel(&[]).check_profile(&set).unwrap();
-        let m = missing_message(REQUIREMENTS.iter().find(|r| r.feature == Feature::Cgroup2).unwrap(), "6.1.0");
+        let m = missing_message(
+            REQUIREMENTS.iter().find(|r| r.feature == Feature::Cgroup2).unwrap(),
+            "6.1.0",
+        );
         assert!(m.contains("mount") && !m.contains("Linux"), "{m}");
     }
 }

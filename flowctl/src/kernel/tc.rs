@@ -44,7 +44,9 @@ struct Socket(std::os::fd::OwnedFd);
 impl Socket {
     fn open() -> io::Result<Self> {
         use std::os::fd::FromRawFd;
-        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+        let fd = unsafe {
+            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -91,23 +93,33 @@ impl Socket {
         let mut buf = vec![0u8; 64 * 1024];
         let mut n_counted = 0;
         loop {
-            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+            let n = unsafe {
+                libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0)
+            };
             if n < 0 {
                 return Err(io::Error::last_os_error());
             }
             let mut off = 0usize;
             let n = n as usize;
             while off + std::mem::size_of::<NlMsgHdr>() <= n {
-                let hdr: NlMsgHdr = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr() as *const NlMsgHdr) };
+                let hdr: NlMsgHdr =
+                    unsafe { std::ptr::read_unaligned(buf[off..].as_ptr() as *const NlMsgHdr) };
                 if (hdr.len as usize) < std::mem::size_of::<NlMsgHdr>() {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "short netlink message"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "short netlink message",
+                    ));
                 }
                 match hdr.ty {
                     NLMSG_DONE => return Ok(n_counted),
                     NLMSG_ERROR => {
                         let at = off + std::mem::size_of::<NlMsgHdr>();
                         let err = i32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-                        return if err == 0 { Ok(n_counted) } else { Err(io::Error::from_raw_os_error(-err)) };
+                        return if err == 0 {
+                            Ok(n_counted)
+                        } else {
+                            Err(io::Error::from_raw_os_error(-err))
+                        };
                     }
                     t if t == count => n_counted += 1,
                     _ => {}
@@ -125,7 +137,12 @@ fn bytes<T>(v: &T) -> &[u8] {
 /// Removes the `clsact` qdisc of `ifindex` (and with it every filter on it).
 pub fn del_clsact(ifindex: u32) -> io::Result<()> {
     let s = Socket::open()?;
-    let tc = TcMsg { ifindex: ifindex as i32, handle: 0xffff_0000, parent: TC_H_CLSACT, ..Default::default() };
+    let tc = TcMsg {
+        ifindex: ifindex as i32,
+        handle: 0xffff_0000,
+        parent: TC_H_CLSACT,
+        ..Default::default()
+    };
     s.send(RTM_DELQDISC, NLM_F_REQUEST | NLM_F_ACK, tc, Some(b"clsact\0"))?;
     s.replies(0).map(|_| ())
 }
@@ -136,7 +153,11 @@ pub fn clsact_filters(ifindex: u32) -> io::Result<usize> {
     let mut total = 0;
     for minor in [TC_H_MIN_INGRESS, TC_H_MIN_EGRESS] {
         let s = Socket::open()?;
-        let tc = TcMsg { ifindex: ifindex as i32, parent: (TC_H_CLSACT & 0xffff_0000) | minor, ..Default::default() };
+        let tc = TcMsg {
+            ifindex: ifindex as i32,
+            parent: (TC_H_CLSACT & 0xffff_0000) | minor,
+            ..Default::default()
+        };
         s.send(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, tc, None)?;
         total += s.replies(RTM_NEWTFILTER)?;
     }

@@ -23,7 +23,11 @@ use std::time::{Duration, Instant};
 enum Source {
     Agent(AttachId),
     /// No agent: sample here. Sampling is switched off again on drop.
-    Local { watcher: KeyWatcher, maps: Maps, state: AttachState },
+    Local {
+        watcher: KeyWatcher,
+        maps: Maps,
+        state: AttachState,
+    },
 }
 
 impl Drop for Source {
@@ -45,7 +49,10 @@ impl Source {
             }
         }
         let (id, state) = match found.len() {
-            0 => bail!("no flowctl attachment{}", iface.map(|i| format!(" on {i}")).unwrap_or_default()),
+            0 => bail!(
+                "no flowctl attachment{}",
+                iface.map(|i| format!(" on {i}")).unwrap_or_default()
+            ),
             1 => found.remove(0),
             _ => bail!(
                 "several attachments ({}): name the interface, e.g. `flowctl top {} --keys RULE`",
@@ -70,7 +77,9 @@ impl Source {
                 if !resp.ok {
                     bail!("{}", resp.message);
                 }
-                Ok(serde_json::from_value(resp.data.ok_or_else(|| anyhow!("the agent sent no report"))?)?)
+                Ok(serde_json::from_value(
+                    resp.data.ok_or_else(|| anyhow!("the agent sent no report"))?,
+                )?)
             }
             Source::Local { watcher, maps, state } => {
                 watcher.ask(maps)?;
@@ -82,12 +91,20 @@ impl Source {
 }
 
 /// `--once`: start sampling, wait `interval`, print one report.
-pub fn once(interval: Duration, iface: Option<&str>, rule: &str, n: usize, json: bool) -> Result<()> {
+pub fn once(
+    interval: Duration,
+    iface: Option<&str>,
+    rule: &str,
+    n: usize,
+    json: bool,
+) -> Result<()> {
     let mut src = Source::open(iface)?;
     src.report(rule, n)?; // validates the rule name and starts the agent's sampling
     let end = Instant::now() + interval;
     while Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(100).min(end.saturating_duration_since(Instant::now())));
+        std::thread::sleep(
+            Duration::from_millis(100).min(end.saturating_duration_since(Instant::now())),
+        );
         if let Source::Local { watcher, maps, .. } = &mut src {
             watcher.poll(maps)?;
         }
@@ -111,7 +128,10 @@ fn text(r: &HeavyKeys) -> Vec<String> {
         r.samples,
         super::view::si(r.bound_pps)
     )];
-    v.push(format!("  {:<40} {:>10} {:>8} {:>12} {:>10}", "key", "pps", "share %", "dropped pps", "error pps"));
+    v.push(format!(
+        "  {:<40} {:>10} {:>8} {:>12} {:>10}",
+        "key", "pps", "share %", "dropped pps", "error pps"
+    ));
     for k in &r.keys {
         v.push(format!(
             "  {:<40} {:>10} {:>8.1} {:>12} {:>10}",
@@ -140,7 +160,8 @@ pub fn run(interval: Duration, iface: Option<&str>, rule: &str, n: usize) -> Res
                 report.sample_every,
                 super::view::si(report.bound_pps)
             );
-            let header = Row::new(["key", "pps", "share %", "dropped pps", "error pps"]).style(Style::default().add_modifier(Modifier::BOLD));
+            let header = Row::new(["key", "pps", "share %", "dropped pps", "error pps"])
+                .style(Style::default().add_modifier(Modifier::BOLD));
             let rows = report.keys.iter().map(|k| {
                 Row::new(vec![
                     k.key.clone(),
@@ -150,15 +171,27 @@ pub fn run(interval: Duration, iface: Option<&str>, rule: &str, n: usize) -> Res
                     super::view::si(k.error_pps),
                 ])
             });
-            let widths = [Constraint::Min(40), Constraint::Length(10), Constraint::Length(8), Constraint::Length(12), Constraint::Length(10)];
-            f.render_widget(Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title)), f.area());
+            let widths = [
+                Constraint::Min(40),
+                Constraint::Length(10),
+                Constraint::Length(8),
+                Constraint::Length(12),
+                Constraint::Length(10),
+            ];
+            f.render_widget(
+                Table::new(rows, widths)
+                    .header(header)
+                    .block(Block::default().borders(Borders::ALL).title(title)),
+                f.area(),
+            );
         })?;
         let wait = next.saturating_duration_since(Instant::now()).min(Duration::from_millis(250));
         if event::poll(wait)? {
             if let Event::Key(k) = event::read()? {
                 if k.kind == KeyEventKind::Press
                     && (matches!(k.code, KeyCode::Char('q') | KeyCode::Esc)
-                        || (k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL)))
+                        || (k.code == KeyCode::Char('c')
+                            && k.modifiers.contains(KeyModifiers::CONTROL)))
                 {
                     break;
                 }

@@ -32,11 +32,26 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
     }
     for a in &top.attachments {
         out!("{} ({} mode, up {}s, CPU {})", a.iface, a.mode, a.uptime_s, a.cpu);
-        out!("  {:<20} {:>12} {:>12} {:>12} {:>7} {:>7}  {}", "rule", "offered pps", "passed pps", "dropped pps", "drop %", "ratio", "top reason");
+        out!(
+            "  {:<20} {:>12} {:>12} {:>12} {:>7} {:>7}  {}",
+            "rule",
+            "offered pps",
+            "passed pps",
+            "dropped pps",
+            "drop %",
+            "ratio",
+            "top reason"
+        );
         for r in &a.rules {
             out!(
                 "  {:<20} {:>12} {:>12} {:>12} {:>7.1} {:>7.3}  {}",
-                r.rule, view::si(r.offered_pps), view::si(r.passed_pps), view::si(r.dropped_pps), r.drop_pct, r.admission_ratio, r.top_reason
+                r.rule,
+                view::si(r.offered_pps),
+                view::si(r.passed_pps),
+                view::si(r.dropped_pps),
+                r.drop_pct,
+                r.admission_ratio,
+                r.top_reason
             );
         }
     }

@@ -105,7 +105,9 @@ pub struct Sample {
 pub fn sample() -> Sample {
     let mut counters = HashMap::new();
     for id in pins::list_attachments() {
-        let (Ok(Some(state)), Ok(maps)) = (AttachState::load(&id), Maps::open(&id)) else { continue };
+        let (Ok(Some(state)), Ok(maps)) = (AttachState::load(&id), Maps::open(&id)) else {
+            continue;
+        };
         for r in &state.rules {
             if let Ok(c) = maps.counters(r.record) {
                 counters.insert((id.netns_ino, id.ifindex, r.name.clone()), c);
@@ -128,30 +130,52 @@ pub fn compute(before: &Sample, after: &Sample, only_iface: Option<&str>) -> Res
         attachments.push(attachment(&id, &state, before, after, dt)?);
     }
     // Breakers belong to cgroups, not interfaces: shown unless one is asked for.
-    let breakers = if only_iface.is_none() { crate::breaker_agent::published_all() } else { Vec::new() };
+    let breakers =
+        if only_iface.is_none() { crate::breaker_agent::published_all() } else { Vec::new() };
     Ok(Top { schema: SCHEMA, interval_s: dt, attachments, breakers })
 }
 
-fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sample, dt: f64) -> Result<Attachment> {
+fn attachment(
+    id: &AttachId,
+    state: &AttachState,
+    before: &Sample,
+    after: &Sample,
+    dt: f64,
+) -> Result<Attachment> {
     let agent = pins::agent_running(id);
     let set = profile::load(&id.run_dir().join("profile.toml")).ok();
     let maps = Maps::open(id)?;
     // What only the agent knows, read once: `None` when it is not running.
     let agent_rec = crate::occupancy::fresh_record(&maps);
-    let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let now_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let mut rules = Vec::new();
     for r in &state.rules {
         let key = (id.netns_ino, id.ifindex, r.name.clone());
-        let (Some(a), Some(b)) = (before.counters.get(&key), after.counters.get(&key)) else { continue };
+        let (Some(a), Some(b)) = (before.counters.get(&key), after.counters.get(&key)) else {
+            continue;
+        };
         let d = |f: fn(&RuleCounters) -> u64| (f(b).saturating_sub(f(a))) as f64 / dt;
-        let dropped: Vec<u64> = (0..reason::COUNT).map(|i| b.dropped_pkts[i].saturating_sub(a.dropped_pkts[i])).collect();
+        let dropped: Vec<u64> = (0..reason::COUNT)
+            .map(|i| b.dropped_pkts[i].saturating_sub(a.dropped_pkts[i]))
+            .collect();
         let dropped_n: u64 = dropped.iter().sum();
         let offered_n = b.offered_pkts.saturating_sub(a.offered_pkts);
-        let top_reason = dropped.iter().enumerate().filter(|(_, n)| **n > 0).max_by_key(|(_, n)| **n).map(|(i, _)| reason::NAMES[i].to_string()).unwrap_or_default();
+        let top_reason = dropped
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .max_by_key(|(_, n)| **n)
+            .map(|(i, _)| reason::NAMES[i].to_string())
+            .unwrap_or_default();
         let ctl = maps.control.get(&r.record, 0).unwrap_or_default();
         let (second, secs) = ring_second(&maps, state, r.record);
         let rule = set.as_ref().and_then(|s| s.rules.iter().find(|x| x.name == r.name));
-        let bbr = (rule.is_some_and(|x| x.bbr.is_some()) && agent_rec.is_some() && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0)
+        let bbr = (rule.is_some_and(|x| x.bbr.is_some())
+            && agent_rec.is_some()
+            && ctl.flags & flowctl_common::control_flags::BBR_ACTIVE != 0)
             .then(|| BbrRow {
                 max_pass: ctl.bbr_max_pass,
                 min_rt_ms: ctl.bbr_min_rt_ms,
@@ -169,7 +193,11 @@ fn attachment(id: &AttachId, state: &AttachState, before: &Sample, after: &Sampl
             passed_pps: d(|c| c.passed_pkts),
             passed_bps: d(|c| c.passed_bytes) * 8.0,
             dropped_pps: dropped_n as f64 / dt,
-            drop_pct: if offered_n == 0 { 0.0 } else { 100.0 * dropped_n as f64 / offered_n as f64 },
+            drop_pct: if offered_n == 0 {
+                0.0
+            } else {
+                100.0 * dropped_n as f64 / offered_n as f64
+            },
             admission_ratio: ctl.admission_ratio(),
             syn_offered_ps: second.syn_offered as f64 / secs,
             syn_passed_ps: second.syn_passed as f64 / secs,
@@ -202,7 +230,11 @@ pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
     match agent {
         None => "agent not running".into(),
         Some(r) if r.cpu_permille != flowctl_common::NO_CPU_SIGNAL => {
-            format!("{:.1}% ({})", r.cpu_permille as f64 / 10.0, crate::cpu::CpuSource::name_of(r.cpu_source))
+            format!(
+                "{:.1}% ({})",
+                r.cpu_permille as f64 / 10.0,
+                crate::cpu::CpuSource::name_of(r.cpu_source)
+            )
         }
         Some(_) => "n/a".into(),
     }
@@ -210,10 +242,15 @@ pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
 
 /// A rule's statistics over the complete buckets of the last second of its
 /// ring (zero if the ring cannot be read), and the seconds they span.
-fn ring_second(maps: &Maps, state: &AttachState, record: u32) -> (flowctl_common::stats::StatsSum, f64) {
+fn ring_second(
+    maps: &Maps,
+    state: &AttachState,
+    record: u32,
+) -> (flowctl_common::stats::StatsSum, f64) {
     let shape = state.stats;
     let span = (1_000_000_000u64.div_ceil(shape.bucket_ns.max(1))) as u32;
-    maps.stats_rate_window(record, &shape, pins::monotonic_ns(), span).unwrap_or((Default::default(), 1.0))
+    maps.stats_rate_window(record, &shape, pins::monotonic_ns(), span)
+        .unwrap_or((Default::default(), 1.0))
 }
 
 /// Sort orders the view offers (the `s` key cycles them).

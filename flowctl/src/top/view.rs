@@ -39,15 +39,36 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
         if paused { "PAUSED | " } else { "" },
         top.interval_s
     );
-    f.render_widget(Paragraph::new(Line::from(status)).style(Style::default().add_modifier(Modifier::REVERSED)), chunks[0]);
+    f.render_widget(
+        Paragraph::new(Line::from(status)).style(Style::default().add_modifier(Modifier::REVERSED)),
+        chunks[0],
+    );
     if top.attachments.is_empty() && top.breakers.is_empty() {
-        f.render_widget(Paragraph::new("no flowctl attachments (start one with `flowctl attach IFACE --profile FILE`)"), chunks[1]);
+        f.render_widget(
+            Paragraph::new(
+                "no flowctl attachments (start one with `flowctl attach IFACE --profile FILE`)",
+            ),
+            chunks[1],
+        );
         return;
     }
     for (i, c) in top.breakers.iter().enumerate() {
         let title = format!(" breakers | cgroup {} | agent pid {} ", c.cgroup, c.pid);
-        let header = Row::new(["breaker", "target", "mode", "state", "drop p", "window", "requests", "accepts", "refused", "timeouts", "local", "last change"])
-            .style(Style::default().add_modifier(Modifier::BOLD));
+        let header = Row::new([
+            "breaker",
+            "target",
+            "mode",
+            "state",
+            "drop p",
+            "window",
+            "requests",
+            "accepts",
+            "refused",
+            "timeouts",
+            "local",
+            "last change",
+        ])
+        .style(Style::default().add_modifier(Modifier::BOLD));
         let rows = c.breakers.iter().map(|b| {
             Row::new(vec![
                 Cell::from(b.name.clone()),
@@ -60,16 +81,30 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
                 Cell::from(b.window.outcomes.accepts.to_string()),
                 Cell::from(b.window.outcomes.refused_by_peer.to_string()),
                 Cell::from(b.window.outcomes.timeouts.to_string()),
-                Cell::from((b.window.outcomes.refused_locally + b.window.outcomes.would_refuse).to_string()),
+                Cell::from(
+                    (b.window.outcomes.refused_locally + b.window.outcomes.would_refuse)
+                        .to_string(),
+                ),
                 Cell::from(transition_text(b)),
             ])
         });
         let widths = [
-            Constraint::Length(14), Constraint::Min(18), Constraint::Length(9), Constraint::Length(14), Constraint::Length(6),
-            Constraint::Length(6), Constraint::Length(8), Constraint::Length(8), Constraint::Length(8), Constraint::Length(8),
-            Constraint::Length(7), Constraint::Min(24),
+            Constraint::Length(14),
+            Constraint::Min(18),
+            Constraint::Length(9),
+            Constraint::Length(14),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(7),
+            Constraint::Min(24),
         ];
-        let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
+        let table = Table::new(rows, widths)
+            .header(header)
+            .block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[top.attachments.len() + i + 1]);
     }
     for (i, a) in top.attachments.iter().enumerate() {
@@ -84,8 +119,23 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             key_tables_text(a),
             klimiter_text(a)
         );
-        let header = Row::new(["rule", "match", "key", "limit", "offered pps", "offered bps", "passed pps", "passed bps", "dropped pps", "drop %", "ratio", "SYN/s", "BBR in/max", "top reason"])
-            .style(Style::default().add_modifier(Modifier::BOLD));
+        let header = Row::new([
+            "rule",
+            "match",
+            "key",
+            "limit",
+            "offered pps",
+            "offered bps",
+            "passed pps",
+            "passed bps",
+            "dropped pps",
+            "drop %",
+            "ratio",
+            "SYN/s",
+            "BBR in/max",
+            "top reason",
+        ])
+        .style(Style::default().add_modifier(Modifier::BOLD));
         let mut rows = a.rules.clone();
         sort.apply(&mut rows);
         let rows = rows.iter().map(|r| {
@@ -107,12 +157,24 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             ])
         });
         let widths = [
-            Constraint::Length(16), Constraint::Min(20), Constraint::Length(10), Constraint::Min(16),
-            Constraint::Length(11), Constraint::Length(11), Constraint::Length(10), Constraint::Length(10),
-            Constraint::Length(11), Constraint::Length(6), Constraint::Length(6), Constraint::Length(7),
-            Constraint::Length(12), Constraint::Length(10),
+            Constraint::Length(16),
+            Constraint::Min(20),
+            Constraint::Length(10),
+            Constraint::Min(16),
+            Constraint::Length(11),
+            Constraint::Length(11),
+            Constraint::Length(10),
+            Constraint::Length(10),
+            Constraint::Length(11),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(7),
+            Constraint::Length(12),
+            Constraint::Length(10),
         ];
-        let table = Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title));
+        let table = Table::new(rows, widths)
+            .header(header)
+            .block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[i + 1]);
     }
 }
@@ -128,7 +190,10 @@ pub fn breaker_state_text(b: &crate::breaker_agent::PublishedBreaker) -> String 
 /// The last transition: how long ago, to what, why.
 pub fn transition_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
     let Some(t) = &b.last_transition else { return "-".into() };
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
     format!("{:.1}s ago -> {} ({})", now.saturating_sub(t.unix_ms) as f64 / 1e3, t.to, t.reason)
 }
 
@@ -136,7 +201,17 @@ pub fn transition_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
 pub fn breaker_lines(c: &crate::breaker_agent::Published) -> Vec<String> {
     let mut out = vec![format!(
         "{:<14} {:<24} {:<6} {:<14} {:>6} {:>9} {:>8} {:>8} {:>8} {:>6}  {}",
-        "breaker", "target", "mode", "state", "drop p", "requests", "accepts", "failed", "local", "window", "last change"
+        "breaker",
+        "target",
+        "mode",
+        "state",
+        "drop p",
+        "requests",
+        "accepts",
+        "failed",
+        "local",
+        "window",
+        "last change"
     )];
     for b in &c.breakers {
         out.push(format!(
@@ -176,14 +251,27 @@ pub fn klimiter_text(a: &super::state::Attachment) -> String {
     let Some(k) = &a.klimiter else { return String::new() };
     k.baselines
         .iter()
-        .map(|b| format!(" | {} {}/{:.0} {}", b.name, b.level.map(|l| format!("{l:.0}")).unwrap_or_else(|| "?".into()), b.threshold, b.band))
+        .map(|b| {
+            format!(
+                " | {} {}/{:.0} {}",
+                b.name,
+                b.level.map(|l| format!("{l:.0}")).unwrap_or_else(|| "?".into()),
+                b.threshold,
+                b.band
+            )
+        })
         .collect()
 }
 
 /// The key table's fill for the title, marked approximate ("~").
 pub fn key_tables_text(a: &super::state::Attachment) -> String {
     match a.key_tables.as_ref().and_then(|t| t.iter().find(|f| f.table == "keys")) {
-        Some(f) => format!("keys ~{}/{} (walked {:.0}s ago)", si(f.entries as f64), si(f.capacity as f64), f.walked_s_ago),
+        Some(f) => format!(
+            "keys ~{}/{} (walked {:.0}s ago)",
+            si(f.entries as f64),
+            si(f.capacity as f64),
+            f.walked_s_ago
+        ),
         None => "keys: agent not running".into(),
     }
 }
@@ -230,7 +318,14 @@ mod tests {
                 agent_running: agent,
                 cpu: if agent { "n/a".into() } else { "agent not running".into() },
                 cpu_permille: None,
-                key_tables: agent.then(|| vec![crate::occupancy::TableFill { table: "keys", entries: 12_345, capacity: 1 << 20, walked_s_ago: 3.0 }]),
+                key_tables: agent.then(|| {
+                    vec![crate::occupancy::TableFill {
+                        table: "keys",
+                        entries: 12_345,
+                        capacity: 1 << 20,
+                        walked_s_ago: 3.0,
+                    }]
+                }),
                 key_tables_note: String::new(),
                 klimiter: None,
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
@@ -244,7 +339,9 @@ mod tests {
         t.draw(|f| draw(f, top, sort, paused)).unwrap();
         let buf = t.backend().buffer().clone();
         (0..buf.area.height)
-            .map(|y| (0..buf.area.width).map(|x| buf[(x, y)].symbol().to_string()).collect::<String>())
+            .map(|y| {
+                (0..buf.area.width).map(|x| buf[(x, y)].symbol().to_string()).collect::<String>()
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -261,7 +358,13 @@ mod tests {
     #[test]
     fn bbr_column_shows_in_flight_over_limit() {
         let mut top = fixture(true);
-        top.attachments[0].rules[1].bbr = Some(crate::top::state::BbrRow { max_pass: 25, min_rt_ms: 3, in_flight: 7, max_in_flight: Some(5), overloaded: true });
+        top.attachments[0].rules[1].bbr = Some(crate::top::state::BbrRow {
+            max_pass: 25,
+            min_rt_ms: 3,
+            in_flight: 7,
+            max_in_flight: Some(5),
+            overloaded: true,
+        });
         let s = render(&top, SortBy::Profile, false);
         assert!(s.contains("BBR in/max") && s.contains("7/5 !"), "{s}");
     }
@@ -276,19 +379,30 @@ mod tests {
     #[test]
     fn agent_only_fields_say_so_without_an_agent() {
         let s = render(&fixture(false), SortBy::Profile, false);
-        assert!(s.contains("CPU agent not running") && s.contains("keys: agent not running"), "{s}");
+        assert!(
+            s.contains("CPU agent not running") && s.contains("keys: agent not running"),
+            "{s}"
+        );
     }
 
     #[test]
     fn empty_state_says_how_to_start() {
-        let s = render(&Top { schema: 1, interval_s: 1.0, attachments: vec![], breakers: vec![] }, SortBy::Profile, false);
+        let s = render(
+            &Top { schema: 1, interval_s: 1.0, attachments: vec![], breakers: vec![] },
+            SortBy::Profile,
+            false,
+        );
         assert!(s.contains("no flowctl attachments"));
     }
 
     #[test]
     fn breakers_show_state_probability_window_and_last_change() {
-        use crate::breaker_agent::{Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition};
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        use crate::breaker_agent::{
+            Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition,
+        };
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
+                as u64;
         let b = PublishedBreaker {
             name: "db".into(),
             target: "10.0.0.5:5432".into(),
@@ -298,13 +412,35 @@ mod tests {
             errno: "ECONNREFUSED".into(),
             state: "half-open".into(),
             drop_probability: 1.0,
-            window: PublishedWindow { seconds: 10.0, outcomes: flowctl_common::breaker::Outcomes { requests: 40, accepts: 3, refused_by_peer: 37, timeouts: 0, refused_locally: 900, would_refuse: 0 } },
+            window: PublishedWindow {
+                seconds: 10.0,
+                outcomes: flowctl_common::breaker::Outcomes {
+                    requests: 40,
+                    accepts: 3,
+                    refused_by_peer: 37,
+                    timeouts: 0,
+                    refused_locally: 900,
+                    would_refuse: 0,
+                },
+            },
             totals: Default::default(),
             probes: Some(PublishedProbes { allowed: 3, admitted: 2, succeeded: 1, failed: 0 }),
-            last_transition: Some(Transition { from: "open".into(), to: "half-open".into(), unix_ms: now - 2_000, reason: "sleep elapsed".into() }),
+            last_transition: Some(Transition {
+                from: "open".into(),
+                to: "half-open".into(),
+                unix_ms: now - 2_000,
+                reason: "sleep elapsed".into(),
+            }),
         };
         let mut top = fixture(true);
-        top.breakers = vec![Published { cgroup: "/sys/fs/cgroup/app".into(), cgroup_id: 7, pid: 99, profile: "p.toml".into(), updated_unix_ms: now, breakers: vec![b] }];
+        top.breakers = vec![Published {
+            cgroup: "/sys/fs/cgroup/app".into(),
+            cgroup_id: 7,
+            pid: 99,
+            profile: "p.toml".into(),
+            updated_unix_ms: now,
+            breakers: vec![b],
+        }];
         let s = render(&top, SortBy::Profile, false);
         assert!(s.contains("breakers | cgroup /sys/fs/cgroup/app | agent pid 99"), "{s}");
         assert!(s.contains("half-open 1/3") && s.contains("1.00") && s.contains("900"), "{s}");

@@ -40,7 +40,8 @@ struct Refs {
 
 impl Refs {
     fn load() -> Self {
-        let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
+        let mut ebpf =
+            EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
         for p in ["bench_pass", "bench_spread", "bench_bare"] {
             let prog: &mut Xdp = ebpf.program_mut(p).unwrap().try_into().unwrap();
             prog.load().unwrap_or_else(|e| panic!("{p}: {e}"));
@@ -54,18 +55,21 @@ impl Refs {
     }
 
     fn set_target(&mut self, fd: &ProgramFd) {
-        let mut next: ProgramArray<_> = ProgramArray::try_from(self.ebpf.map_mut("BENCH_NEXT").unwrap()).unwrap();
+        let mut next: ProgramArray<_> =
+            ProgramArray::try_from(self.ebpf.map_mut("BENCH_NEXT").unwrap()).unwrap();
         next.set(0, fd, 0).unwrap();
     }
 
     fn set_keys(&mut self, n: u32) {
-        let mut cfg: Array<_, u32> = Array::try_from(self.ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
+        let mut cfg: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
         cfg.set(0, n, 0).unwrap();
         cfg.set(1, 0x0a00_0000, 0).unwrap(); // 10.0.0.0 + i: inside `measured`'s 10.0.0.0/8
     }
 
     fn set_bare_limit(&mut self, interval_fp: u64, burst_ns: u64) {
-        let mut l: Array<_, u64> = Array::try_from(self.ebpf.map_mut("BENCH_LIMIT").unwrap()).unwrap();
+        let mut l: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("BENCH_LIMIT").unwrap()).unwrap();
         l.set(0, interval_fp, 0).unwrap();
         l.set(1, burst_ns, 0).unwrap();
     }
@@ -85,7 +89,13 @@ impl Refs {
     /// Runs `frame` through each target behind the spreader: first once per
     /// key (so every key exists), then `ROUNDS` interleaved rounds of
     /// `repeat` runs. Returns each target's median ns/packet and last verdict.
-    fn interleaved(&mut self, targets: &[ProgramFd], frame: &[u8], keys: u32, repeat: u32) -> (Vec<f64>, Vec<u32>) {
+    fn interleaved(
+        &mut self,
+        targets: &[ProgramFd],
+        frame: &[u8],
+        keys: u32,
+        repeat: u32,
+    ) -> (Vec<f64>, Vec<u32>) {
         for fd in targets {
             self.set_target(fd);
             self.run(frame, keys);
@@ -130,7 +140,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn rules_profile(n: usize) -> String {
     // n-1 port-range rules that the measured traffic does not match, then the
     // measured rule last: the worst case for a linear matcher.
-    let mut s = String::from("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\n");
+    let mut s =
+        String::from("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\n");
     for i in 0..n - 1 {
         s += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"udp\"\nsrc = \"10.0.0.0/8\"\ndport = {}\nrate = \"1000/s\"\nkey = \"src\"\n", 20000 + i);
     }
@@ -165,12 +176,21 @@ fn main() {
     }
     // One CPU for the measuring thread: BPF_PROG_TEST_RUN runs on the caller's CPU.
     flowctl_tests::testrun::pin_to_cpu(0);
-    let profile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml")).expect("bench/profile.toml");
+    let profile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml"))
+            .expect("bench/profile.toml");
     let drop_profile = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
     assert_ne!(profile, drop_profile);
     let frame = V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18); // a 60-byte frame
-    println!("machine: {} CPUs online, kernel {}", unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }, std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
-    println!("frame: {} bytes IPv4/UDP; {ROUNDS} interleaved rounds, median reported\n", frame.len());
+    println!(
+        "machine: {} CPUs online, kernel {}",
+        unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) },
+        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
+    );
+    println!(
+        "frame: {} bytes IPv4/UDP; {ROUNDS} interleaved rounds, median reported\n",
+        frame.len()
+    );
 
     let mut refs = Refs::load();
     // The bare reference's limit: same generous rate as `measured` for the
@@ -183,37 +203,68 @@ fn main() {
     refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
 
     println!("1. BPF_PROG_TEST_RUN ns/packet (kernel-reported), packets spread over N source keys");
-    println!("{:>9} {:>9} {:>9} {:>13} {:>13} {:>11} {:>11} {:>14}", "keys", "floor", "bare", "flowctl-pass", "flowctl-drop", "bare/floor", "fc/floor", "fc-pass/bare");
+    println!(
+        "{:>9} {:>9} {:>9} {:>13} {:>13} {:>11} {:>11} {:>14}",
+        "keys",
+        "floor",
+        "bare",
+        "flowctl-pass",
+        "flowctl-drop",
+        "bare/floor",
+        "fc/floor",
+        "fc-pass/bare"
+    );
     let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
     let repeat = if quick { 100_000 } else { 300_000 };
     for &n in key_counts {
         refs.set_keys(n);
         // floor, bare, flowctl admitted, flowctl dropped
-        let targets = [refs.fd("bench_pass"), refs.fd("bench_bare"), xdp_fd(&admit), xdp_fd(&dropper)];
+        let targets =
+            [refs.fd("bench_pass"), refs.fd("bench_bare"), xdp_fd(&admit), xdp_fd(&dropper)];
         let (med, verdicts) = refs.interleaved(&targets, &frame, n, repeat);
         assert_eq!(verdicts[2], flowctl_common::XDP_PASS, "admit path passes");
         assert_eq!(verdicts[3], flowctl_common::XDP_DROP, "drop path drops");
         println!(
             "{:>9} {:>9.1} {:>9.1} {:>13.1} {:>13.1} {:>10.2}x {:>10.2}x {:>13.2}x",
-            n, med[0], med[1], med[2], med[3], med[1] / med[0], med[2] / med[0], med[2] / med[1]
+            n,
+            med[0],
+            med[1],
+            med[2],
+            med[3],
+            med[1] / med[0],
+            med[2] / med[0],
+            med[2] / med[1]
         );
-        println!("{:>9} flowctl drop path / bare: {:.2}x (target: flowctl within 1.5x of bare)", "", med[3] / med[1]);
+        println!(
+            "{:>9} flowctl drop path / bare: {:.2}x (target: flowctl within 1.5x of bare)",
+            "",
+            med[3] / med[1]
+        );
     }
 
     println!("\n1b. The quota stage: flowctl's admitted path with and without a quota on `measured` (10k keys)");
-    let quota_profile = profile.replace("rate = \"100G/s\"", "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16");
+    let quota_profile = profile.replace(
+        "rate = \"100G/s\"",
+        "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16",
+    );
     assert_ne!(quota_profile, profile);
     let with_quota = plane(&quota_profile);
     refs.set_keys(10_000);
     let (qm, _) = refs.interleaved(&[xdp_fd(&admit), xdp_fd(&with_quota)], &frame, 10_000, repeat);
-    println!("  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x", qm[0], qm[1], qm[1] / qm[0]);
+    println!(
+        "  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x",
+        qm[0],
+        qm[1],
+        qm[1] / qm[0]
+    );
     drop(with_quota);
 
     println!("\n1c. Statistics rings: flowctl's admitted path with statistics off, \"control\" and \"full\" (10k keys)");
     let lean = plane(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
     let off = plane_with(&profile, |s| s.stats.level = flowctl_common::stats::level::OFF);
     assert_eq!(lean.state.stats.level, flowctl_common::stats::level::CONTROL);
-    let (sm, _) = refs.interleaved(&[xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)], &frame, 10_000, repeat);
+    let (sm, _) =
+        refs.interleaved(&[xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)], &frame, 10_000, repeat);
     println!(
         "  off: {:.1} ns/packet   control: {:.1} ({:.2}x)   full: {:.1} ({:.2}x)   target: full within 1.15x of off",
         sm[0], sm[1], sm[1] / sm[0], sm[2], sm[2] / sm[0]
@@ -222,18 +273,36 @@ fn main() {
 
     println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
     refs.set_keys(10_000);
-    let planes: Vec<(usize, TestPlane)> = [8usize, 256].iter().map(|&n| (n, plane(&rules_profile(n)))).collect();
+    let planes: Vec<(usize, TestPlane)> =
+        [8usize, 256].iter().map(|&n| (n, plane(&rules_profile(n)))).collect();
     let fds: Vec<ProgramFd> = planes.iter().map(|(_, p)| xdp_fd(p)).collect();
     let (med, _) = refs.interleaved(&fds, &frame, 10_000, repeat);
-    println!("  8 rules: {:.1} ns/packet   256 rules: {:.1} ns/packet   ratio 256/8: {:.2}x", med[0], med[1], med[1] / med[0]);
+    println!(
+        "  8 rules: {:.1} ns/packet   256 rules: {:.1} ns/packet   ratio 256/8: {:.2}x",
+        med[0],
+        med[1],
+        med[1] / med[0]
+    );
 
     println!("\n3. Kernel memory per key (fdinfo memlock of the preallocated LRU tables)");
     let total = flowctl::dataplane::pinned_memlock(&admit.id);
     let est = set.settings.kernel_memory_bytes();
-    println!("  all maps: {} (the estimate `check` uses: {})", flowctl::profile::human_bytes(total), flowctl::profile::human_bytes(est));
-    for (name, entries) in [(flowctl_common::map_names::SRC_CACHE, set.settings.source_cache_entries), (flowctl_common::map_names::KEYS, set.settings.key_table_entries)] {
+    println!(
+        "  all maps: {} (the estimate `check` uses: {})",
+        flowctl::profile::human_bytes(total),
+        flowctl::profile::human_bytes(est)
+    );
+    for (name, entries) in [
+        (flowctl_common::map_names::SRC_CACHE, set.settings.source_cache_entries),
+        (flowctl_common::map_names::KEYS, set.settings.key_table_entries),
+    ] {
         let bytes = flowctl::dataplane::map_memlock(&admit.id, name);
-        println!("  {name}: {:.1} kernel bytes per key ({} entries, {})", bytes as f64 / entries as f64, entries, flowctl::profile::human_bytes(bytes));
+        println!(
+            "  {name}: {:.1} kernel bytes per key ({} entries, {})",
+            bytes as f64 / entries as f64,
+            entries,
+            flowctl::profile::human_bytes(bytes)
+        );
     }
     println!("  (a source-keyed rule's key lives in the source cache alone; other keys take one key-table entry)");
 
@@ -246,7 +315,12 @@ fn main() {
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
     println!("\n4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
-    veth_drop_rates(&mut refs, &drop_profile, if quick { &[10_000] } else { &[10_000, 1_000_000] }, quick);
+    veth_drop_rates(
+        &mut refs,
+        &drop_profile,
+        if quick { &[10_000] } else { &[10_000, 1_000_000] },
+        quick,
+    );
 
     println!("\n5. The agent's CPU with 1M keys while top and the metrics refresh every second");
     agent_cpu(if quick { 15 } else { 60 });
@@ -258,7 +332,9 @@ fn main() {
 fn breaker_section(quick: bool) {
     match std::env::var_os("FLOWCTL_BIN") {
         Some(bin) => flowctl_tests::breaker_bench::run(std::path::Path::new(&bin), quick),
-        None => println!("7. skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)"),
+        None => {
+            println!("7. skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)")
+        }
     }
 }
 
@@ -288,10 +364,15 @@ fn agent_cpu(seconds: u64) {
         }
     }
     let lab = flowctl_tests::lab::Lab::new("fagent", 231);
-    let prof = std::env::temp_dir().join(format!("flowctl-bench-agent-{}.toml", std::process::id()));
-    std::fs::write(&prof, "[settings]\nkey_table_entries = 1048576\nsource_cache_entries = 1048576\n\
+    let prof =
+        std::env::temp_dir().join(format!("flowctl-bench-agent-{}.toml", std::process::id()));
+    std::fs::write(
+        &prof,
+        "[settings]\nkey_table_entries = 1048576\nsource_cache_entries = 1048576\n\
 [[rule]]\nname = \"per-src\"\nproto = \"udp\"\nrate = \"100/s\"\nkey = \"src\"\n\
-[[rule]]\nname = \"per-port\"\nproto = \"tcp\"\nrate = \"100/s\"\nkey = \"src_dport\"\n").unwrap();
+[[rule]]\nname = \"per-port\"\nproto = \"tcp\"\nrate = \"100/s\"\nkey = \"src_dport\"\n",
+    )
+    .unwrap();
     let mut agent = std::process::Command::new(&bin)
         .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
         .arg(&prof)
@@ -314,13 +395,26 @@ fn agent_cpu(seconds: u64) {
     // million sources would leave them).
     let fill = Instant::now();
     let mut keys: aya::maps::HashMap<_, BucketKey, u64> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(id.pin_dir().join(map_names::KEYS)).unwrap())).unwrap();
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(id.pin_dir().join(map_names::KEYS)).unwrap(),
+        ))
+        .unwrap();
     let mut srcs: aya::maps::HashMap<_, SrcKey, SrcEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(aya::maps::MapData::from_pin(id.pin_dir().join(map_names::SRC_CACHE)).unwrap())).unwrap();
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(id.pin_dir().join(map_names::SRC_CACHE)).unwrap(),
+        ))
+        .unwrap();
     for i in 0..1_000_000u32 {
-        let k = BucketKey { state_id: 2, family: 4, dport: 443, src: [0x0a00_0000 | i, 0, 0, 0], ..Default::default() };
+        let k = BucketKey {
+            state_id: 2,
+            family: 4,
+            dport: 443,
+            src: [0x0a00_0000 | i, 0, 0, 0],
+            ..Default::default()
+        };
         keys.insert(k, 0, 0).unwrap();
-        srcs.insert(SrcKey { addr: [0, 0, 0xffff, 0x0a00_0000 | i] }, SrcEntry::default(), 0).unwrap();
+        srcs.insert(SrcKey { addr: [0, 0, 0xffff, 0x0a00_0000 | i] }, SrcEntry::default(), 0)
+            .unwrap();
     }
     let t = Instant::now();
     let n = count_entries(&id, map_names::KEYS, core::mem::size_of::<BucketKey>(), 8).unwrap();
@@ -331,7 +425,10 @@ fn agent_cpu(seconds: u64) {
     let mut scrape_ok = 0;
     for _ in 0..seconds {
         let tick = Instant::now();
-        let top = std::process::Command::new(&bin).args(["top", "--once", "--json", "--interval", "0.1", &lab.veth_srv]).output().unwrap();
+        let top = std::process::Command::new(&bin)
+            .args(["top", "--once", "--json", "--interval", "0.1", &lab.veth_srv])
+            .output()
+            .unwrap();
         assert!(top.status.success());
         let body = flowctl_tests::lab::Lab::in_ns(&lab.ns_srv, || {
             use std::io::{Read, Write};
@@ -371,7 +468,12 @@ fn xdp_drops(ns: &str, dev: &str) -> u64 {
 fn veth_stat(ns: &str, dev: &str, suffix: &str) -> u64 {
     sh(&["ip", "netns", "exec", ns, "ethtool", "-S", dev])
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("rx_queue_").and_then(|r| r.split_once(suffix)).map(|(_, v)| v.trim().parse::<u64>().unwrap_or(0)))
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("rx_queue_")
+                .and_then(|r| r.split_once(suffix))
+                .map(|(_, v)| v.trim().parse::<u64>().unwrap_or(0))
+        })
         .sum()
 }
 
@@ -383,7 +485,8 @@ fn nft_drops(ns: &str, dev: &str) -> u64 {
     let mut ip = snmp.lines().filter(|l| l.starts_with("Ip:"));
     let (names, values) = (ip.next().unwrap_or(""), ip.next().unwrap_or(""));
     let col = names.split_whitespace().position(|n| n == "InReceives").unwrap_or(0);
-    let in_receives: u64 = values.split_whitespace().nth(col).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let in_receives: u64 =
+        values.split_whitespace().nth(col).and_then(|v| v.parse().ok()).unwrap_or(0);
     passed_up.saturating_sub(in_receives)
 }
 
@@ -404,21 +507,26 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
     let rounds = if quick { 2 } else { 4 };
     for &n in key_counts {
         refs.set_keys(n);
-        refs.set_bare_limit(flowctl_common::gcra::interval_fp(1, 3600), flowctl_common::gcra::burst_ns(flowctl_common::gcra::interval_fp(1, 3600), 1));
+        refs.set_bare_limit(
+            flowctl_common::gcra::interval_fp(1, 3600),
+            flowctl_common::gcra::burst_ns(flowctl_common::gcra::interval_fp(1, 3600), 1),
+        );
         // The generator runs on its own thread in the client namespace with its
         // own copy of the bench object (bpf_redirect resolves the ifindex in
         // the caller's namespace).
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let gen = {
-            let (stop, sent, ns, dev) = (stop.clone(), sent.clone(), lab.ns_cli.clone(), lab.veth_cli.clone());
+            let (stop, sent, ns, dev) =
+                (stop.clone(), sent.clone(), lab.ns_cli.clone(), lab.veth_cli.clone());
             std::thread::spawn(move || {
                 flowctl::pins::enter_netns(&ns).unwrap();
                 flowctl_tests::testrun::pin_to_cpu(1);
                 let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
                 let ifindex = flowctl::pins::ifindex(&dev).unwrap();
                 {
-                    let mut cfg: Array<_, u32> = Array::try_from(ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
+                    let mut cfg: Array<_, u32> =
+                        Array::try_from(ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
                     cfg.set(0, n, 0).unwrap();
                     cfg.set(1, 0x0a00_0000, 0).unwrap();
                     cfg.set(2, ifindex, 0).unwrap();
@@ -438,7 +546,8 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
                         Ok(_) => {
                             sent.fetch_add(1 << 16, Ordering::Relaxed);
                         }
-                        Err(aya::programs::ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EINTR) => {}
+                        Err(aya::programs::ProgramError::SyscallError(e))
+                            if e.io_error.raw_os_error() == Some(libc::EINTR) => {}
                         Err(e) => panic!("live-frames run: {e:?}"),
                     }
                 }
@@ -450,11 +559,15 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
         if ceiling.fd().is_err() {
             ceiling.load().unwrap();
         }
-        let id = ceiling.attach(&lab.veth_srv, aya::programs::XdpMode::Driver).expect("attach on veth");
+        let id =
+            ceiling.attach(&lab.veth_srv, aya::programs::XdpMode::Driver).expect("attach on veth");
         let mut link = Some(ceiling.take_link(id).unwrap());
         let names = ["ceiling", "bare", "flowctl", "nftables"];
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
-        let nft_rules = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/nftables.nft")).unwrap().replace("DEV", &lab.veth_srv);
+        let nft_rules =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/nftables.nft"))
+                .unwrap()
+                .replace("DEV", &lab.veth_srv);
         for round in 0..rounds + 1 {
             for (i, name) in names.iter().enumerate() {
                 let prog: &mut Xdp = match *name {
@@ -469,19 +582,42 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
                 let lid = prog.attach_to_link(link.take().unwrap()).expect("re-point the link");
                 link = Some(prog.take_link(lid).unwrap());
                 if *name == "nftables" {
-                    let f = std::env::temp_dir().join(format!("flowctl-bench-{}.nft", std::process::id()));
+                    let f = std::env::temp_dir()
+                        .join(format!("flowctl-bench-{}.nft", std::process::id()));
                     std::fs::write(&f, &nft_rules).unwrap();
                     sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "-f", f.to_str().unwrap()]);
                     let _ = std::fs::remove_file(f);
                 }
                 std::thread::sleep(Duration::from_millis(50)); // let the ring settle
-                let (d0, s0, t0) = (if *name == "nftables" { nft_drops(&lab.ns_srv, &lab.veth_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) }, sent.load(Ordering::Relaxed), std::time::Instant::now());
+                let (d0, s0, t0) = (
+                    if *name == "nftables" {
+                        nft_drops(&lab.ns_srv, &lab.veth_srv)
+                    } else {
+                        xdp_drops(&lab.ns_srv, &lab.veth_srv)
+                    },
+                    sent.load(Ordering::Relaxed),
+                    std::time::Instant::now(),
+                );
                 std::thread::sleep(slot);
-                let d1 = if *name == "nftables" { nft_drops(&lab.ns_srv, &lab.veth_srv) } else { xdp_drops(&lab.ns_srv, &lab.veth_srv) };
+                let d1 = if *name == "nftables" {
+                    nft_drops(&lab.ns_srv, &lab.veth_srv)
+                } else {
+                    xdp_drops(&lab.ns_srv, &lab.veth_srv)
+                };
                 let dt = t0.elapsed().as_secs_f64();
                 let _ = s0;
                 if *name == "nftables" {
-                    sh(&["ip", "netns", "exec", &lab.ns_srv, "nft", "delete", "table", "netdev", "flowctl_bench"]);
+                    sh(&[
+                        "ip",
+                        "netns",
+                        "exec",
+                        &lab.ns_srv,
+                        "nft",
+                        "delete",
+                        "table",
+                        "netdev",
+                        "flowctl_bench",
+                    ]);
                 }
                 if round > 0 {
                     // Round 0 fills the key tables; it is not reported.

@@ -2,8 +2,8 @@
 //! built flowctl (FLOWCTL_BIN), it makes a throwaway lab (two namespaces joined by veth), attaches with
 //! demo/profile.toml, drives UDP traffic, prints counters, and cleans up.
 
-use std::error::Error;
 use flowctl_tests::lab::Lab;
+use std::error::Error;
 use std::{
     net::UdpSocket,
     process::{Command, Stdio},
@@ -22,12 +22,26 @@ fn sh_run(cmd: &mut Command) -> Result<()> {
 
 fn main() -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
-        return Err("the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`".into());
+        return Err(
+            "the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`"
+                .into(),
+        );
     }
-    let bin = std::path::PathBuf::from(std::env::var_os("FLOWCTL_BIN").ok_or("set FLOWCTL_BIN (cargo xtask demo does)")?);
+    let bin = std::path::PathBuf::from(
+        std::env::var_os("FLOWCTL_BIN").ok_or("set FLOWCTL_BIN (cargo xtask demo does)")?,
+    );
     let lab = Lab::new("fdemo", 203);
     // A second client address that the profile trusts.
-    flowctl_tests::lab::sh(&["ip", "-n", &lab.ns_cli, "addr", "add", "10.201.203.9/24", "dev", &lab.veth_cli]);
+    flowctl_tests::lab::sh(&[
+        "ip",
+        "-n",
+        &lab.ns_cli,
+        "addr",
+        "add",
+        "10.201.203.9/24",
+        "dev",
+        &lab.veth_cli,
+    ]);
     println!("lab: {} ({}) <-> {} ({})", lab.ns_cli, lab.ip_cli, lab.ns_srv, lab.ip_srv);
     sh_run(Command::new(&bin).args(["check", "demo/profile.toml"]))?;
     let mut agent = Command::new(&bin)
@@ -38,7 +52,9 @@ fn main() -> Result<()> {
     loop {
         let out = Command::new(&bin).args(["status", "--json"]).output()?;
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        if v.as_array().is_some_and(|a| a.iter().any(|x| x["iface"] == lab.veth_srv.as_str() && x["agent_ready"] == true)) {
+        if v.as_array().is_some_and(|a| {
+            a.iter().any(|x| x["iface"] == lab.veth_srv.as_str() && x["agent_ready"] == true)
+        }) {
             break;
         }
         if Instant::now() > deadline {
@@ -75,14 +91,20 @@ fn main() -> Result<()> {
     println!("\nsent {sent} UDP packets to {target} from {} and {trusted} from the trusted 10.201.203.9\n", lab.ip_cli);
     sh_run(Command::new(&bin).arg("status"))?;
     println!();
-    sh_run(Command::new(&bin).args(["explain", &lab.veth_srv, "udp", &lab.ip_cli, "5353", "--netns", &lab.ns_srv]))?;
+    sh_run(Command::new(&bin).args([
+        "explain",
+        &lab.veth_srv,
+        "udp",
+        &lab.ip_cli,
+        "5353",
+        "--netns",
+        &lab.ns_srv,
+    ]))?;
     drop(guard);
     drop(lab);
     println!("\ndemo done: agent stopped, XDP detached, lab removed");
     Ok(())
 }
-
-
 
 /// Stops the agent (SIGINT: it detaches) also when the demo fails midway.
 struct AgentGuard(std::process::Child);

@@ -16,7 +16,9 @@ impl Rng {
     }
     /// A generator for stream `k` of `seed` (a profile round, its frames).
     pub fn derive(seed: u64, k: u64) -> Self {
-        let mut r = Self::new(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut r = Self::new(
+            seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
         r.next_u64();
         r
     }
@@ -67,9 +69,22 @@ impl Rng {
     }
 }
 
-const V4_PREFIXES: &[&str] = &["10.0.0.0/8", "10.1.2.0/24", "192.168.7.7/32", "0.0.0.0/0", "172.16.0.0/12", "10.1.0.0/16"];
-const V6_PREFIXES: &[&str] = &["fd00::/8", "fd00:1::/32", "2001:db8::1/128", "::/0", "2001:db8::/48", "fd00:1:2::/64"];
-const PORTS: &[&str] = &["53", "80", "443", "8080", "0", "65535", "\"8000-8100\"", "\"1-1024\"", "\"0-65535\"", "\"53-54\""];
+const V4_PREFIXES: &[&str] =
+    &["10.0.0.0/8", "10.1.2.0/24", "192.168.7.7/32", "0.0.0.0/0", "172.16.0.0/12", "10.1.0.0/16"];
+const V6_PREFIXES: &[&str] =
+    &["fd00::/8", "fd00:1::/32", "2001:db8::1/128", "::/0", "2001:db8::/48", "fd00:1:2::/64"];
+const PORTS: &[&str] = &[
+    "53",
+    "80",
+    "443",
+    "8080",
+    "0",
+    "65535",
+    "\"8000-8100\"",
+    "\"1-1024\"",
+    "\"0-65535\"",
+    "\"53-54\"",
+];
 
 /// A random profile: 1 to 8 rules on ports, ranges, prefixes and
 /// protocols, every action, both `malformed` and `fragments` verdicts.
@@ -129,7 +144,8 @@ pub struct Targets {
 
 impl Targets {
     pub fn of(p: &RefProfile) -> Self {
-        let (mut v4, mut v6, mut ports, mut protos) = (vec![], vec![], vec![53u16, 80, 443], vec![]);
+        let (mut v4, mut v6, mut ports, mut protos) =
+            (vec![], vec![], vec![53u16, 80, 443], vec![]);
         for r in &p.rules {
             if let Some(c) = r.src {
                 match c.addr {
@@ -194,7 +210,10 @@ impl Targets {
             2 => 1,
             3 if v6 => 1,
             3 => 58,
-            _ => { let x = rng.u8(); rng.pick(&[47, 50, 132, 59, 0, 255, 143, 44, 60, x]) },
+            _ => {
+                let x = rng.u8();
+                rng.pick(&[47, 50, 132, 59, 0, 255, 143, 44, 60, x])
+            }
         }
     }
 }
@@ -229,7 +248,10 @@ fn l4(rng: &mut Rng, t: &Targets, proto: u8, room: usize) -> Vec<u8> {
             h[12] = doff << 4 | (rng.u8() & 1);
             h[13] = rng.u8();
             for x in h.iter_mut().skip(20) {
-                *x = { let x = rng.u8(); rng.pick(&[1u8, 0, x]) };
+                *x = {
+                    let x = rng.u8();
+                    rng.pick(&[1u8, 0, x])
+                };
             }
             h
         }
@@ -249,7 +271,11 @@ fn l4(rng: &mut Rng, t: &Targets, proto: u8, room: usize) -> Vec<u8> {
 
 /// A first fragment's L4 bytes cut short: mostly inside the L4 header.
 fn cut_tiny(rng: &mut Rng, b: &mut Vec<u8>) {
-    let k = if rng.chance(0.7) { rng.range(0, 24) as usize } else { rng.range(0, b.len() as u64) as usize };
+    let k = if rng.chance(0.7) {
+        rng.range(0, 24) as usize
+    } else {
+        rng.range(0, b.len() as u64) as usize
+    };
     b.truncate(k.min(b.len()));
 }
 
@@ -281,7 +307,13 @@ pub fn frame(rng: &mut Rng, t: &Targets) -> Vec<u8> {
             f.extend(ipv6(rng, t, room));
         }
         _ => {
-            f.extend({ let x = rng.u16(); rng.pick(&[0x0806u16, 0x88cc, 0x8847, 0x0801, 0x86dc, x]) }.to_be_bytes());
+            f.extend(
+                {
+                    let x = rng.u16();
+                    rng.pick(&[0x0806u16, 0x88cc, 0x8847, 0x0801, 0x86dc, x])
+                }
+                .to_be_bytes(),
+            );
             f.extend(rng.bytes_in(0, 60));
         }
     }
@@ -324,7 +356,10 @@ fn ipv4(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
     h[12..16].copy_from_slice(&t.v4(rng));
     h[16..20].copy_from_slice(&[10, 99, 0, 1]);
     for _ in 20..hlen {
-        h.push({ let x = rng.u8(); rng.pick(&[1u8, 1, 0, x]) });
+        h.push({
+            let x = rng.u8();
+            rng.pick(&[1u8, 1, 0, x])
+        });
     }
     let df = if rng.chance(0.3) { 0x4000 } else { 0 };
     let mut body = l4(rng, t, proto, room - hlen);
@@ -414,7 +449,8 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
                 e
             }
             51 => {
-                let pl = if rng.chance(0.7) { rng.range(1, 6) as u8 } else { rng.range(0, 40) as u8 };
+                let pl =
+                    if rng.chance(0.7) { rng.range(1, 6) as u8 } else { rng.range(0, 40) as u8 };
                 let mut e = vec![0u8, pl];
                 e.extend(rng.bytes((pl as usize + 2) * 4 - 2));
                 e
@@ -441,7 +477,11 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
         used += e.len();
         chain.push(e);
     }
-    let last = if rng.chance(0.85) { t.proto(rng, true) } else { rng.pick(&[59u8, 50, 253, 143, 135, 139]) };
+    let last = if rng.chance(0.85) {
+        t.proto(rng, true)
+    } else {
+        rng.pick(&[59u8, 50, 253, 143, 135, 139])
+    };
     // Link the next-header fields.
     let mut nh_of: Vec<u8> = types.clone();
     nh_of.push(last);
@@ -450,7 +490,11 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
         e[0] = nh_of[i + 1];
     }
     let mut body: Vec<u8> = chain.concat();
-    let mut l4b = if later && rng.chance(0.5) { rng.bytes_in(0, 64) } else { l4(rng, t, last, room.saturating_sub(body.len() + 40)) };
+    let mut l4b = if later && rng.chance(0.5) {
+        rng.bytes_in(0, 64)
+    } else {
+        l4(rng, t, last, room.saturating_sub(body.len() + 40))
+    };
     if first_frag && rng.chance(0.4) {
         cut_tiny(rng, &mut l4b);
     }
@@ -511,7 +555,10 @@ mod jumbo {
     #[test]
     fn jumbo_frames_are_made() {
         let mut r = Rng::derive(3, 1);
-        let p = crate::fuzz::reference::RefProfile::parse("[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\naction = \"pass\"\n").unwrap();
+        let p = crate::fuzz::reference::RefProfile::parse(
+            "[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\naction = \"pass\"\n",
+        )
+        .unwrap();
         let mut t = Targets::of(&p);
         t.max_frame = MAX_JUMBO_FRAME;
         let lens: Vec<usize> = (0..20_000).map(|_| frame(&mut r, &t).len()).collect();

@@ -64,9 +64,19 @@ impl RefProfile {
         let rules = set
             .rules
             .iter()
-            .map(|r| RefRule { name: r.name.clone(), proto: r.spec.proto, src: r.spec.src, ports: r.spec.ports, enforcing: r.action == action::DROP })
+            .map(|r| RefRule {
+                name: r.name.clone(),
+                proto: r.spec.proto,
+                src: r.spec.src,
+                ports: r.spec.ports,
+                enforcing: r.action == action::DROP,
+            })
             .collect();
-        Ok(Self { rules, malformed_drop: set.settings.malformed_verdict == XDP_DROP, fragments_drop: set.settings.fragment_verdict == XDP_DROP })
+        Ok(Self {
+            rules,
+            malformed_drop: set.settings.malformed_verdict == XDP_DROP,
+            fragments_drop: set.settings.fragment_verdict == XDP_DROP,
+        })
     }
 }
 
@@ -78,7 +88,11 @@ pub enum Class {
     Malformed(&'static str),
     /// L4 header beyond what the parser walks; `proto` when known; the rule
     /// it was matched to (by index), or None (unmatched).
-    Unparsed { proto: Option<u8>, rule: Option<usize>, why: &'static str },
+    Unparsed {
+        proto: Option<u8>,
+        rule: Option<usize>,
+        why: &'static str,
+    },
     /// A later fragment that matched a rule without a port constraint.
     FragmentRule(usize),
     /// A later fragment only port rules could match: the `fragments` verdict.
@@ -107,7 +121,9 @@ impl Class {
     pub fn reason(&self) -> String {
         match self {
             Class::Evasive(w) | Class::Malformed(w) => format!("{} ({w})", self.kind()),
-            Class::Unparsed { why, proto: Some(p), .. } => format!("{} ({why}, protocol {p})", self.kind()),
+            Class::Unparsed { why, proto: Some(p), .. } => {
+                format!("{} ({why}, protocol {p})", self.kind())
+            }
             Class::Unparsed { why, proto: None, .. } => format!("{} ({why})", self.kind()),
             c => c.kind().to_string(),
         }
@@ -269,7 +285,16 @@ fn ipv4(f: &[u8], l3: usize, p: &RefProfile) -> Class {
 /// The L4 step shared by both families: `at` is where the L4 header
 /// starts, `first` whether the packet is a first fragment.
 #[allow(clippy::too_many_arguments)]
-fn l4_class(f: &[u8], p: &RefProfile, src: IpAddr, proto: u8, at: usize, end: usize, first: bool, v6: bool) -> Class {
+fn l4_class(
+    f: &[u8],
+    p: &RefProfile,
+    src: IpAddr,
+    proto: u8,
+    at: usize,
+    end: usize,
+    first: bool,
+    v6: bool,
+) -> Class {
     let Some(min) = min_l4(proto, v6) else {
         return match_rule(p, &src, proto, None);
     };
@@ -403,7 +428,8 @@ fn match_rule(p: &RefProfile, src: &IpAddr, proto: u8, dport: Option<u16>) -> Cl
 mod tests {
     use super::*;
 
-    const DNS: &str = "[[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = 53\nrate = \"1000000000/s\"\n";
+    const DNS: &str =
+        "[[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = 53\nrate = \"1000000000/s\"\n";
 
     /// The regression frames name their class; the reference must give it
     /// (no root needed: the kernel side is tests/tests/fuzz.rs).
@@ -418,7 +444,9 @@ mod tests {
             }
             let text = std::fs::read_to_string(&path).unwrap();
             let frame = crate::fuzz::run::from_hex(&text).unwrap();
-            let prof = RefProfile::parse(&std::fs::read_to_string(path.with_extension("toml")).unwrap()).unwrap();
+            let prof =
+                RefProfile::parse(&std::fs::read_to_string(path.with_extension("toml")).unwrap())
+                    .unwrap();
             let want = crate::fuzz::run::hex_comment(&text, "class").expect("a # class: line");
             let got = classify(&frame, &prof);
             assert_eq!(got.kind(), want, "{}: {}", path.display(), got.describe(&prof));
@@ -442,13 +470,18 @@ mod tests {
         assert!(matches!(unparsed(&p, &src, Some(6), ""), Class::Unparsed { rule: Some(2), .. }));
         // Unknown: tcp-any is a candidate but not certain (it has a protocol), and passes: skipped; lim taken.
         assert!(matches!(unparsed(&p, &src, None, ""), Class::Unparsed { rule: Some(3), .. }));
-        let p = RefProfile::parse(DNS.replace("rate = \"1000000000/s\"", "action = \"pass\"").as_str()).unwrap();
+        let p =
+            RefProfile::parse(DNS.replace("rate = \"1000000000/s\"", "action = \"pass\"").as_str())
+                .unwrap();
         assert!(matches!(unparsed(&p, &src, None, ""), Class::Unparsed { rule: None, .. }));
     }
 
     #[test]
     fn later_fragments_take_portless_rules_else_the_policy() {
-        let p = RefProfile::parse(&format!("{DNS}[[rule]]\nname = \"udp-all\"\nproto = \"udp\"\nrate = \"1/s\"\n")).unwrap();
+        let p = RefProfile::parse(&format!(
+            "{DNS}[[rule]]\nname = \"udp-all\"\nproto = \"udp\"\nrate = \"1/s\"\n"
+        ))
+        .unwrap();
         let src = "10.0.0.1".parse().unwrap();
         assert_eq!(later_fragment(&p, &src, 17), Class::FragmentRule(1));
         let p = RefProfile::parse(DNS).unwrap();

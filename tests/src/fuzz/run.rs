@@ -70,7 +70,12 @@ pub struct Tally {
 
 impl Tally {
     pub fn zero(rules: usize) -> Self {
-        Self { offered: vec![0; rules], bytes: vec![0; rules], rule_drops: vec![0; rules], ..Default::default() }
+        Self {
+            offered: vec![0; rules],
+            bytes: vec![0; rules],
+            rule_drops: vec![0; rules],
+            ..Default::default()
+        }
     }
 
     pub fn add_expect(&mut self, e: &Expect, len: usize) {
@@ -159,7 +164,13 @@ impl Tally {
         if self.global_offered > 0 {
             parts.push("global");
         }
-        for (name, n) in [("non_ip", self.non_ip), ("malformed", self.malformed), ("fragment", self.fragment), ("unparsed", self.unparsed), ("evasive", self.drops[0])] {
+        for (name, n) in [
+            ("non_ip", self.non_ip),
+            ("malformed", self.malformed),
+            ("fragment", self.fragment),
+            ("unparsed", self.unparsed),
+            ("evasive", self.drops[0]),
+        ] {
             if n > 0 {
                 parts.push(name);
             }
@@ -191,7 +202,8 @@ impl Bench {
     }
 
     pub fn new_variant(text: &str, variant: XdpVariant) -> Self {
-        let profile = RefProfile::parse(text).unwrap_or_else(|e| panic!("generated profile rejected: {e}\n{text}"));
+        let profile = RefProfile::parse(text)
+            .unwrap_or_else(|e| panic!("generated profile rejected: {e}\n{text}"));
         let plane = TestPlane::new_variant(text, |_| {}, variant);
         let mut records: Vec<u32> = profile.rules.iter().map(|r| plane.record(&r.name)).collect();
         records.push(GLOBAL_COUNTER_INDEX);
@@ -267,7 +279,12 @@ impl Outcome {
     }
 
     pub fn expected_line(&self, p: &RefProfile) -> String {
-        format!("{} | {} | {}", self.class.describe(p), self.want.summary(p), verdict_name(self.exp.verdict))
+        format!(
+            "{} | {} | {}",
+            self.class.describe(p),
+            self.want.summary(p),
+            verdict_name(self.exp.verdict)
+        )
     }
 
     pub fn kernel_line(&self, p: &RefProfile) -> String {
@@ -277,7 +294,12 @@ impl Outcome {
     /// What makes two disagreements the same: the reference's reason and
     /// what the kernel did instead.
     pub fn signature(&self) -> String {
-        format!("{} -> kernel {} {}", self.class.reason(), self.got.shape(), verdict_name(self.verdict))
+        format!(
+            "{} -> kernel {} {}",
+            self.class.reason(),
+            self.got.shape(),
+            verdict_name(self.verdict)
+        )
     }
 }
 
@@ -297,16 +319,31 @@ pub fn to_hex(frame: &[u8]) -> String {
 
 /// A hex file: `#` lines are comments, whitespace is ignored.
 pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
-    let digits: String = text.lines().filter(|l| !l.trim_start().starts_with('#')).flat_map(|l| l.chars()).filter(|c| !c.is_whitespace()).collect();
+    let digits: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .flat_map(|l| l.chars())
+        .filter(|c| !c.is_whitespace())
+        .collect();
     if !digits.len().is_multiple_of(2) {
         return Err("odd number of hex digits".into());
     }
-    (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).map_err(|e| format!("at {i}: {e}"))).collect()
+    (0..digits.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&digits[i..i + 2], 16).map_err(|e| format!("at {i}: {e}")))
+        .collect()
 }
 
 /// A comment value in a hex file: `# key: value`.
 pub fn hex_comment(text: &str, key: &str) -> Option<String> {
-    text.lines().find_map(|l| l.trim_start().strip_prefix('#')?.trim().strip_prefix(key)?.strip_prefix(':').map(|v| v.trim().to_string()))
+    text.lines().find_map(|l| {
+        l.trim_start()
+            .strip_prefix('#')?
+            .trim()
+            .strip_prefix(key)?
+            .strip_prefix(':')
+            .map(|v| v.trim().to_string())
+    })
 }
 
 #[derive(Debug)]
@@ -361,7 +398,13 @@ impl Summary {
 }
 
 /// Writes a disagreeing frame and its profile; returns their paths.
-pub fn write_case(out: &Path, n: usize, frame: &[u8], b: &Bench, o: &Outcome) -> (PathBuf, PathBuf) {
+pub fn write_case(
+    out: &Path,
+    n: usize,
+    frame: &[u8],
+    b: &Bench,
+    o: &Outcome,
+) -> (PathBuf, PathBuf) {
     let (profile, p) = (&b.text, &b.profile);
     std::fs::create_dir_all(out).expect("create the output directory");
     let hex = out.join(format!("fail-{n:03}.hex"));
@@ -383,7 +426,8 @@ pub fn write_case(out: &Path, n: usize, frame: &[u8], b: &Bench, o: &Outcome) ->
 /// Measures one `BPF_PROG_TEST_RUN` with repeat 1: wall time per call
 /// (syscall and all), and the kernel's per-run duration.
 pub fn per_call_cost(b: &Bench, calls: u32) -> (Duration, Duration) {
-    let frame = crate::packet::V4::new([10, 1, 2, 3]).build(crate::packet::L4::Udp { sport: 1, dport: 53 }, 32);
+    let frame = crate::packet::V4::new([10, 1, 2, 3])
+        .build(crate::packet::L4::Udp { sport: 1, dport: 53 }, 32);
     for _ in 0..1000 {
         b.plane.run(&frame);
     }
@@ -472,9 +516,23 @@ pub fn run(o: &Options) -> Summary {
                     continue;
                 }
                 let (hex, prof) = write_case(&o.out, s.failures.len(), f, &bench, &out);
-                let fail = Failure { signature: sig.clone(), count: 1, hex, profile: prof, expected: out.expected_line(&bench.profile), kernel: out.kernel_line(&bench.profile) };
+                let fail = Failure {
+                    signature: sig.clone(),
+                    count: 1,
+                    hex,
+                    profile: prof,
+                    expected: out.expected_line(&bench.profile),
+                    kernel: out.kernel_line(&bench.profile),
+                };
                 if o.verbose {
-                    println!("DISAGREE [{}] {}\n  reference: {}\n  kernel:    {}\n  reproduce: {}", s.failures.len(), sig, fail.expected, fail.kernel, fail.replay_command());
+                    println!(
+                        "DISAGREE [{}] {}\n  reference: {}\n  kernel:    {}\n  reproduce: {}",
+                        s.failures.len(),
+                        sig,
+                        fail.expected,
+                        fail.kernel,
+                        fail.replay_command()
+                    );
                 }
                 by_sig.insert(sig, s.failures.len());
                 s.failures.push(fail);
@@ -509,7 +567,10 @@ pub fn report(s: &Summary) -> String {
     for (k, n) in &s.classes {
         let _ = writeln!(r, "  {n:>9} {k}");
     }
-    let _ = writeln!(r, "disagreements (frames, reference class -> what the kernel moved, an example):");
+    let _ = writeln!(
+        r,
+        "disagreements (frames, reference class -> what the kernel moved, an example):"
+    );
     for f in &s.failures {
         let _ = writeln!(r, "  {}x {}\n     {}", f.count, f.signature, f.replay_command());
     }
@@ -520,7 +581,8 @@ pub fn report(s: &Summary) -> String {
 pub fn replay(hex: &Path, profile: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(hex).map_err(|e| format!("{}: {e}", hex.display()))?;
     let frame = from_hex(&text).map_err(|e| format!("{}: {e}", hex.display()))?;
-    let prof = std::fs::read_to_string(profile).map_err(|e| format!("{}: {e}", profile.display()))?;
+    let prof =
+        std::fs::read_to_string(profile).map_err(|e| format!("{}: {e}", profile.display()))?;
     // The program the case was found on (`# program:`), else the loader's pick.
     let variant = match hex_comment(&text, "program").as_deref() {
         Some(flowctl_common::XDP_PROGRAM) => XdpVariant::Single,
@@ -538,7 +600,11 @@ pub fn replay(hex: &Path, profile: &Path) -> Result<String, String> {
     );
     if let Some(want) = hex_comment(&text, "class") {
         if want != out.class.kind() {
-            let _ = writeln!(msg, "  the file says class {want}, the reference says {}", out.class.kind());
+            let _ = writeln!(
+                msg,
+                "  the file says class {want}, the reference says {}",
+                out.class.kind()
+            );
             return Err(msg);
         }
     }
@@ -550,5 +616,6 @@ pub fn replay(hex: &Path, profile: &Path) -> Result<String, String> {
 
 #[allow(dead_code)]
 fn _reason_indices_are_distinct() {
-    const _: () = assert!(reason::EVASIVE != reason::MALFORMED && reason::MALFORMED != reason::FRAGMENT);
+    const _: () =
+        assert!(reason::EVASIVE != reason::MALFORMED && reason::MALFORMED != reason::FRAGMENT);
 }
