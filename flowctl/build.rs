@@ -2,12 +2,9 @@
 //! bpf-linker) into OUT_DIR, where `src/object.rs` embeds it: `cargo build`
 //! never runs a stale program. `cargo xtask setup` installs what this needs.
 fn main() {
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../flowctl-ebpf");
-    let package = aya_build::Package { name: "flowctl-ebpf", root_dir: root, ..Default::default() };
-    if let Err(e) = aya_build::build_ebpf([package], aya_build::Toolchain::default()) {
-        panic!(
-            "building the XDP object failed: {e:#}\n\
-             hint: run `cargo xtask setup` (installs the nightly's rust-src and bpf-linker 0.10.3)"
-        );
-    }
+    flowctl_build_support::build_ebpf(
+        "flowctl-ebpf",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../flowctl-ebpf"),
+        "run `cargo xtask setup` (installs the nightly's rust-src and bpf-linker 0.10.3)",
+    );
 }

@@ -397,9 +397,9 @@ mod pod {
     unsafe impl aya::Pod for super::SockMark {}
 }
 
-const _: () = assert!(core::mem::size_of::<Target>() == 40);
-const _: () = assert!(core::mem::size_of::<Control>() == 24);
-const _: () = assert!(core::mem::size_of::<SockMark>() == 16);
+const _: () = assert!(size_of::<Target>() == 40);
+const _: () = assert!(size_of::<Control>() == 24);
+const _: () = assert!(size_of::<SockMark>() == 16);
 
 #[cfg(test)]
 mod tests {

@@ -311,8 +311,8 @@ pub struct RuleCounters {
     /// against every rule that could apply (docs/classification.md).
     /// Global only.
     pub unparsed_pkts: u64,
-    pub dropped_pkts: [u64; crate::types::reason::COUNT],
-    pub dropped_bytes: [u64; crate::types::reason::COUNT],
+    pub dropped_pkts: [u64; reason::COUNT],
+    pub dropped_bytes: [u64; reason::COUNT],
 }
 
 impl RuleCounters {

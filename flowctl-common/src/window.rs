@@ -175,7 +175,7 @@ mod tests {
     #[test]
     fn past_and_window_sums() {
         let w = Window { bucket_ns: 10, buckets: 3 };
-        let mut words = vec![0u64; 4];
+        let mut words = [0u64; 4];
         for (e, c) in [(5u64, 1u32), (6, 2), (7, 4), (8, 8)] {
             words[slot(e, 4) as usize] = pack(e, c);
         }

@@ -83,16 +83,13 @@ impl BbrLoop {
             );
             l.buckets.retain(|e, _| epochs.contains(e));
             for e in epochs.clone() {
-                if !l.buckets.contains_key(&e) {
+                if let std::collections::btree_map::Entry::Vacant(slot) = l.buckets.entry(e) {
                     let s = maps.stats_epochs(rs.record, &shape, e..e + 1)?;
-                    l.buckets.insert(
-                        e,
-                        BbrBucket {
-                            completed: s.completed,
-                            rt_sum_us: s.rt_sum_us,
-                            rt_count: s.rt_count,
-                        },
-                    );
+                    slot.insert(BbrBucket {
+                        completed: s.completed,
+                        rt_sum_us: s.rt_sum_us,
+                        rt_count: s.rt_count,
+                    });
                 }
             }
             let window: Vec<BbrBucket> = l.buckets.values().copied().collect();

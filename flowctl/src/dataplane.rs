@@ -41,7 +41,7 @@ impl KeySamples {
         let mut out = Vec::new();
         while out.len() < max {
             let Some(item) = self.ring.next() else { break };
-            if item.len() >= core::mem::size_of::<KeySample>() {
+            if item.len() >= size_of::<KeySample>() {
                 // The record is written by the kernel as a KeySample; read it
                 // unaligned, as the ring gives no alignment guarantee to Rust.
                 out.push(unsafe { core::ptr::read_unaligned(item.as_ptr() as *const KeySample) });
@@ -95,7 +95,7 @@ pub fn count_entries(id: &AttachId, name: &str, key_size: usize, value_size: usi
                 libc::SYS_bpf,
                 BPF_MAP_LOOKUP_BATCH,
                 &mut attr as *mut BatchAttr,
-                core::mem::size_of::<BatchAttr>(),
+                size_of::<BatchAttr>(),
             )
         };
         let err = if rc < 0 { std::io::Error::last_os_error().raw_os_error() } else { None };

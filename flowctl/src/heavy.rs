@@ -222,84 +222,6 @@ pub fn describe_key(k: &BucketKey, kind: u8) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn key(i: u32) -> BucketKey {
-        BucketKey { family: 4, src: [i, 0, 0, 0], ..Default::default() }
-    }
-
-    #[test]
-    fn heavy_hitters_win_and_counts_stay_within_the_bound() {
-        let mut s = SpaceSaving::new(8);
-        // Key 1: 50%, key 2: 25%, then 200 distinct one-off keys.
-        for i in 0..400u32 {
-            s.add(key(1), 1.0, false, 0.0);
-            if i % 2 == 0 {
-                s.add(key(2), 1.0, false, 0.0);
-            }
-            s.add(key(1000 + i % 200), 1.0, false, 0.0);
-        }
-        let top = s.top(2);
-        assert_eq!(top[0].0, key(1));
-        assert_eq!(top[1].0, key(2));
-        let bound = s.bound();
-        assert!(top[0].1 - 400.0 <= bound && top[0].1 >= 400.0);
-        assert!(top[1].1 - 200.0 <= bound && top[1].1 >= 200.0);
-    }
-
-    proptest! {
-        /// Space-Saving's guarantee on arbitrary streams: every tracked
-        /// count is in [true, true + err], err <= M/k, and every key with
-        /// more than M/k occurrences is tracked.
-        #[test]
-        fn space_saving_guarantee(stream in proptest::collection::vec(0u32..40, 1..600), k in 1usize..12) {
-            let mut s = SpaceSaving::new(k);
-            let mut truth: HashMap<u32, f64> = HashMap::new();
-            for &x in &stream {
-                s.add(key(x), 1.0, false, 0.0);
-                *truth.entry(x).or_default() += 1.0;
-            }
-            let bound = s.bound();
-            let tracked = s.top(usize::MAX);
-            for (kk, count, err, _, _) in &tracked {
-                let t = truth[&kk.src[0]];
-                prop_assert!(*count >= t - 1e-9 && *count - t <= err + 1e-9);
-                prop_assert!(*err <= bound + 1e-9);
-            }
-            for (x, t) in truth {
-                if t > bound {
-                    prop_assert!(tracked.iter().any(|e| e.0.src[0] == x), "key {x} with {t} > {bound} missing");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn decay_scales_everything_alike() {
-        let mut s = SpaceSaving::new(2);
-        for _ in 0..10 {
-            s.add(key(1), 1.0, true, 100.0);
-        }
-        s.decay(0.5);
-        let t = s.top(1);
-        assert_eq!((t[0].1, t[0].3), (5.0, 5.0));
-        assert_eq!(s.total(), 5.0);
-    }
-
-    #[test]
-    fn keys_read_as_their_kind() {
-        use flowctl_common::key_kind;
-        let k =
-            BucketKey { family: 4, src: [0x0a00_0001, 0, 0, 0], dport: 80, ..Default::default() };
-        assert_eq!(describe_key(&k, key_kind::SRC), "10.0.0.1");
-        assert_eq!(describe_key(&k, key_kind::SRC_DPORT), "10.0.0.1 -> :80");
-        assert_eq!(describe_key(&k, key_kind::DPORT), ":80");
-    }
-}
-
 /// Samples the kernel's ring into sketches while someone is asking: the
 /// agent runs one (asked through the control socket), and `top --keys` runs
 /// its own when no agent does. Sampling is on only while asked, at a rate
@@ -407,4 +329,82 @@ pub fn rule_report(
     let cfg = maps.active_rule(i)?;
     anyhow::ensure!(cfg.record == record, "the active rule table changed under us; ask again");
     Ok(w.report(record, rule, cfg.key_kind, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(i: u32) -> BucketKey {
+        BucketKey { family: 4, src: [i, 0, 0, 0], ..Default::default() }
+    }
+
+    #[test]
+    fn heavy_hitters_win_and_counts_stay_within_the_bound() {
+        let mut s = SpaceSaving::new(8);
+        // Key 1: 50%, key 2: 25%, then 200 distinct one-off keys.
+        for i in 0..400u32 {
+            s.add(key(1), 1.0, false, 0.0);
+            if i % 2 == 0 {
+                s.add(key(2), 1.0, false, 0.0);
+            }
+            s.add(key(1000 + i % 200), 1.0, false, 0.0);
+        }
+        let top = s.top(2);
+        assert_eq!(top[0].0, key(1));
+        assert_eq!(top[1].0, key(2));
+        let bound = s.bound();
+        assert!(top[0].1 - 400.0 <= bound && top[0].1 >= 400.0);
+        assert!(top[1].1 - 200.0 <= bound && top[1].1 >= 200.0);
+    }
+
+    proptest! {
+        /// Space-Saving's guarantee on arbitrary streams: every tracked
+        /// count is in [true, true + err], err <= M/k, and every key with
+        /// more than M/k occurrences is tracked.
+        #[test]
+        fn space_saving_guarantee(stream in proptest::collection::vec(0u32..40, 1..600), k in 1usize..12) {
+            let mut s = SpaceSaving::new(k);
+            let mut truth: HashMap<u32, f64> = HashMap::new();
+            for &x in &stream {
+                s.add(key(x), 1.0, false, 0.0);
+                *truth.entry(x).or_default() += 1.0;
+            }
+            let bound = s.bound();
+            let tracked = s.top(usize::MAX);
+            for (kk, count, err, _, _) in &tracked {
+                let t = truth[&kk.src[0]];
+                prop_assert!(*count >= t - 1e-9 && *count - t <= err + 1e-9);
+                prop_assert!(*err <= bound + 1e-9);
+            }
+            for (x, t) in truth {
+                if t > bound {
+                    prop_assert!(tracked.iter().any(|e| e.0.src[0] == x), "key {x} with {t} > {bound} missing");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decay_scales_everything_alike() {
+        let mut s = SpaceSaving::new(2);
+        for _ in 0..10 {
+            s.add(key(1), 1.0, true, 100.0);
+        }
+        s.decay(0.5);
+        let t = s.top(1);
+        assert_eq!((t[0].1, t[0].3), (5.0, 5.0));
+        assert_eq!(s.total(), 5.0);
+    }
+
+    #[test]
+    fn keys_read_as_their_kind() {
+        use flowctl_common::key_kind;
+        let k =
+            BucketKey { family: 4, src: [0x0a00_0001, 0, 0, 0], dport: 80, ..Default::default() };
+        assert_eq!(describe_key(&k, key_kind::SRC), "10.0.0.1");
+        assert_eq!(describe_key(&k, key_kind::SRC_DPORT), "10.0.0.1 -> :80");
+        assert_eq!(describe_key(&k, key_kind::DPORT), ":80");
+    }
 }

@@ -515,7 +515,7 @@ mod tests {
                 e2_at_floor_while_e1_cut = true;
             }
             let l = plant.level(&r);
-            if settled_at.is_none() && l <= 60.0 && l >= 60.0 * 0.97 {
+            if settled_at.is_none() && (60.0 * 0.97..=60.0).contains(&l) {
                 settled_at = Some(period);
             }
         }

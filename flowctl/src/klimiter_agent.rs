@@ -426,7 +426,7 @@ fn http_metric(url: &str, metric: &str, timeout: Duration) -> Option<f64> {
     let mut body = String::new();
     s.read_to_string(&mut body).ok()?;
     let (head, body) = body.split_once("\r\n\r\n")?;
-    if !head.starts_with("HTTP/1.") || !head.split_whitespace().nth(1).is_some_and(|c| c == "200") {
+    if !head.starts_with("HTTP/1.") || head.split_whitespace().nth(1).is_none_or(|c| c != "200") {
         return None;
     }
     prometheus_value(body, metric)

@@ -193,10 +193,7 @@ impl StatsSettings {
     /// Kernel bytes of the rings: per CPU, every counter record's ring.
     pub fn kernel_bytes(&self) -> u64 {
         let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u64;
-        COUNTER_RECORDS as u64
-            * self.buckets as u64
-            * core::mem::size_of::<StatsBucket>() as u64
-            * ncpu
+        COUNTER_RECORDS as u64 * self.buckets as u64 * size_of::<StatsBucket>() as u64 * ncpu
     }
 }
 
@@ -359,15 +356,13 @@ pub fn lru_bytes_per_entry(key: usize, value: usize) -> u64 {
 /// Fixed kernel memory of the classification tables and counters (bytes).
 pub fn fixed_table_bytes() -> u64 {
     use flowctl_common::*;
-    let arrays = SLOTS
-        * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES)
-        * core::mem::size_of::<RuleBitmap>()
-        + SLOTS * MAX_RULES * core::mem::size_of::<RuleConfig>()
-        + MAX_RULE_RECORDS * core::mem::size_of::<ControlRecord>()
-        + DEBT_SLOTS * core::mem::size_of::<u64>()
-        + MAX_RULE_RECORDS * OPEN_BUCKETS * core::mem::size_of::<u64>();
+    let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * size_of::<RuleBitmap>()
+        + SLOTS * MAX_RULES * size_of::<RuleConfig>()
+        + MAX_RULE_RECORDS * size_of::<ControlRecord>()
+        + DEBT_SLOTS * size_of::<u64>()
+        + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let counters = COUNTER_RECORDS * core::mem::size_of::<RuleCounters>() * ncpu;
+    let counters = COUNTER_RECORDS * size_of::<RuleCounters>() * ncpu;
     (arrays + counters) as u64
 }
 
@@ -375,19 +370,13 @@ impl Settings {
     /// Preallocated kernel memory of a data plane with these table sizes.
     pub fn kernel_memory_bytes(&self) -> u64 {
         let cache = self.source_cache_entries as u64
-            * lru_bytes_per_entry(core::mem::size_of::<SrcKey>(), core::mem::size_of::<SrcEntry>());
+            * lru_bytes_per_entry(size_of::<SrcKey>(), size_of::<SrcEntry>());
         let keys = self.key_table_entries as u64
-            * lru_bytes_per_entry(core::mem::size_of::<BucketKey>(), core::mem::size_of::<u64>());
+            * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
         let quotas = self.quota_table_entries as u64
-            * lru_bytes_per_entry(
-                core::mem::size_of::<BucketKey>(),
-                core::mem::size_of::<QuotaRing>(),
-            );
+            * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<QuotaRing>());
         let conns = self.connection_table_entries as u64
-            * lru_bytes_per_entry(
-                core::mem::size_of::<BucketKey>(),
-                core::mem::size_of::<flowctl_common::ConnEntry>(),
-            );
+            * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<flowctl_common::ConnEntry>());
         cache + keys + quotas + conns + fixed_table_bytes() + self.stats.kernel_bytes()
     }
 }

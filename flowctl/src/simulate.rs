@@ -238,8 +238,8 @@ impl Scenario {
                 acc.0[e] += offered[e];
                 acc.1[e] += admitted[e];
             }
-            for b in 0..nb {
-                acc.2[b] += levels[b];
+            for (sum, level) in acc.2.iter_mut().zip(&levels) {
+                *sum += level;
             }
             acc.3 += 1;
             rows.push(Row {

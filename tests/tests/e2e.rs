@@ -600,7 +600,7 @@ fn top_once_json_agrees_with_traffic() {
     assert!(offered > 0.7 * rate && offered < 1.3 * rate, "offered {offered} vs sent {rate}");
     let passed = r["passed_pps"].as_f64().unwrap();
     assert!(
-        passed <= 100.0 * 1.25 + 20.0 && passed >= 100.0 * 0.75,
+        (100.0 * 0.75..=100.0 * 1.25 + 20.0).contains(&passed),
         "passed {passed} pps against a 100/s limit"
     );
     assert_eq!(r["top_reason"], "rate");

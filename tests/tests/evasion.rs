@@ -191,7 +191,7 @@ fn send(dev: &str, frames: &[Vec<u8>]) {
                 f.len(),
                 0,
                 (&addr as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                size_of::<libc::sockaddr_ll>() as u32,
             );
             assert_eq!(n, f.len() as isize, "sendto: {}", std::io::Error::last_os_error());
         }

@@ -419,9 +419,7 @@ struct LinkCreateAttr {
 
 fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
-    let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>() as u32)
-    };
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>() as u32) };
     if rc < 0 {
         Err(std::io::Error::last_os_error())
     } else {

@@ -77,7 +77,7 @@ impl Socket {
                 msg.len(),
                 0,
                 &addr as *const libc::sockaddr_nl as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+                size_of::<libc::sockaddr_nl>() as u32,
             )
         };
         if rc < 0 {
@@ -101,10 +101,10 @@ impl Socket {
             }
             let mut off = 0usize;
             let n = n as usize;
-            while off + std::mem::size_of::<NlMsgHdr>() <= n {
+            while off + size_of::<NlMsgHdr>() <= n {
                 let hdr: NlMsgHdr =
                     unsafe { std::ptr::read_unaligned(buf[off..].as_ptr() as *const NlMsgHdr) };
-                if (hdr.len as usize) < std::mem::size_of::<NlMsgHdr>() {
+                if (hdr.len as usize) < size_of::<NlMsgHdr>() {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
                         "short netlink message",
@@ -113,7 +113,7 @@ impl Socket {
                 match hdr.ty {
                     NLMSG_DONE => return Ok(n_counted),
                     NLMSG_ERROR => {
-                        let at = off + std::mem::size_of::<NlMsgHdr>();
+                        let at = off + size_of::<NlMsgHdr>();
                         let err = i32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
                         return if err == 0 {
                             Ok(n_counted)
@@ -131,7 +131,7 @@ impl Socket {
 }
 
 fn bytes<T>(v: &T) -> &[u8] {
-    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }
 }
 
 /// Removes the `clsact` qdisc of `ifindex` (and with it every filter on it).

@@ -20,6 +20,8 @@ use ratatui::{
 use std::time::{Duration, Instant};
 
 /// Where the reports come from.
+// One per `top` process, so the size of `Local` does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Source {
     Agent(AttachId),
     /// No agent: sample here. Sampling is switched off again on drop.

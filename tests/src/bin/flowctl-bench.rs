@@ -312,7 +312,7 @@ fn main() {
         for c in 0..libc::sysconf(libc::_SC_NPROCESSORS_ONLN) as usize {
             libc::CPU_SET(c, &mut set);
         }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
     }
     println!("\n4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
     veth_drop_rates(
@@ -417,7 +417,7 @@ fn agent_cpu(seconds: u64) {
             .unwrap();
     }
     let t = Instant::now();
-    let n = count_entries(&id, map_names::KEYS, core::mem::size_of::<BucketKey>(), 8).unwrap();
+    let n = count_entries(&id, map_names::KEYS, size_of::<BucketKey>(), 8).unwrap();
     println!("  filled 1M keys and 1M sources in {:.1}s; one batched count of the key table: {n} entries in {:.0} ms", fill.elapsed().as_secs_f64(), t.elapsed().as_secs_f64() * 1e3);
 
     let pid = agent.id();

@@ -79,7 +79,7 @@ fn main() -> Result<()> {
             while start.elapsed() < Duration::from_secs(3) && n < 10_000 {
                 let _ = s.send_to(b"demo", &target);
                 n += 1;
-                if m < 300 && n % 5 == 0 {
+                if m < 300 && n.is_multiple_of(5) {
                     let _ = t.send_to(b"trusted", &target);
                     m += 1;
                 }

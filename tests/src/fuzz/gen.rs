@@ -555,7 +555,7 @@ mod jumbo {
     #[test]
     fn jumbo_frames_are_made() {
         let mut r = Rng::derive(3, 1);
-        let p = crate::fuzz::reference::RefProfile::parse(
+        let p = RefProfile::parse(
             "[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\naction = \"pass\"\n",
         )
         .unwrap();
