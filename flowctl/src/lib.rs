@@ -21,25 +21,18 @@ macro_rules! out {
     }};
 }
 
-pub mod adaptive;
+// The wings, from the top down: each imports only from the ones below it.
+/// The agent: the serve loop, its control socket and the control loops.
 pub mod agent;
-pub mod breaker_agent;
-pub mod cgroup;
-pub mod commands;
-pub mod control;
-pub mod cpu;
+/// The command line: one module per verb, and `top`.
+pub mod cli;
+/// The controllers (KLimiter, the CPU signal) and the KLimiter simulator.
+pub mod controllers;
+/// The kernel side: the embedded object, pins, loading, attaching, applying.
 pub mod dataplane;
-pub mod doctor;
-pub mod heavy;
+/// What this kernel supports, and the TC attachment without TCX.
 pub mod kernel;
-pub mod klimiter;
-pub mod klimiter_agent;
-pub mod metrics;
-pub mod object;
-pub mod occupancy;
-pub mod pins;
+/// Profiles: parsed, validated, with file:line errors.
 pub mod profile;
-pub mod profile_breaker;
-pub mod profile_klimiter;
-pub mod simulate;
-pub mod top;
+/// Operating-system plumbing: cgroups, namespaces, locks, clocks.
+pub mod system;

@@ -1,5 +1,5 @@
 use clap::{Parser, Subcommand};
-use flowctl::{agent, commands, dataplane::Mode};
+use flowctl::{agent, cli::commands, dataplane::Mode};
 use std::path::PathBuf;
 
 /// Kernel-assisted rate limiting at the NIC (XDP).
@@ -41,7 +41,7 @@ enum Cmd {
         #[arg(long)]
         replace: bool,
         /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464).
-        #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = flowctl::metrics::DEFAULT_ADDR)]
+        #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = flowctl::agent::metrics::DEFAULT_ADDR)]
         metrics: Option<std::net::SocketAddr>,
     },
     /// Detach and remove all pins of an interface (idempotent).
@@ -153,24 +153,24 @@ fn main() {
         },
         Cmd::Status { json } => commands::status(json),
         Cmd::Check { profile } => commands::check(&profile),
-        Cmd::Doctor { profile, json } => match flowctl::doctor::run(profile.as_deref(), json) {
+        Cmd::Doctor { profile, json } => match flowctl::cli::doctor::run(profile.as_deref(), json) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(1),
             Err(e) => Err(e),
         },
-        Cmd::Simulate { scenario, out } => flowctl::simulate::command(&scenario, &out),
+        Cmd::Simulate { scenario, out } => flowctl::controllers::simulate::command(&scenario, &out),
         Cmd::Top { iface, interval, once, json, keys, count } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
             if let Some(rule) = keys {
                 if once {
-                    flowctl::top::keys::once(interval, iface.as_deref(), &rule, count, json)
+                    flowctl::cli::top::keys::once(interval, iface.as_deref(), &rule, count, json)
                 } else {
-                    flowctl::top::keys::run(interval, iface.as_deref(), &rule, count)
+                    flowctl::cli::top::keys::run(interval, iface.as_deref(), &rule, count)
                 }
             } else if once {
-                flowctl::top::once(interval, iface.as_deref(), json)
+                flowctl::cli::top::once(interval, iface.as_deref(), json)
             } else {
-                flowctl::top::run(interval, iface.as_deref())
+                flowctl::cli::top::run(interval, iface.as_deref())
             }
         }
         Cmd::Explain { iface, proto, src, dport, netns } => commands::explain(&iface, &proto, &src, dport, &netns),

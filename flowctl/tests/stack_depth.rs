@@ -125,8 +125,8 @@ fn worst_chain(funcs: &[Func], f: usize, seen: &mut Vec<usize>) -> (u32, Vec<Str
 
 #[test]
 fn xdp_call_chains_fit_the_stack_with_margin() {
-    let elf =
-        object::File::parse(flowctl::object::xdp_object()).expect("the embedded XDP object parses");
+    let elf = object::File::parse(flowctl::dataplane::object::xdp_object())
+        .expect("the embedded XDP object parses");
     let funcs = functions(&elf);
     for f in funcs.iter().filter(|f| f.name.starts_with("flowctl_")) {
         println!("  {}: {} bytes of stack", f.name, f.depth);

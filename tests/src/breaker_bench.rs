@@ -119,7 +119,7 @@ fn breaker_profile(target: &str, port: u16, extra: &str) -> String {
 }
 
 pub fn run(bin: &Path, quick: bool) {
-    let mount = flowctl::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
+    let mount = flowctl::system::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
     let home = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|s| {

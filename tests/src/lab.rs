@@ -68,7 +68,7 @@ impl Lab {
     pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
         let ns = ns.to_string();
         std::thread::spawn(move || {
-            flowctl::pins::enter_netns(&ns).expect("enter netns");
+            flowctl::system::netns::enter_netns(&ns).expect("enter netns");
             f()
         })
         .join()

@@ -16,7 +16,7 @@
 //! }
 //! ```
 
-use flowctl::cgroup::{self, Mount};
+use flowctl::system::cgroup::{self, Mount};
 use libtest_mimic::{Arguments, Completion, Failed, FormatSetting, Trial};
 use std::path::PathBuf;
 

@@ -48,7 +48,7 @@ pub fn serve_cpu(netns: &str, addr: &str, cgroup: &str) -> ! {
         std::fs::write(format!("/sys/fs/cgroup/{ctl}/{cgroup}/cgroup.procs"), "0")
             .expect("join the service cgroup");
     }
-    flowctl::pins::enter_netns(netns).expect("enter the service namespace");
+    flowctl::system::netns::enter_netns(netns).expect("enter the service namespace");
     let listener = Arc::new(TcpListener::bind(addr).expect("bind"));
     let times = Arc::new(Mutex::new(Vec::<u32>::new()));
     let stats_addr: SocketAddr = addr
@@ -159,7 +159,7 @@ fn offer(
             std::thread::Builder::new()
                 .stack_size(128 << 10)
                 .spawn(move || {
-                    flowctl::pins::enter_netns(&ns).unwrap();
+                    flowctl::system::netns::enter_netns(&ns).unwrap();
                     loop {
                         let Ok((issued, measured)) = rx.lock().unwrap().recv() else { return };
                         let late = issued.elapsed() > Duration::from_millis(100);

@@ -6,8 +6,7 @@ use aya::{
     Ebpf,
 };
 use flowctl::{
-    dataplane::{self, Maps},
-    pins::{AttachId, AttachState},
+    dataplane::{self, pins::AttachId, state::AttachState, Maps},
     profile,
 };
 use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX, LAYOUT_VERSION};
@@ -39,7 +38,7 @@ impl TestPlane {
         tweak: impl FnOnce(&mut profile::Settings),
         variant: dataplane::XdpVariant,
     ) -> Self {
-        flowctl::pins::ensure_bpffs().expect("bpffs");
+        dataplane::pins::ensure_bpffs().expect("bpffs");
         remove_orphaned_test_pins();
         let mut set = profile::parse("test.toml", profile_text).expect("test profile");
         tweak(&mut set.settings);
@@ -123,7 +122,7 @@ impl TestPlane {
     /// Makes the kernel see a live agent (fresh heartbeat) or a dead one.
     pub fn set_heartbeat(&mut self, alive: bool) {
         let mut g = self.maps.global().unwrap();
-        g.heartbeat_ns = if alive { flowctl::pins::monotonic_ns() } else { 1 };
+        g.heartbeat_ns = if alive { flowctl::system::clock::monotonic_ns() } else { 1 };
         g.grace_ns = 3_000_000_000;
         self.maps.global.set(0, g, 0).unwrap();
     }
@@ -154,7 +153,10 @@ impl TestPlane {
             .unwrap_or_else(|| panic!("no rule {rule}"))
             .record;
         let shape = self.state.stats;
-        let cur = flowctl_common::stats::epoch_of(flowctl::pins::monotonic_ns(), shape.bucket_ns);
+        let cur = flowctl_common::stats::epoch_of(
+            flowctl::system::clock::monotonic_ns(),
+            shape.bucket_ns,
+        );
         let back = (shape.buckets as u64 - 1).min(cur - 1);
         self.maps.stats_epochs(rec, &shape, cur - back..cur + 1).unwrap()
     }
@@ -207,7 +209,7 @@ pub fn hammer_on_two_cpus(
 /// that was killed leaves its pins (and their preallocated maps) behind:
 /// remove those whose process is gone.
 fn remove_orphaned_test_pins() {
-    let Ok(rd) = std::fs::read_dir(flowctl::pins::ifaces_root()) else { return };
+    let Ok(rd) = std::fs::read_dir(dataplane::pins::ifaces_root()) else { return };
     let me = std::process::id() % 100_000;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().to_string();

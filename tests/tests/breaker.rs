@@ -69,7 +69,7 @@ fn dir_ino(p: &std::path::Path) -> u64 {
 }
 
 fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
-    let root = &flowctl::cgroup::cgroup2_mount()
+    let root = &flowctl::system::cgroup::cgroup2_mount()
         .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
     let cg = root.join(flowctl_tests::unique("flowctl-brk-"));
     let other = root.join(flowctl_tests::unique("flowctl-brko-"));
@@ -84,9 +84,10 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         }
     }
     let _rm = Rm(vec![cg.clone(), other.clone()]);
-    let mut ebpf =
-        EbpfLoader::new().load(flowctl::object::breaker_object()).expect("load the breaker object");
-    let live = flowctl::pins::monotonic_ns() + 60_000_000_000;
+    let mut ebpf = EbpfLoader::new()
+        .load(flowctl::dataplane::object::breaker_object())
+        .expect("load the breaker object");
+    let live = flowctl::system::clock::monotonic_ns() + 60_000_000_000;
     let refuse = Control { drop_ppm: 1_000_000, errno: 111, ..Default::default() };
     let mut deadline: Array<_, u64> =
         Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").unwrap()).unwrap();

@@ -5,7 +5,7 @@
 //! host, such as the kernel matrix's VMs). Each is ignored where the host
 //! lacks its layout. Root only.
 
-use flowctl::cpu::{CgroupFiles, CgroupRoots, CpuSource, Sampler};
+use flowctl::controllers::cpu::{CgroupFiles, CgroupRoots, CpuSource, Sampler};
 use std::{path::PathBuf, process::Command, time::Duration};
 
 /// A v1 cgroup in the cpu and cpuacct hierarchies, removed on drop (after
@@ -21,10 +21,10 @@ impl V1Cgroup {
     /// directory when they are mounted together, as `cpu,cpuacct`).
     fn new(quota_us: i64) -> Self {
         let name = flowctl_tests::unique("flowctl-cg-");
-        let mounts = flowctl::cgroup::mounts().expect("the mount table");
+        let mounts = flowctl::system::cgroup::mounts().expect("the mount table");
         let mut cg = Self { name, dirs: Vec::new(), child: None };
         for ctl in ["cpu", "cpuacct"] {
-            let root = flowctl::cgroup::v1_of(&mounts, ctl)
+            let root = flowctl::system::cgroup::v1_of(&mounts, ctl)
                 .into_iter()
                 .next()
                 .expect("a v1 hierarchy (the test declares Need::CgroupV1Cpu)");
@@ -103,7 +103,7 @@ struct V2Cgroup {
 
 impl V2Cgroup {
     fn new(cpu_max: &str) -> Self {
-        let mount = flowctl::cgroup::cgroup2_mount()
+        let mount = flowctl::system::cgroup::cgroup2_mount()
             .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2Cpu)");
         let name = flowctl_tests::unique("flowctl-cg2-");
         let mut cg = Self { dir: mount.join(&name), name, enabled_cpu_in: None, child: None };

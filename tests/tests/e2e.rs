@@ -792,7 +792,7 @@ impl UdpStreams {
                     lab.ns_cli.clone(),
                 );
                 std::thread::spawn(move || {
-                    flowctl::pins::enter_netns(&ns).unwrap();
+                    flowctl::system::netns::enter_netns(&ns).unwrap();
                     let s = UdpSocket::bind(format!("{src}:0")).unwrap();
                     let t = Instant::now();
                     let mut n = 0u32;
@@ -1135,7 +1135,7 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
         let (stop, ns, ip, relayed) =
             (stop.clone(), lab.ns_srv.clone(), lab.ip_srv.clone(), relayed.clone());
         std::thread::spawn(move || {
-            flowctl::pins::enter_netns(&ns).unwrap();
+            flowctl::system::netns::enter_netns(&ns).unwrap();
             let rx = [
                 UdpSocket::bind(format!("{ip}:7800")).unwrap(),
                 UdpSocket::bind(format!("{ip}:7801")).unwrap(),
@@ -1389,7 +1389,7 @@ struct TestCgroup {
 
 impl TestCgroup {
     fn new() -> Self {
-        let mount = flowctl::cgroup::cgroup2_mount()
+        let mount = flowctl::system::cgroup::cgroup2_mount()
             .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
         let parent = mount.join(flowctl_tests::unique("flowctl-e2e-"));
         std::fs::create_dir(&parent).unwrap();
@@ -1482,7 +1482,7 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
 
     // Refusing: the downstream answers every SYN with an RST.
     let syn0 = down.syns(7100);
-    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let t0 = flowctl::system::clock::monotonic_ns() as f64 / 1e9;
     let refusing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 5.0);
     let (local, real) = (count(&refusing, LOCAL), count(&refusing, REFUSED));
     assert_eq!(
@@ -1527,7 +1527,7 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     let server = TcpServer::start(&lab, 7100);
     let p_at_heal = breaker(&cg.parent(), "db")["drop_probability"].as_f64().unwrap();
     assert!(p_at_heal > 0.5, "throttling when the downstream heals: p = {p_at_heal}");
-    let healed_at = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let healed_at = flowctl::system::clock::monotonic_ns() as f64 / 1e9;
     let healing = client(&lab, &cg.app(), 7100, 5, 1.0, 1, 4.5);
     let last_local =
         healing.iter().filter(|a| a.errno == LOCAL).map(|a| a.t - healed_at).fold(0.0, f64::max);
@@ -1546,7 +1546,7 @@ fn breaker_sre_fails_fast_at_the_predicted_share_and_recovers() {
     // the cap again; what goes out times out at the first retransmission.
     down.black_hole(7100, true);
     let syn0 = down.syns(7100);
-    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let t0 = flowctl::system::clock::monotonic_ns() as f64 / 1e9;
     // 24 callers blocked 1.5 s each: about 48 requests per window, over the minimum of 20.
     let hole = client(&lab, &cg.app(), 7100, 5, 1.5, 24, 6.0);
     down.black_hole(7100, false);
@@ -1635,7 +1635,7 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
 
     // Black-holed: 12 callers hang until their first SYN retransmission
     // times out (1 s), which counts as a failure and opens the breaker.
-    let t0 = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let t0 = flowctl::system::clock::monotonic_ns() as f64 / 1e9;
     let cgp = cg.app();
     let watcher = std::thread::spawn(move || {
         let mut seen: Vec<String> = Vec::new();
@@ -1687,7 +1687,7 @@ fn breaker_state_opens_on_timeouts_probes_and_closes() {
     // the 1 s sleep, and a tick.
     let syn0 = down.syns(7200);
     down.black_hole(7200, false);
-    let healed = flowctl::pins::monotonic_ns() as f64 / 1e9;
+    let healed = flowctl::system::clock::monotonic_ns() as f64 / 1e9;
     let after = client(&lab, &cg.app(), 7200, 20, 1.5, 1, if in_vm() { 8.0 } else { 3.5 });
     let first_ok = after.iter().find(|a| a.errno == 0).expect("closes").t - healed;
     let b = breaker(&cg.app(), "api");

@@ -151,7 +151,7 @@ fn tree(root: &str) -> BTreeSet<String> {
 }
 
 fn doctor_verifies_every_program_and_leaves_nothing_behind() {
-    flowctl::pins::ensure_bpffs().unwrap();
+    flowctl::dataplane::pins::ensure_bpffs().unwrap();
     let (bpf_before, run_before) = (tree("/sys/fs/bpf"), tree("/run/flowctl"));
     let started = Instant::now();
     let out = flowctl_exits(&["doctor", "--json"], "", 600);
@@ -285,7 +285,7 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
                 std::thread::sleep(Duration::from_millis(2));
             }
             std::thread::sleep(Duration::from_millis(200));
-            let id = flowctl::pins::AttachId::of(&veth).unwrap();
+            let id = flowctl::dataplane::pins::AttachId::of(&veth).unwrap();
             let maps = flowctl::dataplane::Maps::open(&id).unwrap();
             maps.egress_counts.get(&0, 0).unwrap().iter().sum::<u64>()
         });

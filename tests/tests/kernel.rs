@@ -558,7 +558,7 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
         ))
         .unwrap();
     let e = keys.get(&flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a29_0001] }, 0).unwrap();
-    let now = flowctl::pins::monotonic_ns();
+    let now = flowctl::system::clock::monotonic_ns();
     // Two tokens spent of a 1/min bucket: the TAT is about 2 minutes of
     // emission ahead of the first packet, not 6.
     let ahead = e.tat.saturating_sub(now);
@@ -827,7 +827,7 @@ fn bbr_reset_answers_an_ipv6_syn_with_a_valid_rst() {
 fn connections_are_tracked_from_syn_to_fin() {
     let p = TestPlane::new(&profile(BBR_RULE));
     let rec = p.record("web");
-    let now = || flowctl::pins::monotonic_ns();
+    let now = || flowctl::system::clock::monotonic_ns();
     // Connection A: SYN (retransmitted), handshake ACK, data, FIN.
     assert_eq!(p.run(&tcp(5, 2000, 0x02, 100, 0)), XDP_PASS);
     assert_eq!(p.run(&tcp(5, 2000, 0x02, 100, 0)), XDP_PASS);

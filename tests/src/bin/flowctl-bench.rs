@@ -351,7 +351,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 }
 
 fn agent_cpu(seconds: u64) {
-    use flowctl::{dataplane::count_entries, pins::AttachId};
+    use flowctl::dataplane::{count_entries, pins::AttachId};
     use flowctl_common::{map_names, BucketKey, SrcEntry, SrcKey};
     use std::time::Instant;
     let Some(bin) = std::env::var_os("FLOWCTL_BIN") else {
@@ -387,7 +387,7 @@ fn agent_cpu(seconds: u64) {
     });
     let deadline = Instant::now() + Duration::from_secs(20);
     // The control socket exists once the agent has attached and serves.
-    while !flowctl::control::socket_path(&id).exists() {
+    while !flowctl::agent::socket::socket_path(&id).exists() {
         assert!(Instant::now() < deadline, "the agent did not come up");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -520,10 +520,10 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
             let (stop, sent, ns, dev) =
                 (stop.clone(), sent.clone(), lab.ns_cli.clone(), lab.veth_cli.clone());
             std::thread::spawn(move || {
-                flowctl::pins::enter_netns(&ns).unwrap();
+                flowctl::system::netns::enter_netns(&ns).unwrap();
                 flowctl_tests::testrun::pin_to_cpu(1);
                 let mut ebpf = EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
-                let ifindex = flowctl::pins::ifindex(&dev).unwrap();
+                let ifindex = flowctl::system::netns::ifindex(&dev).unwrap();
                 {
                     let mut cfg: Array<_, u32> =
                         Array::try_from(ebpf.map_mut("BENCH_CONFIG").unwrap()).unwrap();
@@ -554,7 +554,7 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
             })
         };
         // Receiver: one XDP link on the server end, re-pointed between variants.
-        flowctl::pins::enter_netns(&lab.ns_srv).unwrap();
+        flowctl::system::netns::enter_netns(&lab.ns_srv).unwrap();
         let ceiling: &mut Xdp = refs.ebpf.program_mut("bench_drop").unwrap().try_into().unwrap();
         if ceiling.fd().is_err() {
             ceiling.load().unwrap();

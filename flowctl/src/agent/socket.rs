@@ -1,7 +1,7 @@
 //! The agent's control socket protocol: one JSON request line, one JSON
 //! response line, over `/run/flowctl/<id>/agent.sock`.
 
-use crate::pins::AttachId;
+use crate::dataplane::pins::AttachId;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::{

@@ -17,7 +17,10 @@
 //! says the rule is overloaded, and not at all when the agent's heartbeat is
 //! older than the grace period.
 
-use crate::{dataplane::Maps, pins::AttachState, profile::RuleSet};
+use crate::{
+    dataplane::{state::AttachState, Maps},
+    profile::RuleSet,
+};
 use anyhow::Result;
 use flowctl_common::{
     bbr::{self, BbrBucket, BbrState},

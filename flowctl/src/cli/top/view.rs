@@ -180,7 +180,7 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
 }
 
 /// A breaker's state, with its probes while half-open.
-pub fn breaker_state_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
+pub fn breaker_state_text(b: &crate::agent::breakers::PublishedBreaker) -> String {
     match &b.probes {
         Some(p) => format!("{} {}/{}", b.state, p.succeeded, p.allowed),
         None => b.state.clone(),
@@ -188,7 +188,7 @@ pub fn breaker_state_text(b: &crate::breaker_agent::PublishedBreaker) -> String 
 }
 
 /// The last transition: how long ago, to what, why.
-pub fn transition_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
+pub fn transition_text(b: &crate::agent::breakers::PublishedBreaker) -> String {
     let Some(t) = &b.last_transition else { return "-".into() };
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -198,7 +198,7 @@ pub fn transition_text(b: &crate::breaker_agent::PublishedBreaker) -> String {
 }
 
 /// One text line per breaker (`top --once`, `status`).
-pub fn breaker_lines(c: &crate::breaker_agent::Published) -> Vec<String> {
+pub fn breaker_lines(c: &crate::agent::breakers::Published) -> Vec<String> {
     let mut out = vec![format!(
         "{:<14} {:<24} {:<6} {:<14} {:>6} {:>9} {:>8} {:>8} {:>8} {:>6}  {}",
         "breaker",
@@ -279,7 +279,7 @@ pub fn key_tables_text(a: &super::state::Attachment) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::top::state::{Attachment, RuleRow};
+    use crate::cli::top::state::{Attachment, RuleRow};
     use ratatui::{backend::TestBackend, Terminal};
 
     fn row(name: &str, offered: f64, dropped: f64) -> RuleRow {
@@ -319,7 +319,7 @@ mod tests {
                 cpu: if agent { "n/a".into() } else { "agent not running".into() },
                 cpu_permille: None,
                 key_tables: agent.then(|| {
-                    vec![crate::occupancy::TableFill {
+                    vec![crate::agent::occupancy::TableFill {
                         table: "keys",
                         entries: 12_345,
                         capacity: 1 << 20,
@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn bbr_column_shows_in_flight_over_limit() {
         let mut top = fixture(true);
-        top.attachments[0].rules[1].bbr = Some(crate::top::state::BbrRow {
+        top.attachments[0].rules[1].bbr = Some(crate::cli::top::state::BbrRow {
             max_pass: 25,
             min_rt_ms: 3,
             in_flight: 7,
@@ -397,7 +397,7 @@ mod tests {
 
     #[test]
     fn breakers_show_state_probability_window_and_last_change() {
-        use crate::breaker_agent::{
+        use crate::agent::breakers::{
             Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition,
         };
         let now =

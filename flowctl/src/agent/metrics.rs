@@ -8,10 +8,7 @@
 //! agent's heartbeat. With `--netns` the agent lives in that namespace, and
 //! so does the address.
 
-use crate::{
-    dataplane::{self, Maps},
-    pins::{AttachId, AttachState},
-};
+use crate::dataplane::{self, pins::AttachId, state::AttachState, Maps};
 use anyhow::{anyhow, Context, Result};
 use flowctl_common::{reason, GLOBAL_COUNTER_INDEX};
 use prometheus_client::{
@@ -73,7 +70,7 @@ pub fn render_scope(scope: &Scope) -> Result<String> {
     }
     if let Some(cg) = scope.cgroup_id {
         if let Some(p) =
-            crate::breaker_agent::published_all().into_iter().find(|p| p.cgroup_id == cg)
+            crate::agent::breakers::published_all().into_iter().find(|p| p.cgroup_id == cg)
         {
             register_breakers(&mut reg, &p);
         }
@@ -108,7 +105,7 @@ struct BreakerCounterLabel {
 
 /// Breakers' metrics from the agent's published state (the agent's own
 /// windows and decisions; the counters are the kernel's totals).
-fn register_breakers(reg: &mut Registry, p: &crate::breaker_agent::Published) {
+fn register_breakers(reg: &mut Registry, p: &crate::agent::breakers::Published) {
     let state = Family::<BreakerStateLabel, Gauge>::default();
     let drop = Family::<BreakerLabel, Gauge<f64, AtomicU64>>::default();
     let window = Family::<BreakerCounterLabel, Gauge>::default();
@@ -179,7 +176,7 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     let bbr_min_rt = Family::<RuleLabel, Gauge<i64>>::default();
     let bbr_overloaded = Family::<RuleLabel, Gauge<i64>>::default();
     // What only the agent knows, read once: `None` when it is not running.
-    let agent_rec = crate::occupancy::fresh_record(&maps);
+    let agent_rec = crate::agent::occupancy::fresh_record(&maps);
     let agent_fresh = agent_rec.is_some();
     let unmatched = Family::<KindLabel, Counter>::default();
     for r in &state.rules {
@@ -240,7 +237,9 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         "1 while the agent publishes its state (heartbeat within the grace period)",
         agent_up,
     );
-    if let Some(fills) = agent_rec.and_then(|r| crate::occupancy::estimate(&maps, &state, &r)) {
+    if let Some(fills) =
+        agent_rec.and_then(|r| crate::agent::occupancy::estimate(&maps, &state, &r))
+    {
         let entries = Family::<TableLabel, Gauge<i64>>::default();
         let capacity = Family::<TableLabel, Gauge<i64>>::default();
         for f in fills {
@@ -260,7 +259,7 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         cpu.set(r.cpu_permille as i64);
         reg.register("flowctl_cpu_permille", "The agent's CPU signal (EMA), per mille", cpu);
     }
-    if let Some(k) = crate::klimiter_agent::published(&state, agent_fresh) {
+    if let Some(k) = crate::agent::klimiter::published(&state, agent_fresh) {
         let level = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
         let threshold = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();
         let coef = Family::<BaselineRuleLabel, Gauge<f64, AtomicU64>>::default();
@@ -440,7 +439,7 @@ mod tests {
 
     #[test]
     fn breakers_render_state_probability_windows_and_totals() {
-        use crate::breaker_agent::{Published, PublishedBreaker, PublishedWindow, Transition};
+        use crate::agent::breakers::{Published, PublishedBreaker, PublishedWindow, Transition};
         let b = PublishedBreaker {
             name: "db".into(),
             target: "10.0.0.5:5432".into(),

@@ -245,7 +245,7 @@ const MAX_DRAIN: usize = 65536;
 pub const SKETCH_CAPACITY: usize = 256;
 
 impl KeyWatcher {
-    pub fn open(id: &crate::pins::AttachId) -> anyhow::Result<Self> {
+    pub fn open(id: &crate::dataplane::pins::AttachId) -> anyhow::Result<Self> {
         Ok(Self {
             ring: crate::dataplane::KeySamples::open(id)?,
             watch: Watch::new(SKETCH_CAPACITY),
@@ -317,7 +317,7 @@ impl KeyWatcher {
 pub fn rule_report(
     w: &KeyWatcher,
     maps: &crate::dataplane::Maps,
-    state: &crate::pins::AttachState,
+    state: &crate::dataplane::state::AttachState,
     rule: &str,
     n: usize,
 ) -> anyhow::Result<HeavyKeys> {

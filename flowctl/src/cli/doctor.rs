@@ -9,9 +9,8 @@
 //! is killed). Nothing is attached and nothing is written under /run.
 
 use crate::{
-    dataplane,
+    dataplane::{self, pins::AttachId},
     kernel::features::{self, Feature, Features, Need, Part, REQUIREMENTS},
-    pins::AttachId,
     profile::{self, RuleSet, Settings},
 };
 use anyhow::{bail, Context, Result};
@@ -336,7 +335,7 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
         }
     }
     let _ = std::fs::remove_dir_all(id.pin_dir());
-    match aya::EbpfLoader::new().load(crate::object::breaker_object()) {
+    match aya::EbpfLoader::new().load(dataplane::object::breaker_object()) {
         Ok(mut ebpf) => {
             for name in ["flowctl_connect4", "flowctl_connect6"] {
                 let r = (|| {

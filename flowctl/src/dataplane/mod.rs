@@ -1,10 +1,18 @@
 //! The pinned XDP data plane: load (or adopt), attach, detach, write a rule
 //! set into the inactive slot and flip, read counters.
 
+pub mod object;
+pub mod pins;
+pub mod state;
+
 use crate::{
-    object::xdp_object,
-    pins::{monotonic_ns, AttachId, AttachState, RuleState},
+    dataplane::{
+        object::xdp_object,
+        pins::AttachId,
+        state::{AttachState, RuleState},
+    },
     profile::{RuleSet, Settings},
+    system::clock::monotonic_ns,
 };
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
@@ -646,7 +654,7 @@ impl Egress {
         if let Ok(text) = fs::read_to_string(&record) {
             let stale: Vec<NetlinkRecord> = serde_json::from_str(&text).unwrap_or_default();
             for r in stale {
-                if crate::pins::ifindex(&r.iface).ok() != Some(r.ifindex) {
+                if crate::system::netns::ifindex(&r.iface).ok() != Some(r.ifindex) {
                     continue; // the interface is gone, and its filters with it
                 }
                 tracing::info!("removing the egress filter a previous agent left on {}", r.iface);
@@ -739,7 +747,7 @@ pub fn set_egress(
     set: &RuleSet,
     egress: &mut Egress,
 ) -> Result<()> {
-    use crate::profile_klimiter::LevelSource;
+    use crate::profile::klimiter::LevelSource;
     let mut slot = 0u32;
     let mut ifaces = Vec::new();
     for b in &set.baselines {
@@ -789,7 +797,7 @@ fn attach_egress(
         LinkOrder, TcAttachType,
     };
     let hint = "(does the interface exist in this network namespace?)";
-    let ifindex = crate::pins::ifindex(iface)?;
+    let ifindex = crate::system::netns::ifindex(iface)?;
     let mut created_clsact = false;
     let options = if tcx {
         TcAttachOptions::TcxOrder(LinkOrder::default())

@@ -1,10 +1,13 @@
 //! The short verbs: detach, apply, status, check, explain.
 
 use crate::{
-    agent::{apply_and_record, require_root},
-    control::{self, Request},
-    dataplane::{self, Maps},
-    pins::{self, AgentLock, AttachId, AttachState},
+    agent::{apply_and_record, require_root, socket::Request},
+    dataplane::{
+        self,
+        pins::{self, AttachId},
+        state::AttachState,
+        Maps,
+    },
     profile::{self, human_bytes},
 };
 use anyhow::{bail, Context, Result};
@@ -13,7 +16,7 @@ use std::{net::IpAddr, path::Path};
 
 fn enter(netns: &Option<String>) -> Result<()> {
     if let Some(ns) = netns {
-        pins::enter_netns(ns)?;
+        crate::system::netns::enter_netns(ns)?;
     }
     Ok(())
 }
@@ -43,7 +46,8 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     enter(netns)?;
     let id = AttachId::of(iface)?;
     let abs = std::fs::canonicalize(path)?;
-    if let Some(resp) = control::call(&id, &Request::Apply { profile: abs.display().to_string() })?
+    if let Some(resp) =
+        crate::agent::socket::call(&id, &Request::Apply { profile: abs.display().to_string() })?
     {
         if resp.ok {
             out!("{}", resp.message);
@@ -56,7 +60,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     if !set.breakers.is_empty() {
         bail!("{}: the profile has breakers, which live with an agent, and no agent is running for {iface} (nothing was applied); start one with `flowctl attach {iface} --profile {}`", path.display(), path.display());
     }
-    let Some(_lock) = AgentLock::for_attachment(&id)? else {
+    let Some(_lock) = pins::lock_attachment(&id)? else {
         bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
     };
     let Some(mut state) = AttachState::load(&id)? else {
@@ -76,10 +80,10 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
 pub fn apply_cgroup(cgroup: &Path, path: &Path) -> Result<()> {
     profile::load(path)?;
     require_root()?;
-    let point = crate::breaker_agent::CgroupPoint::resolve(Some(cgroup))?;
+    let point = crate::agent::breakers::CgroupPoint::resolve(Some(cgroup))?;
     let abs = std::fs::canonicalize(path)?;
     let sock = point.run_dir().join("agent.sock");
-    match control::call_at(&sock, &Request::Apply { profile: abs.display().to_string() })? {
+    match crate::agent::socket::call_at(&sock, &Request::Apply { profile: abs.display().to_string() })? {
         Some(resp) if resp.ok => {
             out!("{}", resp.message);
             Ok(())
@@ -115,8 +119,8 @@ pub fn check(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn breaker_text(b: &crate::profile_breaker::Breaker) -> String {
-    use crate::profile_breaker::BreakerMode;
+fn breaker_text(b: &profile::breaker::Breaker) -> String {
+    use crate::profile::breaker::BreakerMode;
     let mode = match &b.mode {
         BreakerMode::Sre { k_milli, min_requests, max_drop_ppm } => {
             format!(
@@ -137,7 +141,7 @@ fn breaker_text(b: &crate::profile_breaker::Breaker) -> String {
         "{mode}, window {}s/{}, {}{}{}",
         b.window_ns as f64 / 1e9,
         b.buckets,
-        crate::profile_breaker::errno_name(b.errno),
+        profile::breaker::errno_name(b.errno),
         b.cgroup.as_ref().map(|c| format!(", cgroup {c}")).unwrap_or_default(),
         if b.dry_run { " (dry-run)" } else { "" }
     )
@@ -192,7 +196,7 @@ pub fn status(json: bool) -> Result<()> {
             "agent_running": pins::agent_running(&id),
             // The agent binds its socket once attached and applied, and removes
             // any stale one first: lock held + socket present = serving.
-            "agent_ready": pins::agent_running(&id) && control::socket_path(&id).exists(),
+            "agent_ready": pins::agent_running(&id) && crate::agent::socket::socket_path(&id).exists(),
             "profile": state.as_ref().map(|s| s.profile_path.clone()),
             "generation": generation,
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
@@ -200,7 +204,7 @@ pub fn status(json: bool) -> Result<()> {
             "unmatched": counters_json("unmatched", &global),
         }));
     }
-    let breakers = crate::breaker_agent::published_all();
+    let breakers = crate::agent::breakers::published_all();
     if json {
         // Interface attachments as before; cgroup attachments (breakers)
         // follow, told apart by their `cgroup` field.
@@ -223,7 +227,7 @@ pub fn status(json: bool) -> Result<()> {
             c.pid,
             c.profile
         );
-        for line in crate::top::view::breaker_lines(c) {
+        for line in crate::cli::top::view::breaker_lines(c) {
             out!("  {line}");
         }
     }

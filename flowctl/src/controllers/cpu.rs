@@ -108,17 +108,17 @@ pub struct CgroupRoots {
 }
 
 impl Default for CgroupRoots {
-    /// This host's mounts, from /proc/self/mounts ([`crate::cgroup`]): the
+    /// This host's mounts, from /proc/self/mounts ([`crate::system::cgroup`]): the
     /// cgroup2 mount (`/sys/fs/cgroup` on pure v2, `/sys/fs/cgroup/unified`
     /// on hybrid hosts) and the v1 hierarchies carrying cpuacct, cpu and
     /// cpuset (none on pure v2).
     fn default() -> Self {
-        let m = crate::cgroup::mounts().unwrap_or_default();
+        let m = crate::system::cgroup::mounts().unwrap_or_default();
         Self {
-            v2: crate::cgroup::v2_of(&m).into_iter().collect(),
-            v1_cpuacct: crate::cgroup::v1_of(&m, "cpuacct"),
-            v1_cpu: crate::cgroup::v1_of(&m, "cpu"),
-            v1_cpuset: crate::cgroup::v1_of(&m, "cpuset"),
+            v2: crate::system::cgroup::v2_of(&m).into_iter().collect(),
+            v1_cpuacct: crate::system::cgroup::v1_of(&m, "cpuacct"),
+            v1_cpu: crate::system::cgroup::v1_of(&m, "cpu"),
+            v1_cpuset: crate::system::cgroup::v1_of(&m, "cpuset"),
         }
     }
 }

@@ -3,8 +3,11 @@
 //! `--once --json` schema (docs/top.md).
 
 use crate::{
-    dataplane::Maps,
-    pins::{self, AttachId, AttachState},
+    dataplane::{
+        pins::{self, AttachId},
+        state::AttachState,
+        Maps,
+    },
     profile,
 };
 use anyhow::Result;
@@ -23,7 +26,7 @@ pub struct Top {
     pub attachments: Vec<Attachment>,
     /// Circuit breakers of every cgroup attachment with a running agent, as
     /// the agent publishes them (docs/top.md).
-    pub breakers: Vec<crate::breaker_agent::Published>,
+    pub breakers: Vec<crate::agent::breakers::Published>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -41,12 +44,12 @@ pub struct Attachment {
     pub cpu_permille: Option<u32>,
     /// Approximate key-table occupancy (last walk + inserts since, capped;
     /// see `key_tables_note`); absent without a running agent.
-    pub key_tables: Option<Vec<crate::occupancy::TableFill>>,
+    pub key_tables: Option<Vec<crate::agent::occupancy::TableFill>>,
     pub key_tables_note: String,
     /// KLimiter's last step: per baseline the level, threshold, band,
     /// coefficients and shares; per entry the ratio and why it last changed.
     /// Absent without baselines or without a running agent.
-    pub klimiter: Option<crate::klimiter_agent::PublishedStep>,
+    pub klimiter: Option<crate::agent::klimiter::PublishedStep>,
     pub rules: Vec<RuleRow>,
 }
 
@@ -131,7 +134,7 @@ pub fn compute(before: &Sample, after: &Sample, only_iface: Option<&str>) -> Res
     }
     // Breakers belong to cgroups, not interfaces: shown unless one is asked for.
     let breakers =
-        if only_iface.is_none() { crate::breaker_agent::published_all() } else { Vec::new() };
+        if only_iface.is_none() { crate::agent::breakers::published_all() } else { Vec::new() };
     Ok(Top { schema: SCHEMA, interval_s: dt, attachments, breakers })
 }
 
@@ -146,7 +149,7 @@ fn attachment(
     let set = profile::load(&id.run_dir().join("profile.toml")).ok();
     let maps = Maps::open(id)?;
     // What only the agent knows, read once: `None` when it is not running.
-    let agent_rec = crate::occupancy::fresh_record(&maps);
+    let agent_rec = crate::agent::occupancy::fresh_record(&maps);
     let now_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -187,7 +190,7 @@ fn attachment(
             rule: r.name.clone(),
             match_: rule.map(|x| x.match_text()).unwrap_or_default(),
             key: rule.map(|x| x.key_name()).unwrap_or_default(),
-            limit: rule.map(crate::commands::limit_text).unwrap_or_default(),
+            limit: rule.map(crate::cli::commands::limit_text).unwrap_or_default(),
             offered_pps: d(|c| c.offered_pkts),
             offered_bps: d(|c| c.offered_bytes) * 8.0,
             passed_pps: d(|c| c.passed_pkts),
@@ -217,8 +220,8 @@ fn attachment(
         agent_running: agent,
         cpu: cpu_text(agent_rec.as_ref()),
         cpu_permille: agent_rec.map(|r| r.cpu_permille).filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
-        key_tables: agent_rec.and_then(|r| crate::occupancy::estimate(&maps, state, &r)),
-        klimiter: crate::klimiter_agent::published(state, agent_rec.is_some()),
+        key_tables: agent_rec.and_then(|r| crate::agent::occupancy::estimate(&maps, state, &r)),
+        klimiter: crate::agent::klimiter::published(state, agent_rec.is_some()),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
     })
@@ -233,7 +236,7 @@ pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
             format!(
                 "{:.1}% ({})",
                 r.cpu_permille as f64 / 10.0,
-                crate::cpu::CpuSource::name_of(r.cpu_source)
+                crate::controllers::cpu::CpuSource::name_of(r.cpu_source)
             )
         }
         Some(_) => "n/a".into(),
@@ -249,7 +252,7 @@ fn ring_second(
 ) -> (flowctl_common::stats::StatsSum, f64) {
     let shape = state.stats;
     let span = (1_000_000_000u64.div_ceil(shape.bucket_ns.max(1))) as u32;
-    maps.stats_rate_window(record, &shape, pins::monotonic_ns(), span)
+    maps.stats_rate_window(record, &shape, crate::system::clock::monotonic_ns(), span)
         .unwrap_or((Default::default(), 1.0))
 }
 

@@ -2,6 +2,9 @@
 //! [`RuleSet`]. Every error names file, line, column and the problem, and a
 //! profile with any error is rejected whole. docs/profile.md is the reference.
 
+pub mod breaker;
+pub mod klimiter;
+
 use flowctl_common::{
     action, gcra, key_kind,
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
@@ -37,11 +40,11 @@ struct RawProfile {
     settings: Option<Spanned<RawSettings>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
-    klimiter: Option<Spanned<crate::profile_klimiter::RawKlimiter>>,
+    klimiter: Option<Spanned<klimiter::RawKlimiter>>,
     #[serde(default)]
-    baseline: Vec<Spanned<crate::profile_klimiter::RawBaseline>>,
+    baseline: Vec<Spanned<klimiter::RawBaseline>>,
     #[serde(default)]
-    breaker: Vec<Spanned<crate::profile_breaker::RawBreaker>>,
+    breaker: Vec<Spanned<breaker::RawBreaker>>,
 }
 
 #[derive(Deserialize)]
@@ -158,8 +161,8 @@ pub struct Settings {
     pub memory_budget: u64,
     pub grace_ns: u64,
     pub stats: StatsSettings,
-    /// Where the CPU signal comes from (`crate::cpu`).
-    pub cpu_source: crate::cpu::CpuSource,
+    /// Where the CPU signal comes from (`crate::controllers::cpu`).
+    pub cpu_source: crate::controllers::cpu::CpuSource,
 }
 
 /// Shape of the statistics rings, fixed when the program is loaded.
@@ -209,7 +212,7 @@ impl Default for Settings {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
-            cpu_source: crate::cpu::CpuSource::Host,
+            cpu_source: crate::controllers::cpu::CpuSource::Host,
         }
     }
 }
@@ -340,9 +343,9 @@ pub fn proto_name(p: u8) -> String {
 pub struct RuleSet {
     pub settings: Settings,
     pub rules: Vec<Rule>,
-    pub klimiter: crate::profile_klimiter::KlimiterSettings,
-    pub baselines: Vec<crate::profile_klimiter::Baseline>,
-    pub breakers: Vec<crate::profile_breaker::Breaker>,
+    pub klimiter: klimiter::KlimiterSettings,
+    pub baselines: Vec<klimiter::Baseline>,
+    pub breakers: Vec<breaker::Breaker>,
 }
 
 /// Kernel bytes per preallocated LRU hash element: the element header
@@ -484,17 +487,16 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         rules.push(rule);
     }
     let klimiter = match &raw.klimiter {
-        Some(k) => crate::profile_klimiter::settings(k.get_ref(), |v| {
+        Some(k) => klimiter::settings(k.get_ref(), |v| {
             parse_duration_ns(v.get_ref()).map_err(|e| (v.span(), format!("bad duration: {e}")))
         })
         .map_err(|(sp, m)| cx.err(sp, m))?,
         None => Default::default(),
     };
     let names: Vec<String> = rules.iter().map(|r| r.name.clone()).collect();
-    let mut baselines: Vec<crate::profile_klimiter::Baseline> = Vec::new();
+    let mut baselines: Vec<klimiter::Baseline> = Vec::new();
     for b in &raw.baseline {
-        let parsed = crate::profile_klimiter::baseline(b.get_ref(), &names)
-            .map_err(|(sp, m)| cx.err(sp, m))?;
+        let parsed = klimiter::baseline(b.get_ref(), &names).map_err(|(sp, m)| cx.err(sp, m))?;
         if baselines.iter().any(|o| o.name == parsed.name) {
             return Err(cx.err(b.span(), format!("duplicate baseline name `{}`", parsed.name)));
         }
@@ -502,7 +504,7 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     }
     let egress = baselines
         .iter()
-        .filter(|b| matches!(b.source, crate::profile_klimiter::LevelSource::Egress { .. }))
+        .filter(|b| matches!(b.source, klimiter::LevelSource::Egress { .. }))
         .count();
     if egress > flowctl_common::MAX_EGRESS_TARGETS {
         return Err(ProfileError {
@@ -533,11 +535,10 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     let mut breakers = Vec::new();
     for b in &raw.breaker {
         let line = line_col(text, b.span().start).0;
-        let parsed =
-            crate::profile_breaker::breaker(b.get_ref(), line).map_err(|(sp, m)| cx.err(sp, m))?;
+        let parsed = breaker::breaker(b.get_ref(), line).map_err(|(sp, m)| cx.err(sp, m))?;
         breakers.push((parsed, b.span()));
     }
-    crate::profile_breaker::check_all(&breakers).map_err(|(sp, m)| cx.err(sp, m))?;
+    breaker::check_all(&breakers).map_err(|(sp, m)| cx.err(sp, m))?;
     let breakers = breakers.into_iter().map(|(b, _)| b).collect();
     let set = RuleSet { settings, rules, klimiter, baselines, breakers };
     let need = set.settings.kernel_memory_bytes();
@@ -623,8 +624,8 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
         };
     }
     if let Some(v) = &s.cpu {
-        out.cpu_source =
-            crate::cpu::CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
+        out.cpu_source = crate::controllers::cpu::CpuSource::parse(v.get_ref())
+            .map_err(|e| cx.err(v.span(), e))?;
     }
     if let Some(v) = &s.statistics_bucket {
         let ns = parse_duration_ns(v.get_ref())

@@ -5,7 +5,7 @@
 //! change mid-run). Writes `timeseries.csv` and `chart.svg` into DIR.
 //! Deterministic: the noise comes from the scenario's seed.
 
-use crate::klimiter::{BaselineSpec, Config, Controller, EntrySpec, Period, StepView};
+use crate::controllers::klimiter::{BaselineSpec, Config, Controller, EntrySpec, Period, StepView};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::{fmt::Write as _, path::Path};

@@ -2,11 +2,25 @@
 //! the profile, then runs until SIGINT/SIGTERM: writes the heartbeat and serves
 //! `apply` on a unix socket. On exit it detaches unless `--keep`.
 
+pub mod bbr;
+pub mod breakers;
+pub mod heavy;
+pub mod klimiter;
+pub mod metrics;
+pub mod occupancy;
+pub mod socket;
+
 use crate::{
-    breaker_agent::{BreakerAgent, CgroupPoint},
-    control::{self, Request, Response},
-    dataplane::{self, Maps, Mode},
-    pins::{self, AgentLock, AttachId, AttachState},
+    agent::{
+        breakers::{BreakerAgent, CgroupPoint},
+        socket::{Request, Response},
+    },
+    dataplane::{
+        self,
+        pins::{self, AttachId},
+        state::AttachState,
+        Maps, Mode,
+    },
     profile,
 };
 use anyhow::{bail, Context, Result};
@@ -87,10 +101,7 @@ fn run_breakers(args: AttachArgs, rt: &tokio::runtime::Runtime, signals: Signals
     let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
     let mut breakers = BreakerAgent::start(point, &set, &args.profile)?;
     if let Some(addr) = args.metrics {
-        crate::metrics::spawn(
-            addr,
-            crate::metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) },
-        )?;
+        metrics::spawn(addr, metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
     }
     eprintln!(
         "flowctl: {} breakers from {} attached to cgroup {}; Ctrl-C to detach",
@@ -119,7 +130,7 @@ async fn serve_breakers(breakers: &mut BreakerAgent, signals: Signals) -> Result
             _ = int.recv() => break,
             _ = term.recv() => break,
             _ = tick.tick() => {
-                if let Err(e) = breakers.tick(pins::monotonic_ns()) {
+                if let Err(e) = breakers.tick(crate::system::clock::monotonic_ns()) {
                     tracing::warn!("breakers: {e:#}");
                 }
             }
@@ -222,7 +233,7 @@ fn run_with(
     // The breakers' cgroups are checked before anything touches the kernel.
     let breaker_point = if !set.breakers.is_empty() {
         let point = CgroupPoint::resolve(args.cgroup.as_deref())?;
-        crate::breaker_agent::check(&point, &set, &args.profile)?;
+        breakers::check(&point, &set, &args.profile)?;
         Some(point)
     } else if args.cgroup.is_some() {
         bail!("{}: --cgroup given, but the profile has no [[breaker]]", args.profile.display());
@@ -231,20 +242,20 @@ fn run_with(
     };
 
     // The CPU source is checked before anything touches the kernel.
-    let cpu = crate::cpu::CpuSignal::new(set.settings.cpu_source.clone())
+    let cpu = crate::controllers::cpu::CpuSignal::new(set.settings.cpu_source.clone())
         .with_context(|| format!("{}: the cpu source", args.profile.display()))?;
     if let Some(ns) = &args.netns {
-        pins::enter_netns(ns)?;
+        crate::system::netns::enter_netns(ns)?;
     }
     pins::ensure_bpffs()?;
     pins::ensure_layout()?;
     let id = AttachId::of(&iface)?;
-    let Some(lock) = AgentLock::for_attachment(&id)? else {
+    let Some(lock) = pins::lock_attachment(&id)? else {
         bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", iface, id.run_dir().join("agent.lock").display());
     };
     // A socket left by an agent that was killed: gone before anything else, so
     // `status` never mistakes it for this agent being ready.
-    let _ = std::fs::remove_file(control::socket_path(&id));
+    let _ = std::fs::remove_file(socket::socket_path(&id));
     let link_pinned = id.pin_dir().join("link").exists();
     if link_pinned && args.replace {
         dataplane::detach(&id)?;
@@ -331,12 +342,9 @@ fn run_with(
             }
         };
     if let Some(addr) = args.metrics {
-        crate::metrics::spawn(
+        metrics::spawn(
             addr,
-            crate::metrics::Scope {
-                iface: Some(id),
-                cgroup_id: breakers.as_ref().map(|b| b.point.id),
-            },
+            metrics::Scope { iface: Some(id), cgroup_id: breakers.as_ref().map(|b| b.point.id) },
         )?;
     }
     let verb = if adopting { "adopted the pinned data plane on" } else { "attached to" };
@@ -458,12 +466,12 @@ async fn serve(
     maps: &mut Maps,
     state: &mut AttachState,
     mut set: profile::RuleSet,
-    mut cpu: crate::cpu::CpuSignal,
+    mut cpu: crate::controllers::cpu::CpuSignal,
     signals: Signals,
     io: &mut Io<'_>,
 ) -> Result<()> {
     let (mut int, mut term) = signals;
-    let sock = control::socket_path(id);
+    let sock = socket::socket_path(id);
     let _ = std::fs::remove_file(&sock);
     let listener = tokio::net::UnixListener::bind(&sock)
         .with_context(|| format!("binding {}", sock.display()))?;
@@ -473,17 +481,17 @@ async fn serve(
         ticker(io.breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)));
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut keys_tick = tokio::time::interval(Duration::from_millis(250));
-    let mut cpu_tick = tokio::time::interval(crate::cpu::SAMPLE_PERIOD);
+    let mut cpu_tick = tokio::time::interval(crate::controllers::cpu::SAMPLE_PERIOD);
     let mut cpu_failing = false;
     // The BBR loop runs once per statistics bucket.
     let mut bbr_tick = ticker(Duration::from_nanos(state.stats.bucket_ns));
-    let mut bbr = crate::adaptive::BbrLoop::default();
-    let mut klim = crate::klimiter_agent::KlimiterLoop::new(&set);
+    let mut bbr = bbr::BbrLoop::default();
+    let mut klim = klimiter::KlimiterLoop::new(&set);
     let mut klim_tick =
         ticker(klim.as_ref().map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1)));
     let mut next_walk = tokio::time::Instant::now();
     let mut published = AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() };
-    let mut keys = match crate::heavy::KeyWatcher::open(id) {
+    let mut keys = match heavy::KeyWatcher::open(id) {
         Ok(w) => Some(w),
         Err(e) => {
             tracing::warn!("top --keys unavailable: {e:#}");
@@ -502,17 +510,17 @@ async fn serve(
                 if let Err(e) = dataplane::heartbeat(maps) {
                     tracing::warn!("heartbeat failed: {e:#}");
                 }
-                published.updated_ns = pins::monotonic_ns();
+                published.updated_ns = crate::system::clock::monotonic_ns();
                 if let Err(e) = maps.set_agent_record(&published) {
                     tracing::warn!("publishing agent state failed: {e:#}");
                 }
             }
             _ = tokio::time::sleep_until(next_walk) => {
                 let started = std::time::Instant::now();
-                if let Err(e) = crate::occupancy::walk(id, maps, state, &mut published) {
+                if let Err(e) = occupancy::walk(id, maps, state, &mut published) {
                     tracing::warn!("counting the key tables failed: {e:#}");
                 }
-                next_walk = tokio::time::Instant::now() + crate::occupancy::next_walk_after(started.elapsed());
+                next_walk = tokio::time::Instant::now() + occupancy::next_walk_after(started.elapsed());
             }
             _ = cpu_tick.tick() => {
                 match cpu.tick() {
@@ -530,7 +538,7 @@ async fn serve(
                 }
             }
             _ = bbr_tick.tick(), if set.rules.iter().any(|r| r.bbr.is_some()) => {
-                if let Err(e) = bbr.tick(maps, state, &set, published.cpu_permille, pins::monotonic_ns()) {
+                if let Err(e) = bbr.tick(maps, state, &set, published.cpu_permille, crate::system::clock::monotonic_ns()) {
                     tracing::warn!("BBR loop: {e:#}");
                 }
             }
@@ -550,7 +558,7 @@ async fn serve(
             }
             _ = breaker_tick.tick(), if io.breakers.is_some() => {
                 if let Some(b) = io.breakers.as_mut() {
-                    if let Err(e) = b.tick(pins::monotonic_ns()) {
+                    if let Err(e) = b.tick(crate::system::clock::monotonic_ns()) {
                         tracing::warn!("breakers: {e:#}");
                     }
                 }
@@ -576,7 +584,7 @@ async fn serve(
                     if let Err(e) = dataplane::set_egress(io.ebpf, maps, &set, io.egress) {
                         tracing::warn!("egress counters: {e:#}");
                     }
-                    let mut next = crate::klimiter_agent::KlimiterLoop::new(&set);
+                    let mut next = klimiter::KlimiterLoop::new(&set);
                     if let (Some(n), Some(o)) = (next.as_mut(), klim.as_ref()) {
                         n.inherit(o);
                     }
@@ -649,12 +657,12 @@ fn plan_breakers(
         (None, true) => BreakerChange::None,
         (Some(_), true) => BreakerChange::Stop,
         (Some(b), false) => {
-            crate::breaker_agent::check(&b.point, set, path)?;
+            breakers::check(&b.point, set, path)?;
             BreakerChange::Apply
         }
         (None, false) => {
             let point = CgroupPoint::resolve(io.cgroup.as_deref())?;
-            crate::breaker_agent::check(&point, set, path)?;
+            breakers::check(&point, set, path)?;
             BreakerChange::Start(point)
         }
     })
@@ -664,8 +672,8 @@ fn handle(
     maps: &mut Maps,
     state: &mut AttachState,
     active: &mut profile::RuleSet,
-    keys: Option<&mut crate::heavy::KeyWatcher>,
-    cpu: &mut crate::cpu::CpuSignal,
+    keys: Option<&mut heavy::KeyWatcher>,
+    cpu: &mut crate::controllers::cpu::CpuSignal,
     io: &mut Io<'_>,
     line: &str,
 ) -> Response {
@@ -685,7 +693,7 @@ fn handle(
             }
             // A new CPU source must work before anything is applied.
             let new_cpu = if &set.settings.cpu_source != cpu.source() {
-                match crate::cpu::CpuSignal::new(set.settings.cpu_source.clone()) {
+                match crate::controllers::cpu::CpuSignal::new(set.settings.cpu_source.clone()) {
                     Ok(c) => Some(c),
                     Err(e) => {
                         return Response::err(format!(
@@ -743,8 +751,7 @@ fn handle(
             let Some(w) = keys else {
                 return Response::err("key sampling is unavailable in this agent (see its log)");
             };
-            let report =
-                w.ask(maps).and_then(|()| crate::heavy::rule_report(w, maps, state, &rule, top));
+            let report = w.ask(maps).and_then(|()| heavy::rule_report(w, maps, state, &rule, top));
             match report.and_then(|r| Ok(serde_json::to_value(r)?)) {
                 Ok(v) => Response { ok: true, message: String::new(), data: Some(v) },
                 Err(e) => Response::err(format!("{e:#}")),

@@ -1,7 +1,7 @@
 //! KLimiter in the agent: every sample period it reads each entry's offered
 //! and admitted rates from the kernel's statistics rings and each baseline's
 //! level from its source; every control period it steps the controller
-//! (`crate::klimiter`, the same code `flowctl simulate` runs) on the
+//! (`crate::controllers::klimiter`, the same code `flowctl simulate` runs) on the
 //! period's means and writes the new ratios into the entries' control
 //! records. What it decided, and why, is published in the run directory
 //! (`klimiter.json`) for `top` and the metrics.
@@ -11,11 +11,10 @@
 //! sample periods counts as missing.
 
 use crate::{
-    dataplane::Maps,
-    klimiter::{BaselineSpec, Config, Controller, EntrySpec, Period, StepView},
-    pins::{monotonic_ns, AttachState},
-    profile::RuleSet,
-    profile_klimiter::LevelSource,
+    controllers::klimiter::{BaselineSpec, Config, Controller, EntrySpec, Period, StepView},
+    dataplane::{state::AttachState, Maps},
+    profile::{klimiter::LevelSource, RuleSet},
+    system::clock::monotonic_ns,
 };
 use anyhow::Result;
 use flowctl_common::{unit, NO_CPU_SIGNAL};

@@ -8,8 +8,8 @@
 //! capped at the table's capacity. Every place that shows it says so.
 
 use crate::{
-    dataplane::{self, Maps},
-    pins::{monotonic_ns, AttachId, AttachState},
+    dataplane::{self, pins::AttachId, state::AttachState, Maps},
+    system::clock::monotonic_ns,
 };
 use anyhow::Result;
 use flowctl_common::{

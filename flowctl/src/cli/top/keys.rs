@@ -1,14 +1,19 @@
 //! `flowctl top --keys RULE`: the heaviest keys of one rule now, from the
-//! kernel's packet samples and a Space-Saving sketch (`crate::heavy`, which
+//! kernel's packet samples and a Space-Saving sketch (`crate::agent::heavy`, which
 //! states the error bound). With an agent running, the agent samples and
 //! this asks it over the control socket; without one, this process samples
 //! itself (a ring buffer has one reader) and turns sampling off on exit.
 
 use crate::{
-    control::{self, Request},
-    dataplane::Maps,
-    heavy::{self, HeavyKeys, KeyWatcher},
-    pins::{self, AttachId, AttachState},
+    agent::{
+        heavy::{self, HeavyKeys, KeyWatcher},
+        socket::Request,
+    },
+    dataplane::{
+        pins::{self, AttachId},
+        state::AttachState,
+        Maps,
+    },
 };
 use anyhow::{anyhow, bail, Result};
 use ratatui::{
@@ -74,8 +79,11 @@ impl Source {
     fn report(&mut self, rule: &str, n: usize) -> Result<HeavyKeys> {
         match self {
             Source::Agent(id) => {
-                let resp = control::call(id, &Request::Keys { rule: rule.to_string(), top: n })?
-                    .ok_or_else(|| anyhow!("the agent stopped answering"))?;
+                let resp = crate::agent::socket::call(
+                    id,
+                    &Request::Keys { rule: rule.to_string(), top: n },
+                )?
+                .ok_or_else(|| anyhow!("the agent stopped answering"))?;
                 if !resp.ok {
                     bail!("{}", resp.message);
                 }

@@ -18,10 +18,9 @@
 //! reload during an outage does not send the full load at the failing
 //! dependency again.
 
-use crate::{
-    pins,
-    profile::RuleSet,
-    profile_breaker::{addr_words, Breaker, BreakerMode, TargetSpec},
+use crate::profile::{
+    breaker::{addr_words, Breaker, BreakerMode, TargetSpec},
+    RuleSet,
 };
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -83,9 +82,9 @@ pub fn run_dir(cgroup_id: u64) -> PathBuf {
     Path::new(RUN_ROOT).join(format!("cgroup-{cgroup_id}"))
 }
 
-/// Where cgroup v2 is mounted: [`crate::cgroup::cgroup2_mount`], under the
+/// Where cgroup v2 is mounted: [`crate::system::cgroup::cgroup2_mount`], under the
 /// name callers of this module have used.
-pub use crate::cgroup::cgroup2_mount;
+pub use crate::system::cgroup::cgroup2_mount;
 
 fn resolve_under(mount: &Path, p: &Path) -> Result<PathBuf> {
     let full = if p.is_absolute() { p.to_path_buf() } else { mount.join(p) };
@@ -389,7 +388,7 @@ impl Live {
             cgroup: self.def.cgroup.clone(),
             mode: self.def.mode.name().into(),
             dry_run: self.def.dry_run,
-            errno: crate::profile_breaker::errno_name(self.def.errno),
+            errno: crate::profile::breaker::errno_name(self.def.errno),
             state: self.state.into(),
             drop_probability: self.drop_ppm as f64 / 1e6,
             window: PublishedWindow { seconds: self.window.span_ns() as f64 / 1e9, outcomes: w },
@@ -473,7 +472,7 @@ pub fn published_all() -> Vec<Published> {
             continue;
         };
         let lock = run_dir(id).join("agent.lock");
-        if !pins::lock_held(&lock) {
+        if !crate::system::lock::lock_held(&lock) {
             continue;
         }
         let Ok(text) = std::fs::read(run_dir(id).join("breakers.json")) else { continue };
@@ -499,7 +498,7 @@ fn unix_ms() -> u64 {
 pub struct BreakerAgent {
     pub point: CgroupPoint,
     ebpf: Ebpf,
-    _lock: pins::FileLock,
+    _lock: crate::system::lock::FileLock,
     live: Vec<Live>,
     profile: String,
     grace_ns: u64,
@@ -513,7 +512,8 @@ impl BreakerAgent {
         // The cgroup checks first: a bad path is rejected before the kernel is touched.
         let (table, slots) = layout(&point, &set.breakers, profile)?;
         let dir = point.run_dir();
-        let Some(lock) = pins::FileLock::try_acquire(&dir.join("agent.lock"))? else {
+        let Some(lock) = crate::system::lock::FileLock::try_acquire(&dir.join("agent.lock"))?
+        else {
             bail!(
                 "another flowctl agent holds the breakers of cgroup {} (lock {}); stop it first or use `flowctl apply --cgroup {} PROFILE`",
                 point.path.display(),
@@ -522,7 +522,7 @@ impl BreakerAgent {
             );
         };
         let ebpf = EbpfLoader::new()
-            .load(crate::object::breaker_object())
+            .load(crate::dataplane::object::breaker_object())
             .context("loading the breaker programs")?;
         let mut agent = Self {
             point,
@@ -539,7 +539,7 @@ impl BreakerAgent {
         agent.baseline_counts()?;
         agent.profile =
             std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
-        agent.tick(pins::monotonic_ns())?;
+        agent.tick(crate::system::clock::monotonic_ns())?;
         // A bpf_link attachment (what aya makes on this kernel) takes no
         // flags and always coexists with other programs on the cgroup, as
         // BPF_F_ALLOW_MULTI would (the kernel rejects flags on links).
@@ -617,7 +617,7 @@ impl BreakerAgent {
         self.profile =
             std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
         std::fs::copy(profile, self.point.run_dir().join("profile.toml")).ok();
-        self.tick(pins::monotonic_ns())
+        self.tick(crate::system::clock::monotonic_ns())
     }
 
     fn write_table(&mut self, table: &[Target]) -> Result<()> {
@@ -715,7 +715,7 @@ impl Drop for BreakerAgent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile_breaker::TargetSpec;
+    use crate::profile::breaker::TargetSpec;
     use flowctl_common::breaker::StateConfig;
 
     const MS: u64 = 1_000_000;

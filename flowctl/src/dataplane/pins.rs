@@ -1,0 +1,125 @@
+//! Where an attachment lives: its identity (network-namespace inode and
+//! ifindex, so two namespaces can both have `veth0`), its pinned data plane on
+//! bpffs and its run-time files (state, lock, control socket).
+//!
+//! Layout (version `LAYOUT_VERSION` is part of the path and of the pinned
+//! global record, so a newer flowctl never misreads an older layout):
+//!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/ifaces/<netns-ino>-<ifindex>/{link, FLOWCTL_*}
+//!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/cgroups/, egress/ (links of those hooks)
+//!   /run/flowctl/<netns-ino>-<ifindex>/{state.json, agent.lock, agent.sock, profile.toml}
+//!   /run/flowctl/cgroup-<id>/{agent.lock, agent.sock, profile.toml, breakers.json}
+
+use crate::system::{
+    lock::{lock_held, FileLock},
+    netns::{current_netns_ino, ifindex},
+};
+use anyhow::{bail, Context, Result};
+use flowctl_common::{LAYOUT_VERSION, PIN_ROOT, RUN_ROOT};
+use serde::{Deserialize, Serialize};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachId {
+    pub netns_ino: u64,
+    pub ifindex: u32,
+}
+
+/// The files of a run directory (an attachment's or a cgroup agent's), named
+/// once here.
+pub mod run_file {
+    /// The attachment's rule identities and table shapes (`AttachState`).
+    pub const STATE: &str = "state.json";
+    /// The agent's exclusive `flock`, held for its lifetime.
+    pub const LOCK: &str = "agent.lock";
+    /// The agent's control socket.
+    pub const SOCKET: &str = "agent.sock";
+    /// The profile last applied, for `status`, `top` and `explain`.
+    pub const PROFILE: &str = "profile.toml";
+}
+
+impl AttachId {
+    pub fn dir_name(&self) -> String {
+        format!("{}-{}", self.netns_ino, self.ifindex)
+    }
+
+    pub fn pin_dir(&self) -> PathBuf {
+        ifaces_root().join(self.dir_name())
+    }
+
+    pub fn run_dir(&self) -> PathBuf {
+        Path::new(RUN_ROOT).join(self.dir_name())
+    }
+
+    /// The attachment of interface `iface` in the current network namespace.
+    pub fn of(iface: &str) -> Result<Self> {
+        let netns_ino = current_netns_ino()?;
+        let ifindex = ifindex(iface)?;
+        Ok(Self { netns_ino, ifindex })
+    }
+}
+
+pub fn layout_root() -> PathBuf {
+    Path::new(PIN_ROOT).join(format!("v{LAYOUT_VERSION}"))
+}
+
+pub fn ifaces_root() -> PathBuf {
+    layout_root().join("ifaces")
+}
+
+/// Mounts bpffs at /sys/fs/bpf when it is missing (fresh machines lack it).
+pub fn ensure_bpffs() -> Result<()> {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    let p = std::ffi::CString::new("/sys/fs/bpf").unwrap();
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(p.as_ptr(), &mut st) } == 0 && st.f_type as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    fs::create_dir_all("/sys/fs/bpf").ok();
+    let src = std::ffi::CString::new("bpf").unwrap();
+    let rc = unsafe { libc::mount(src.as_ptr(), p.as_ptr(), src.as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        bail!("bpffs is not mounted at /sys/fs/bpf and mounting it failed: {} (try `mount -t bpf bpf /sys/fs/bpf`)", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Creates the pin root's layout: `ifaces/` and the places reserved for cgroup
+/// and egress attachments.
+pub fn ensure_layout() -> Result<()> {
+    for d in ["ifaces", "cgroups", "egress"] {
+        let p = layout_root().join(d);
+        fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Every attachment with pins under the layout root.
+pub fn list_attachments() -> Vec<AttachId> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(ifaces_root()) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some((a, b)) = name.split_once('-') {
+                if let (Ok(netns_ino), Ok(ifindex)) = (a.parse(), b.parse()) {
+                    out.push(AttachId { netns_ino, ifindex });
+                }
+            }
+        }
+    }
+    out.sort_by_key(|a| (a.netns_ino, a.ifindex));
+    out
+}
+
+/// The exclusive agent lock of an attachment: held for the agent's lifetime
+/// (and briefly by an agent-less `apply`); `Ok(None)` when another holds it.
+pub fn lock_attachment(id: &AttachId) -> Result<Option<FileLock>> {
+    FileLock::try_acquire(&id.run_dir().join(run_file::LOCK))
+}
+
+/// True when an agent holds the attachment's lock.
+pub fn agent_running(id: &AttachId) -> bool {
+    lock_held(&id.run_dir().join(run_file::LOCK))
+}
