@@ -63,7 +63,7 @@ impl CgroupPoint {
     /// `path` (absolute, or relative to the cgroup v2 mount); `None`: the
     /// whole host (the mount's root).
     pub fn resolve(path: Option<&Path>) -> Result<Self> {
-        let mount = cgroup2_mount()?;
+        let mount = crate::system::cgroup::cgroup2_mount()?;
         let path = match path {
             None => mount.clone(),
             Some(p) => resolve_under(&mount, p)?,
@@ -81,10 +81,6 @@ impl CgroupPoint {
 pub fn run_dir(cgroup_id: u64) -> PathBuf {
     Path::new(RUN_ROOT).join(format!("cgroup-{cgroup_id}"))
 }
-
-/// Where cgroup v2 is mounted: [`crate::system::cgroup::cgroup2_mount`], under the
-/// name callers of this module have used.
-pub use crate::system::cgroup::cgroup2_mount;
 
 fn resolve_under(mount: &Path, p: &Path) -> Result<PathBuf> {
     let full = if p.is_absolute() { p.to_path_buf() } else { mount.join(p) };

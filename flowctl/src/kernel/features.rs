@@ -348,7 +348,7 @@ fn probe_all() -> Features {
         from(Feature::SetRetval, helper(BpfHelper::BPF_FUNC_set_retval)),
         from(Feature::AncestorCgroupId, helper(BpfHelper::BPF_FUNC_get_current_ancestor_cgroup_id)),
     ];
-    probes.push(match crate::agent::breakers::cgroup2_mount() {
+    probes.push(match crate::system::cgroup::cgroup2_mount() {
         Ok(p) => Probe { detail: Some(p.display().to_string()), ..yes(Feature::Cgroup2) },
         Err(_) => Probe {
             feature: Feature::Cgroup2,

@@ -3,6 +3,7 @@
 //! profile with any error is rejected whole. docs/profile.md is the reference.
 
 pub mod breaker;
+pub mod cpu_source;
 pub mod klimiter;
 
 use flowctl_common::{
@@ -162,7 +163,7 @@ pub struct Settings {
     pub grace_ns: u64,
     pub stats: StatsSettings,
     /// Where the CPU signal comes from (`crate::controllers::cpu`).
-    pub cpu_source: crate::controllers::cpu::CpuSource,
+    pub cpu_source: cpu_source::CpuSource,
 }
 
 /// Shape of the statistics rings, fixed when the program is loaded.
@@ -212,7 +213,7 @@ impl Default for Settings {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
-            cpu_source: crate::controllers::cpu::CpuSource::Host,
+            cpu_source: cpu_source::CpuSource::Host,
         }
     }
 }
@@ -624,8 +625,8 @@ fn settings(cx: &Ctx, s: RawSettings) -> Result<Settings, ProfileError> {
         };
     }
     if let Some(v) = &s.cpu {
-        out.cpu_source = crate::controllers::cpu::CpuSource::parse(v.get_ref())
-            .map_err(|e| cx.err(v.span(), e))?;
+        out.cpu_source =
+            cpu_source::CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
     }
     if let Some(v) = &s.statistics_bucket {
         let ns = parse_duration_ns(v.get_ref())
