@@ -1,5 +1,5 @@
 use clap::{Parser, Subcommand};
-use flowctl::{agent, cli::commands, dataplane::Mode};
+use flowctl::{agent, cli, dataplane::Mode};
 use std::path::PathBuf;
 
 /// Kernel-assisted rate limiting at the NIC (XDP).
@@ -144,16 +144,16 @@ fn main() {
         Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics } => {
             agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, metrics })
         }
-        Cmd::Detach { iface, netns } => commands::detach(&iface, &netns),
+        Cmd::Detach { iface, netns } => cli::detach::detach(&iface, &netns),
         Cmd::Apply { args, cgroup, netns } => match (args.as_slice(), cgroup) {
-            ([iface, profile], None) => commands::apply(iface, std::path::Path::new(profile), &netns),
-            ([profile], Some(cg)) => commands::apply_cgroup(&cg, std::path::Path::new(profile)),
+            ([iface, profile], None) => cli::apply::apply(iface, std::path::Path::new(profile), &netns),
+            ([profile], Some(cg)) => cli::apply::apply_cgroup(&cg, std::path::Path::new(profile)),
             (_, None) => Err(anyhow::anyhow!("give `flowctl apply IFACE PROFILE`, or `flowctl apply --cgroup PATH PROFILE` for a breakers-only agent")),
             (_, Some(_)) => Err(anyhow::anyhow!("with --cgroup, give only the profile (an agent with an interface takes `flowctl apply IFACE PROFILE` for both)")),
         },
-        Cmd::Status { json } => commands::status(json),
-        Cmd::Check { profile } => commands::check(&profile),
-        Cmd::Doctor { profile, json } => match flowctl::cli::doctor::run(profile.as_deref(), json) {
+        Cmd::Status { json } => cli::status::status(json),
+        Cmd::Check { profile } => cli::check::check(&profile),
+        Cmd::Doctor { profile, json } => match cli::doctor::run(profile.as_deref(), json) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(1),
             Err(e) => Err(e),
@@ -163,17 +163,17 @@ fn main() {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
             if let Some(rule) = keys {
                 if once {
-                    flowctl::cli::top::keys::once(interval, iface.as_deref(), &rule, count, json)
+                    cli::top::keys::once(interval, iface.as_deref(), &rule, count, json)
                 } else {
-                    flowctl::cli::top::keys::run(interval, iface.as_deref(), &rule, count)
+                    cli::top::keys::run(interval, iface.as_deref(), &rule, count)
                 }
             } else if once {
-                flowctl::cli::top::once(interval, iface.as_deref(), json)
+                cli::top::once(interval, iface.as_deref(), json)
             } else {
-                flowctl::cli::top::run(interval, iface.as_deref())
+                cli::top::run(interval, iface.as_deref())
             }
         }
-        Cmd::Explain { iface, proto, src, dport, netns } => commands::explain(&iface, &proto, &src, dport, &netns),
+        Cmd::Explain { iface, proto, src, dport, netns } => cli::explain::explain(&iface, &proto, &src, dport, &netns),
     };
     if let Err(e) = r {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {

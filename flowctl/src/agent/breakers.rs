@@ -18,6 +18,7 @@
 //! reload during an outage does not send the full load at the failing
 //! dependency again.
 
+use crate::dataplane::pins::run_file;
 use crate::profile::{
     breaker::{addr_words, Breaker, BreakerMode, TargetSpec},
     RuleSet,
@@ -75,6 +76,11 @@ impl CgroupPoint {
 
     pub fn run_dir(&self) -> PathBuf {
         run_dir(self.id)
+    }
+
+    /// The control socket of the agent holding this cgroup's breakers.
+    pub fn socket_path(&self) -> PathBuf {
+        self.run_dir().join(run_file::SOCKET)
     }
 }
 
@@ -467,7 +473,7 @@ pub fn published_all() -> Vec<Published> {
         let Some(id) = name.strip_prefix("cgroup-").and_then(|i| i.parse::<u64>().ok()) else {
             continue;
         };
-        let lock = run_dir(id).join("agent.lock");
+        let lock = run_dir(id).join(run_file::LOCK);
         if !crate::system::lock::lock_held(&lock) {
             continue;
         }
@@ -508,12 +514,12 @@ impl BreakerAgent {
         // The cgroup checks first: a bad path is rejected before the kernel is touched.
         let (table, slots) = layout(&point, &set.breakers, profile)?;
         let dir = point.run_dir();
-        let Some(lock) = crate::system::lock::FileLock::try_acquire(&dir.join("agent.lock"))?
+        let Some(lock) = crate::system::lock::FileLock::try_acquire(&dir.join(run_file::LOCK))?
         else {
             bail!(
                 "another flowctl agent holds the breakers of cgroup {} (lock {}); stop it first or use `flowctl apply --cgroup {} PROFILE`",
                 point.path.display(),
-                dir.join("agent.lock").display(),
+                dir.join(run_file::LOCK).display(),
                 point.path.display()
             );
         };
@@ -554,7 +560,7 @@ impl BreakerAgent {
         p.attach(&cg, CgroupAttachMode::Single).with_context(|| {
             format!("attaching flowctl_sock_ops to {}", agent.point.path.display())
         })?;
-        std::fs::copy(profile, dir.join("profile.toml")).ok();
+        std::fs::copy(profile, dir.join(run_file::PROFILE)).ok();
         Ok(agent)
     }
 
@@ -612,7 +618,7 @@ impl BreakerAgent {
         self.grace_ns = set.settings.grace_ns;
         self.profile =
             std::fs::canonicalize(profile).unwrap_or(profile.into()).display().to_string();
-        std::fs::copy(profile, self.point.run_dir().join("profile.toml")).ok();
+        std::fs::copy(profile, self.point.run_dir().join(run_file::PROFILE)).ok();
         self.tick(crate::system::clock::monotonic_ns())
     }
 

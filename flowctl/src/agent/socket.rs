@@ -1,7 +1,7 @@
 //! The agent's control socket protocol: one JSON request line, one JSON
 //! response line, over `/run/flowctl/<id>/agent.sock`.
 
-use crate::dataplane::pins::AttachId;
+use crate::dataplane::pins::{run_file, AttachId};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::{
@@ -44,7 +44,7 @@ impl Response {
 }
 
 pub fn socket_path(id: &AttachId) -> PathBuf {
-    id.run_dir().join("agent.sock")
+    id.run_dir().join(run_file::SOCKET)
 }
 
 /// Sends a request to the running agent; `Ok(None)` when no agent listens.

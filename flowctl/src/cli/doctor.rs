@@ -209,7 +209,7 @@ pub fn render_text(r: &Report) -> String {
 /// status).
 pub fn run(profile_path: Option<&Path>, json: bool) -> Result<bool> {
     let set = profile_path.map(profile::load).transpose()?;
-    crate::agent::require_root()?;
+    crate::agent::preflight::require_root()?;
     // Before any thread exists (unshare(CLONE_NEWNS) refuses a process
     // whose threads share its filesystem context).
     private_bpffs()?;

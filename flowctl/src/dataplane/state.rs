@@ -73,4 +73,16 @@ impl AttachState {
         fs::rename(&tmp, Self::path(&self.id))?;
         Ok(())
     }
+
+    /// After a rule set was applied: remembers its file (for `status`) and
+    /// keeps a copy of it (for `top`, `explain` and a restarted agent), then
+    /// saves the state.
+    pub fn record_profile(&mut self, path: &std::path::Path) -> Result<()> {
+        let abs = fs::canonicalize(path).unwrap_or(path.to_path_buf());
+        self.profile_path = abs.display().to_string();
+        fs::create_dir_all(self.id.run_dir())?;
+        fs::copy(path, self.id.run_dir().join(run_file::PROFILE))
+            .context("saving the active profile")?;
+        self.save()
+    }
 }

@@ -136,7 +136,7 @@ fn text(r: &HeavyKeys) -> Vec<String> {
         r.rule,
         r.sample_every,
         r.samples,
-        super::view::si(r.bound_pps)
+        crate::cli::format::si(r.bound_pps)
     )];
     v.push(format!(
         "  {:<40} {:>10} {:>8} {:>12} {:>10}",
@@ -146,10 +146,10 @@ fn text(r: &HeavyKeys) -> Vec<String> {
         v.push(format!(
             "  {:<40} {:>10} {:>8.1} {:>12} {:>10}",
             k.key,
-            super::view::si(k.pps),
+            crate::cli::format::si(k.pps),
             k.share_pct,
-            super::view::si(k.dropped_pps),
-            super::view::si(k.error_pps)
+            crate::cli::format::si(k.dropped_pps),
+            crate::cli::format::si(k.error_pps)
         ));
     }
     v
@@ -168,17 +168,17 @@ pub fn run(interval: Duration, iface: Option<&str>, rule: &str, n: usize) -> Res
                 " flowctl top --keys {} | 1 in {} sampled | error <= {} pps per key | q quit ",
                 report.rule,
                 report.sample_every,
-                super::view::si(report.bound_pps)
+                crate::cli::format::si(report.bound_pps)
             );
             let header = Row::new(["key", "pps", "share %", "dropped pps", "error pps"])
                 .style(Style::default().add_modifier(Modifier::BOLD));
             let rows = report.keys.iter().map(|k| {
                 Row::new(vec![
                     k.key.clone(),
-                    super::view::si(k.pps),
+                    crate::cli::format::si(k.pps),
                     format!("{:.1}", k.share_pct),
-                    super::view::si(k.dropped_pps),
-                    super::view::si(k.error_pps),
+                    crate::cli::format::si(k.dropped_pps),
+                    crate::cli::format::si(k.error_pps),
                 ])
             });
             let widths = [

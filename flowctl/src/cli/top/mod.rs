@@ -46,9 +46,9 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
             out!(
                 "  {:<20} {:>12} {:>12} {:>12} {:>7.1} {:>7.3}  {}",
                 r.rule,
-                view::si(r.offered_pps),
-                view::si(r.passed_pps),
-                view::si(r.dropped_pps),
+                crate::cli::format::si(r.offered_pps),
+                crate::cli::format::si(r.passed_pps),
+                crate::cli::format::si(r.dropped_pps),
                 r.drop_pct,
                 r.admission_ratio,
                 r.top_reason
@@ -57,7 +57,7 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
     }
     for c in &top.breakers {
         out!("breakers of cgroup {} (agent pid {})", c.cgroup, c.pid);
-        for line in view::breaker_lines(c) {
+        for line in crate::cli::format::breaker_lines(c) {
             out!("  {line}");
         }
     }

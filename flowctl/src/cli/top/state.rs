@@ -146,7 +146,7 @@ fn attachment(
     dt: f64,
 ) -> Result<Attachment> {
     let agent = pins::agent_running(id);
-    let set = profile::load(&id.run_dir().join("profile.toml")).ok();
+    let set = profile::load(&id.run_dir().join(pins::run_file::PROFILE)).ok();
     let maps = Maps::open(id)?;
     // What only the agent knows, read once: `None` when it is not running.
     let agent_rec = crate::agent::occupancy::fresh_record(&maps);
@@ -190,7 +190,7 @@ fn attachment(
             rule: r.name.clone(),
             match_: rule.map(|x| x.match_text()).unwrap_or_default(),
             key: rule.map(|x| x.key_name()).unwrap_or_default(),
-            limit: rule.map(crate::cli::commands::limit_text).unwrap_or_default(),
+            limit: rule.map(crate::cli::format::limit_text).unwrap_or_default(),
             offered_pps: d(|c| c.offered_pkts),
             offered_bps: d(|c| c.offered_bytes) * 8.0,
             passed_pps: d(|c| c.passed_pkts),

@@ -1,6 +1,7 @@
 //! Draws a [`Top`] state: one block per attachment, one row per rule.
 
 use super::state::{SortBy, Top};
+use crate::cli::format::{breaker_state_text, si, transition_text};
 use ratatui::{
     layout::{Constraint, Layout},
     style::{Modifier, Style},
@@ -8,24 +9,6 @@ use ratatui::{
     widgets::{Block, Borders, Cell, Paragraph, Row, Table},
     Frame,
 };
-
-/// Human rates: 1234567 -> "1.23M".
-pub fn si(v: f64) -> String {
-    let (v, unit) = if v >= 1e9 {
-        (v / 1e9, "G")
-    } else if v >= 1e6 {
-        (v / 1e6, "M")
-    } else if v >= 1e3 {
-        (v / 1e3, "k")
-    } else {
-        (v, "")
-    };
-    if unit.is_empty() {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}{unit}")
-    }
-}
 
 pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
     let area = f.area();
@@ -177,59 +160,6 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             .block(Block::default().borders(Borders::ALL).title(title));
         f.render_widget(table, chunks[i + 1]);
     }
-}
-
-/// A breaker's state, with its probes while half-open.
-pub fn breaker_state_text(b: &crate::agent::breakers::PublishedBreaker) -> String {
-    match &b.probes {
-        Some(p) => format!("{} {}/{}", b.state, p.succeeded, p.allowed),
-        None => b.state.clone(),
-    }
-}
-
-/// The last transition: how long ago, to what, why.
-pub fn transition_text(b: &crate::agent::breakers::PublishedBreaker) -> String {
-    let Some(t) = &b.last_transition else { return "-".into() };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    format!("{:.1}s ago -> {} ({})", now.saturating_sub(t.unix_ms) as f64 / 1e3, t.to, t.reason)
-}
-
-/// One text line per breaker (`top --once`, `status`).
-pub fn breaker_lines(c: &crate::agent::breakers::Published) -> Vec<String> {
-    let mut out = vec![format!(
-        "{:<14} {:<24} {:<6} {:<14} {:>6} {:>9} {:>8} {:>8} {:>8} {:>6}  {}",
-        "breaker",
-        "target",
-        "mode",
-        "state",
-        "drop p",
-        "requests",
-        "accepts",
-        "failed",
-        "local",
-        "window",
-        "last change"
-    )];
-    for b in &c.breakers {
-        out.push(format!(
-            "{:<14} {:<24} {:<6} {:<14} {:>6.2} {:>9} {:>8} {:>8} {:>8} {:>5}s  {}",
-            b.name,
-            b.target,
-            b.mode,
-            breaker_state_text(b),
-            b.drop_probability,
-            b.window.outcomes.requests,
-            b.window.outcomes.accepts,
-            b.window.outcomes.failures(),
-            b.window.outcomes.refused_locally + b.window.outcomes.would_refuse,
-            b.window.seconds,
-            transition_text(b)
-        ));
-    }
-    out
 }
 
 /// A BBR rule's in-flight count over its limit, "!" while the in-flight

@@ -1,0 +1,283 @@
+//! The agent of an interface: its control loops and its answers.
+//!
+//! Every 500 ms the heartbeat (the kernel fails open without it) and the
+//! record `top` and the metrics read; every 250 ms the CPU signal and, while
+//! someone asks, the key samples; once per statistics bucket the BBR loop;
+//! at KLimiter's sample period its loop; at the breakers' period theirs; and
+//! now and then a walk of the key tables for their occupancy.
+
+use crate::{
+    agent::{
+        bbr::BbrLoop,
+        breakers::BreakerAgent,
+        heavy::{self, KeyWatcher},
+        klimiter::KlimiterLoop,
+        occupancy,
+        preflight::{self, BreakerChange},
+        serve::{Every, Service},
+        socket::{self, Request, Response},
+    },
+    controllers::cpu::{self, CpuSignal},
+    dataplane::{self, state::AttachState, Egress, Maps},
+    profile::RuleSet,
+    system::clock::monotonic_ns,
+};
+use flowctl_common::{AgentRecord, NO_CPU_SIGNAL};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+use tokio::time::Instant;
+
+pub struct InterfaceAgent<'a> {
+    pub maps: Maps,
+    pub state: AttachState,
+    pub set: RuleSet,
+    pub cpu: CpuSignal,
+    pub ebpf: &'a mut aya::Ebpf,
+    /// The TC egress counter's attachments (released when the agent ends).
+    pub egress: &'a mut Egress,
+    pub breakers: Option<BreakerAgent>,
+    /// `--cgroup`, for breakers a later profile adds.
+    pub cgroup: Option<PathBuf>,
+    loops: Loops,
+}
+
+/// The control loops' schedules and state.
+struct Loops {
+    beat: Every,
+    cpu: Every,
+    cpu_failing: bool,
+    keys: Every,
+    bbr: Every,
+    bbr_loop: BbrLoop,
+    klimiter: Every,
+    klimiter_loop: Option<KlimiterLoop>,
+    breakers: Every,
+    next_walk: Instant,
+    published: AgentRecord,
+    watcher: Option<KeyWatcher>,
+}
+
+impl<'a> InterfaceAgent<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        maps: Maps,
+        state: AttachState,
+        set: RuleSet,
+        cpu: CpuSignal,
+        ebpf: &'a mut aya::Ebpf,
+        egress: &'a mut Egress,
+        breakers: Option<BreakerAgent>,
+        cgroup: Option<PathBuf>,
+    ) -> Self {
+        let klimiter_loop = KlimiterLoop::new(&set);
+        let watcher = match KeyWatcher::open(&state.id) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!("top --keys unavailable: {e:#}");
+                None
+            }
+        };
+        let loops = Loops {
+            beat: Every::new(Duration::from_millis(500)),
+            cpu: Every::new(cpu::SAMPLE_PERIOD),
+            cpu_failing: false,
+            keys: Every::new(Duration::from_millis(250)),
+            bbr: Every::new(Duration::from_nanos(state.stats.bucket_ns)),
+            bbr_loop: BbrLoop::default(),
+            klimiter: Every::new(period_of(klimiter_loop.as_ref())),
+            klimiter_loop,
+            breakers: Every::new(
+                breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)),
+            ),
+            next_walk: Instant::now(),
+            published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
+            watcher,
+        };
+        Self { maps, state, set, cpu, ebpf, egress, breakers, cgroup, loops }
+    }
+
+    fn apply(&mut self, path: &Path) -> Response {
+        let plan = match preflight::interface_apply(
+            path,
+            &self.state,
+            &self.cpu,
+            self.breakers.as_ref(),
+            self.cgroup.as_deref(),
+        ) {
+            Ok(p) => p,
+            Err(e) => return Response::err(format!("{e:#}")),
+        };
+        let set = plan.set;
+        let result = dataplane::apply(&mut self.maps, &mut self.state, &set)
+            .and_then(|()| self.state.record_profile(path))
+            .and_then(|()| match plan.breakers {
+                BreakerChange::None => Ok(()),
+                BreakerChange::Stop => {
+                    self.breakers = None;
+                    Ok(())
+                }
+                BreakerChange::Apply => self.breakers.as_mut().expect("planned").apply(&set, path),
+                BreakerChange::Start(point) => {
+                    self.breakers = Some(BreakerAgent::start(point, &set, path)?);
+                    Ok(())
+                }
+            });
+        if let Err(e) = result {
+            return Response::err(format!("{e:#}"));
+        }
+        let n = set.rules.len();
+        let changed = set != self.set;
+        self.set = set;
+        if changed {
+            self.profile_changed();
+        }
+        let generation = self.maps.global().map(|g| g.generation).unwrap_or(0);
+        match plan.cpu {
+            Some(c) => {
+                self.cpu = c;
+                Response::ok(format!(
+                    "applied {n} rules (generation {generation}); CPU signal now from {:?}",
+                    self.cpu.source()
+                ))
+            }
+            None => Response::ok(format!("applied {n} rules (generation {generation})")),
+        }
+    }
+
+    /// A new profile: its egress targets, and a new KLimiter keeping the
+    /// ratios of the entries it still has.
+    fn profile_changed(&mut self) {
+        if let Err(e) = dataplane::set_egress(self.ebpf, &mut self.maps, &self.set, self.egress) {
+            tracing::warn!("egress counters: {e:#}");
+        }
+        let mut next = KlimiterLoop::new(&self.set);
+        if let (Some(n), Some(o)) = (next.as_mut(), self.loops.klimiter_loop.as_ref()) {
+            n.inherit(o);
+        }
+        self.loops.klimiter.set_period(period_of(next.as_ref()));
+        self.loops.klimiter_loop = next;
+    }
+
+    fn keys(&mut self, rule: &str, top: usize) -> Response {
+        let Some(w) = self.loops.watcher.as_mut() else {
+            return Response::err("key sampling is unavailable in this agent (see its log)");
+        };
+        let report = w
+            .ask(&mut self.maps)
+            .and_then(|()| heavy::rule_report(w, &self.maps, &self.state, rule, top));
+        match report.and_then(|r| Ok(serde_json::to_value(r)?)) {
+            Ok(v) => Response { ok: true, message: String::new(), data: Some(v) },
+            Err(e) => Response::err(format!("{e:#}")),
+        }
+    }
+}
+
+/// KLimiter's sample period (1 s while there is none, unused then).
+fn period_of(k: Option<&KlimiterLoop>) -> Duration {
+    k.map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1))
+}
+
+impl Service for InterfaceAgent<'_> {
+    fn tick(&mut self, now: Instant) -> Instant {
+        let l = &mut self.loops;
+        let maps = &mut self.maps;
+        if l.beat.due(now) {
+            if let Err(e) = dataplane::heartbeat(maps) {
+                tracing::warn!("heartbeat failed: {e:#}");
+            }
+            l.published.updated_ns = monotonic_ns();
+            if let Err(e) = maps.set_agent_record(&l.published) {
+                tracing::warn!("publishing agent state failed: {e:#}");
+            }
+        }
+        if now >= l.next_walk {
+            let started = std::time::Instant::now();
+            if let Err(e) = occupancy::walk(&self.state.id, maps, &self.state, &mut l.published) {
+                tracing::warn!("counting the key tables failed: {e:#}");
+            }
+            l.next_walk = Instant::now() + occupancy::next_walk_after(started.elapsed());
+        }
+        if l.cpu.due(now) {
+            match self.cpu.tick() {
+                Ok(v) => {
+                    l.cpu_failing = false;
+                    l.published.cpu_permille = v.map(|v| v.round() as u32).unwrap_or(NO_CPU_SIGNAL);
+                    l.published.cpu_source = self.cpu.source().code();
+                }
+                // Hold the last value; say so once per failure episode.
+                Err(e) if !l.cpu_failing => {
+                    l.cpu_failing = true;
+                    tracing::warn!("CPU signal: {e:#} (holding the last value)");
+                }
+                Err(_) => {}
+            }
+        }
+        let bbr_on = self.set.rules.iter().any(|r| r.bbr.is_some());
+        if bbr_on && l.bbr.due(now) {
+            let cpu = l.published.cpu_permille;
+            if let Err(e) = l.bbr_loop.tick(maps, &self.state, &self.set, cpu, monotonic_ns()) {
+                tracing::warn!("BBR loop: {e:#}");
+            }
+        }
+        if let Some(k) = l.klimiter_loop.as_mut() {
+            if l.klimiter.due(now) {
+                if let Err(e) = k.sample(maps, &self.state, &self.set, l.published.cpu_permille) {
+                    tracing::warn!("KLimiter: {e:#}");
+                }
+            }
+        }
+        if l.keys.due(now) {
+            if let Some(w) = l.watcher.as_mut().filter(|w| w.active()) {
+                if let Err(e) = w.poll(maps) {
+                    tracing::warn!("key sampling: {e:#}");
+                }
+            }
+        }
+        if let Some(b) = self.breakers.as_mut() {
+            l.breakers.set_period(b.tick_period());
+            if l.breakers.due(now) {
+                if let Err(e) = b.tick(monotonic_ns()) {
+                    tracing::warn!("breakers: {e:#}");
+                }
+            }
+        }
+        let mut next = l.beat.next().min(l.next_walk).min(l.cpu.next()).min(l.keys.next());
+        if bbr_on {
+            next = next.min(l.bbr.next());
+        }
+        if l.klimiter_loop.is_some() {
+            next = next.min(l.klimiter.next());
+        }
+        if self.breakers.is_some() {
+            next = next.min(l.breakers.next());
+        }
+        next
+    }
+
+    fn handle(&mut self, line: &str) -> Response {
+        match serde_json::from_str::<Request>(line) {
+            Ok(Request::Apply { profile }) => self.apply(Path::new(&profile)),
+            Ok(Request::Keys { rule, top }) => self.keys(&rule, top),
+            Err(e) => Response::err(format!("bad request: {e}")),
+        }
+    }
+
+    /// Its own socket, and its cgroup's while it holds breakers (so
+    /// `flowctl apply --cgroup` reaches it too).
+    fn sockets(&self) -> Vec<PathBuf> {
+        let mut v = vec![socket::socket_path(&self.state.id)];
+        v.extend(self.breakers.as_ref().map(|b| b.point.socket_path()));
+        v
+    }
+
+    fn stop(&mut self) {
+        if let Some(w) = self.loops.watcher.as_mut() {
+            let _ = w.stop(&mut self.maps);
+        }
+        // Readers show "agent not running" at once, not after the grace
+        // period.
+        let _ = self.maps.set_agent_record(&AgentRecord::default());
+    }
+}

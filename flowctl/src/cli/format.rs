@@ -1,0 +1,145 @@
+//! Text for people, in one place: rates, limits, breakers, counters; used
+//! by `check`, `status`, `top` and `explain` alike.
+
+use crate::{
+    agent::breakers::{Published, PublishedBreaker},
+    profile,
+};
+use flowctl_common::{reason, RuleCounters};
+
+/// Human rates: 1234567 -> "1.23M".
+pub fn si(v: f64) -> String {
+    let (v, unit) = if v >= 1e9 {
+        (v / 1e9, "G")
+    } else if v >= 1e6 {
+        (v / 1e6, "M")
+    } else if v >= 1e3 {
+        (v / 1e3, "k")
+    } else {
+        (v, "")
+    };
+    if unit.is_empty() {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}{unit}")
+    }
+}
+
+pub fn limit_text(r: &profile::Rule) -> String {
+    if r.action == flowctl_common::action::PASS {
+        return "pass (exempt)".into();
+    }
+    let mut parts = Vec::new();
+    if r.interval_fp != 0 {
+        parts.push(format!("{} {} burst {}", r.rate_text, r.unit_name(), r.burst));
+    }
+    if let Some(q) = r.quota_text() {
+        parts.push(format!("quota {q}"));
+    }
+    format!(
+        "{} per {}{}",
+        parts.join(", "),
+        r.key_name(),
+        if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" }
+    )
+}
+
+pub fn breaker_text(b: &profile::breaker::Breaker) -> String {
+    use crate::profile::breaker::BreakerMode;
+    let mode = match &b.mode {
+        BreakerMode::Sre { k_milli, min_requests, max_drop_ppm } => {
+            format!(
+                "sre K={} min {min_requests} cap {}",
+                *k_milli as f64 / 1000.0,
+                *max_drop_ppm as f64 / 1e6
+            )
+        }
+        BreakerMode::State(c) => format!(
+            "state failure>{} min {} sleep {}s probes {}",
+            c.failure_ppm as f64 / 1e6,
+            c.min_requests,
+            c.sleep_ns as f64 / 1e9,
+            c.probes
+        ),
+    };
+    format!(
+        "{mode}, window {}s/{}, {}{}{}",
+        b.window_ns as f64 / 1e9,
+        b.buckets,
+        profile::breaker::errno_name(b.errno),
+        b.cgroup.as_ref().map(|c| format!(", cgroup {c}")).unwrap_or_default(),
+        if b.dry_run { " (dry-run)" } else { "" }
+    )
+}
+
+/// A breaker's state, with its probes while half-open.
+pub fn breaker_state_text(b: &PublishedBreaker) -> String {
+    match &b.probes {
+        Some(p) => format!("{} {}/{}", b.state, p.succeeded, p.allowed),
+        None => b.state.clone(),
+    }
+}
+
+/// The last transition: how long ago, to what, why.
+pub fn transition_text(b: &PublishedBreaker) -> String {
+    let Some(t) = &b.last_transition else { return "-".into() };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    format!("{:.1}s ago -> {} ({})", now.saturating_sub(t.unix_ms) as f64 / 1e3, t.to, t.reason)
+}
+
+/// One text line per breaker (`top --once`, `status`).
+pub fn breaker_lines(c: &Published) -> Vec<String> {
+    let mut out = vec![format!(
+        "{:<14} {:<24} {:<6} {:<14} {:>6} {:>9} {:>8} {:>8} {:>8} {:>6}  {}",
+        "breaker",
+        "target",
+        "mode",
+        "state",
+        "drop p",
+        "requests",
+        "accepts",
+        "failed",
+        "local",
+        "window",
+        "last change"
+    )];
+    for b in &c.breakers {
+        out.push(format!(
+            "{:<14} {:<24} {:<6} {:<14} {:>6.2} {:>9} {:>8} {:>8} {:>8} {:>5}s  {}",
+            b.name,
+            b.target,
+            b.mode,
+            breaker_state_text(b),
+            b.drop_probability,
+            b.window.outcomes.requests,
+            b.window.outcomes.accepts,
+            b.window.outcomes.failures(),
+            b.window.outcomes.refused_locally + b.window.outcomes.would_refuse,
+            b.window.seconds,
+            transition_text(b)
+        ));
+    }
+    out
+}
+
+pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
+    let mut by_reason = serde_json::Map::new();
+    for (i, n) in reason::NAMES.iter().enumerate() {
+        if c.dropped_pkts[i] > 0 {
+            by_reason.insert(n.to_string(), c.dropped_pkts[i].into());
+        }
+    }
+    serde_json::json!({
+        "rule": name,
+        "offered_pkts": c.offered_pkts, "offered_bytes": c.offered_bytes,
+        "passed_pkts": c.passed_pkts, "passed_bytes": c.passed_bytes,
+        "dropped_pkts": c.dropped_total(), "dropped_by_reason": by_reason,
+        "would_drop_pkts": c.would_drop_pkts,
+        "insert_failures": c.insert_failures,
+        "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
+        "unparsed_pkts": c.unparsed_pkts,
+    })
+}

@@ -1,0 +1,113 @@
+//! `flowctl status`: attachments, memory, per-rule counters, breakers.
+
+use crate::{
+    agent::{breakers::published_all, socket::socket_path},
+    cli::format::{breaker_lines, counters_json},
+    dataplane::{self, pins, state::AttachState, Maps},
+    profile::human_bytes,
+};
+use anyhow::Result;
+use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX};
+
+pub fn status(json: bool) -> Result<()> {
+    let atts = pins::list_attachments();
+    let mut out = Vec::new();
+    for id in atts {
+        let state = AttachState::load(&id)?;
+        let maps = Maps::open(&id);
+        let mut rules = Vec::new();
+        let (generation, global) = match &maps {
+            Ok(m) => {
+                if let Some(st) = &state {
+                    for r in &st.rules {
+                        rules.push((r.name.clone(), m.counters(r.record).unwrap_or_default()));
+                    }
+                }
+                (
+                    m.global().map(|g| g.generation).unwrap_or(0),
+                    m.counters(GLOBAL_COUNTER_INDEX).unwrap_or_default(),
+                )
+            }
+            Err(_) => (0, RuleCounters::default()),
+        };
+        out.push(serde_json::json!({
+            "iface": state.as_ref().map(|s| s.iface.clone()),
+            "netns": state.as_ref().and_then(|s| s.netns.clone()),
+            "netns_inode": id.netns_ino,
+            "ifindex": id.ifindex,
+            "mode": state.as_ref().map(|s| s.mode.clone()),
+            "agent_running": pins::agent_running(&id),
+            // The agent binds its socket once attached and applied, and removes
+            // any stale one first: lock held + socket present = serving.
+            "agent_ready": pins::agent_running(&id) && socket_path(&id).exists(),
+            "profile": state.as_ref().map(|s| s.profile_path.clone()),
+            "generation": generation,
+            "kernel_memory_bytes": dataplane::pinned_memlock(&id),
+            "rules": rules.iter().map(|(n, c)| counters_json(n, c)).collect::<Vec<_>>(),
+            "unmatched": counters_json("unmatched", &global),
+        }));
+    }
+    let breakers = published_all();
+    if json {
+        // Interface attachments as before; cgroup attachments (breakers)
+        // follow, told apart by their `cgroup` field.
+        let mut all: Vec<serde_json::Value> = out;
+        for b in &breakers {
+            all.push(serde_json::to_value(b)?);
+        }
+        out!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(());
+    }
+    if out.is_empty() && breakers.is_empty() {
+        out!("no flowctl attachments");
+        return Ok(());
+    }
+    for c in &breakers {
+        out!(
+            "cgroup {} (id {}) breakers, agent pid {}, profile {}",
+            c.cgroup,
+            c.cgroup_id,
+            c.pid,
+            c.profile
+        );
+        for line in breaker_lines(c) {
+            out!("  {line}");
+        }
+    }
+    for a in &out {
+        out!(
+            "{} (netns {}{}, ifindex {}) mode {} agent {} generation {} kernel memory {}",
+            a["iface"].as_str().unwrap_or("?"),
+            a["netns_inode"],
+            a["netns"].as_str().map(|n| format!(" `{n}`")).unwrap_or_default(),
+            a["ifindex"],
+            a["mode"].as_str().unwrap_or("?"),
+            if a["agent_running"].as_bool() == Some(true) {
+                "running"
+            } else {
+                "not running (kept data plane)"
+            },
+            a["generation"],
+            human_bytes(a["kernel_memory_bytes"].as_u64().unwrap_or(0)),
+        );
+        out!(
+            "  {:<20} {:>12} {:>12} {:>12} {:>12}",
+            "rule",
+            "offered",
+            "passed",
+            "dropped",
+            "would-drop"
+        );
+        for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
+            out!(
+                "  {:<20} {:>12} {:>12} {:>12} {:>12}",
+                r["rule"].as_str().unwrap_or(""),
+                r["offered_pkts"].to_string(),
+                r["passed_pkts"].to_string(),
+                r["dropped_pkts"].to_string(),
+                r["would_drop_pkts"].to_string()
+            );
+        }
+    }
+    Ok(())
+}
