@@ -12,6 +12,7 @@
 //!   local refusal, for `sre` with the default cap (0.9) and without one
 //!   (1.0), against the bound in docs/design.md (window + bucket + tick).
 
+use crate::cgroup::Cgroup;
 use std::{
     net::{SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
@@ -22,27 +23,6 @@ use std::{
 /// ECONNABORTED: the benchmark's breakers refuse with it, so a local
 /// refusal is told apart from the loopback RST (ECONNREFUSED).
 const LOCAL_ERRNO: i32 = 103;
-
-struct Cgroup(PathBuf);
-
-impl Cgroup {
-    fn new(mount: &Path, tag: &str) -> Self {
-        let p = mount.join(crate::unique(tag));
-        std::fs::create_dir(&p).expect("create a cgroup");
-        Self(p)
-    }
-    /// Moves this whole process here.
-    fn enter(&self) {
-        std::fs::write(self.0.join("cgroup.procs"), std::process::id().to_string())
-            .expect("join the cgroup");
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
 
 struct Agent {
     child: Child,
@@ -55,14 +35,15 @@ impl Agent {
         std::fs::write(&path, profile).unwrap();
         let child = Command::new(bin)
             .args(["attach", "--cgroup"])
-            .arg(&cgroup.0)
+            .arg(cgroup.path())
             .arg("--profile")
             .arg(&path)
             .stdin(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("start the agent");
-        let dir_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&cgroup.0).unwrap());
+        let dir_id =
+            std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(cgroup.path()).unwrap());
         let published = Path::new(flowctl_common::RUN_ROOT)
             .join(format!("cgroup-{dir_id}"))
             .join("breakers.json");
@@ -131,9 +112,9 @@ pub fn run(bin: &Path, quick: bool) {
     let (addr, stop) = listener();
 
     println!("7a. connect() over loopback, median us (hooks attached by a real agent to the caller's cgroup)");
-    let none = Cgroup::new(&mount, "fbb-none-");
-    let other = Cgroup::new(&mount, "fbb-other-");
-    let matching = Cgroup::new(&mount, "fbb-match-");
+    let none = Cgroup::new("fbb-none-");
+    let other = Cgroup::new("fbb-other-");
+    let matching = Cgroup::new("fbb-match-");
     let _a1 = Agent::start(bin, &other, &breaker_profile("192.0.2.1", 9, ""));
     let _a2 = Agent::start(bin, &matching, &breaker_profile("127.0.0.1", addr.port(), ""));
     let rounds = if quick { 3 } else { 7 };
@@ -166,7 +147,7 @@ pub fn run(bin: &Path, quick: bool) {
         "cap (max_drop)", "refused share", "last refusal", "bound"
     );
     for cap in [0.9, 1.0] {
-        let cg = Cgroup::new(&mount, "fbb-rec-");
+        let cg = Cgroup::new("fbb-rec-");
         // A port nothing listens on yet: refused by loopback's RST.
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();

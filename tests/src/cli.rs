@@ -1,5 +1,6 @@
 //! The real `flowctl` binary for the end-to-end tests: where it is, running
-//! it, and reading an attachment out of `status --json`.
+//! it, and reading what it shows: an attachment (or a cgroup's breakers) out
+//! of `status --json`, `top --once --json`, and an attachment's pinned maps.
 
 use serde_json::Value;
 use std::{
@@ -21,11 +22,21 @@ pub fn flowctl(args: &[&str]) -> Output {
     Command::new(bin()).args(args).output().expect("run flowctl")
 }
 
-/// The attachment of `iface` in `flowctl status --json`, if any.
-pub fn attachment(iface: &str) -> Option<Value> {
+/// The first entry of `flowctl status --json` that `pick` takes.
+fn status_entry(pick: impl Fn(&Value) -> bool) -> Option<Value> {
     let out = flowctl(&["status", "--json"]);
     let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.as_array()?.iter().find(|a| a["iface"] == iface).cloned()
+    v.as_array()?.iter().find(|a| pick(a)).cloned()
+}
+
+/// The attachment of `iface` in `flowctl status --json`, if any.
+pub fn attachment(iface: &str) -> Option<Value> {
+    status_entry(|a| a["iface"] == iface)
+}
+
+/// Whether `iface` is attached with its agent up and ready.
+pub fn agent_ready(iface: &str) -> bool {
+    attachment(iface).is_some_and(|a| a["agent_ready"] == true)
 }
 
 /// One rule's counters of an attached `iface`.
@@ -38,4 +49,46 @@ pub fn rule(iface: &str, name: &str) -> Value {
         .find(|r| r["rule"] == name)
         .cloned()
         .expect("rule in status")
+}
+
+/// The published breakers of a cgroup attachment, from `status --json`.
+pub fn breakers_of(cgroup: &str) -> Option<Value> {
+    status_entry(|a| a["cgroup"] == cgroup)
+}
+
+/// One breaker of the cgroup attachment `cgroup`.
+pub fn breaker(cgroup: &str, name: &str) -> Value {
+    breakers_of(cgroup).expect("breakers published")["breakers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == name)
+        .cloned()
+        .expect("breaker")
+}
+
+/// `flowctl top IFACE --once --json --interval SECS`.
+pub fn top_once(iface: &str, interval: &str) -> Value {
+    let out = flowctl(&["top", iface, "--once", "--json", "--interval", interval]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The pin directory of an attachment (an entry of `status --json`).
+pub fn pin_dir(attachment: &Value) -> String {
+    format!(
+        "{}/v{}/ifaces/{}-{}",
+        flowctl_common::PIN_ROOT,
+        flowctl_common::LAYOUT_VERSION,
+        attachment["netns_inode"],
+        attachment["ifindex"]
+    )
+}
+
+/// The ids of an attached `iface`'s pinned maps (the same ids: the same maps).
+pub fn map_ids(iface: &str) -> Vec<u32> {
+    let dir = pin_dir(&attachment(iface).unwrap());
+    flowctl_common::map_names::ALL
+        .iter()
+        .map(|n| aya::maps::MapData::from_pin(format!("{dir}/{n}")).unwrap().info().unwrap().id())
+        .collect()
 }

@@ -1,5 +1,7 @@
 //! Throwaway labs: two network namespaces joined by a veth pair, with
-//! addresses only they use. Removed on drop, also when a test panics.
+//! addresses only they use. Removed on drop, also when a test panics. And
+//! what the tests do to a lab: commands in a namespace, more namespaces and
+//! veth pairs, another client address, a pass-through XDP program.
 
 use std::process::Command;
 
@@ -8,6 +10,56 @@ pub fn sh(args: &[&str]) -> String {
         Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
     assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// [`sh`] in namespace `ns` (`ip netns exec NS ARGS`).
+pub fn sh_ns(ns: &str, args: &[&str]) -> String {
+    let mut full = vec!["ip", "netns", "exec", ns];
+    full.extend_from_slice(args);
+    sh(&full)
+}
+
+/// Joins two namespaces with a veth pair; each end, (namespace, device,
+/// address/prefix), gets its address and is set up.
+pub fn veth_pair(ends: [(&str, &str, &str); 2]) {
+    let [(ns_a, dev_a, _), (ns_b, dev_b, _)] = ends;
+    sh(&[
+        "ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns",
+        ns_b,
+    ]);
+    for (ns, dev, addr) in ends {
+        sh(&["ip", "-n", ns, "addr", "add", addr, "dev", dev]);
+        sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
+    }
+}
+
+/// A network namespace (`ip netns add`), deleted on drop.
+pub struct Netns(pub String);
+
+impl Netns {
+    pub fn new(name: &str) -> Self {
+        sh(&["ip", "netns", "add", name]);
+        Self(name.to_string())
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// Attaches the bench object's pass-through XDP program (`bench_pass`) to
+/// `dev` in the calling thread's namespace, in native mode; it stays until
+/// the returned object is dropped. On a veth it makes the peer of a flowctl
+/// attachment run its NAPI (XDP_TX replies reach it only then), or stands
+/// for someone else's program.
+pub fn attach_pass_xdp(dev: &str) -> aya::Ebpf {
+    let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
+    let prog: &mut aya::programs::Xdp = ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+    prog.load().unwrap();
+    prog.attach(dev, aya::programs::XdpMode::Driver).unwrap();
+    ebpf
 }
 
 pub struct Lab {
@@ -39,29 +91,19 @@ impl Lab {
         };
         sh(&["ip", "netns", "add", &lab.ns_srv]);
         sh(&["ip", "netns", "add", &lab.ns_cli]);
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            &lab.veth_srv,
-            "netns",
-            &lab.ns_srv,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &lab.veth_cli,
-            "netns",
-            &lab.ns_cli,
+        veth_pair([
+            (&lab.ns_srv, &lab.veth_srv, &format!("{}/24", lab.ip_srv)),
+            (&lab.ns_cli, &lab.veth_cli, &format!("{}/24", lab.ip_cli)),
         ]);
-        for (ns, dev, ip) in
-            [(&lab.ns_srv, &lab.veth_srv, &lab.ip_srv), (&lab.ns_cli, &lab.veth_cli, &lab.ip_cli)]
-        {
-            sh(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", dev]);
-            sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
+        for ns in [&lab.ns_srv, &lab.ns_cli] {
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
         }
         lab
+    }
+
+    /// Gives the client side another address of the lab's /24.
+    pub fn add_client_address(&self, ip: &str) {
+        sh(&["ip", "-n", &self.ns_cli, "addr", "add", &format!("{ip}/24"), "dev", &self.veth_cli]);
     }
 
     /// Runs `f` on a thread that has entered namespace `ns`.

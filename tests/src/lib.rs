@@ -1,17 +1,25 @@
 //! Helpers for the privileged tests: crafted packets, throwaway network
 //! namespaces joined by veth (removed on drop, also when a test fails), and a
 //! data plane loaded for `BPF_PROG_TEST_RUN` under a unique pin directory;
-//! and the harness ([`need`]) that reports a test the host cannot run as
-//! ignored.
+//! for the end-to-end tests, the real binary ([`cli`]), its agent
+//! ([`agent`]), traffic ([`traffic`]), cgroups, a downstream and client
+//! processes for the breakers; and the harness ([`need`]) that reports a test
+//! the host cannot run as ignored.
 
+pub mod agent;
 pub mod breaker_bench;
+pub mod breaker_client;
+pub mod cgroup;
 pub mod cli;
+pub mod downstream;
 pub mod fuzz;
 pub mod lab;
 pub mod need;
 pub mod overload;
 pub mod packet;
+pub mod tempfile;
 pub mod testrun;
+pub mod traffic;
 
 /// A name unique to this process and call, short enough for an interface name.
 pub fn unique(prefix: &str) -> String {

@@ -308,14 +308,7 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     // RST replies (XDP_TX) on a veth reach the peer only when it runs NAPI:
     // a pass-through XDP program on the client side.
     let dev = lab.veth_cli.clone();
-    let _peer = Lab::in_ns(&lab.ns_cli, move || {
-        let mut ebpf = aya::EbpfLoader::new().load(flowctl_bench::bench_object()).unwrap();
-        let prog: &mut aya::programs::Xdp =
-            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
-        prog.load().unwrap();
-        prog.attach(&dev, aya::programs::XdpMode::Driver).unwrap();
-        ebpf
-    });
+    let _peer = Lab::in_ns(&lab.ns_cli, move || crate::lab::attach_pass_xdp(&dev));
     let dir = std::env::temp_dir();
     let rule = format!("[[rule]]\nname = \"svc\"\nproto = \"tcp\"\ndport = {PORT}\nunit = \"connections\"\nrate = \"1000000/s\"\n");
     let settings = format!("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\ncpu = \"cgroup:/{cgroup}\"\n");

@@ -128,13 +128,7 @@ impl TestPlane {
     }
 
     pub fn counters(&self, rule: &str) -> RuleCounters {
-        let rec = self
-            .state
-            .rules
-            .iter()
-            .find(|r| r.name == rule)
-            .unwrap_or_else(|| panic!("no rule {rule}"))
-            .record;
+        let rec = self.record(rule);
         self.maps.counters(rec).unwrap()
     }
 
@@ -145,13 +139,7 @@ impl TestPlane {
     /// A rule's statistics ring summed over the last few buckets, the
     /// current one included (tests run well inside one ring span).
     pub fn ring(&self, rule: &str) -> flowctl_common::stats::StatsSum {
-        let rec = self
-            .state
-            .rules
-            .iter()
-            .find(|r| r.name == rule)
-            .unwrap_or_else(|| panic!("no rule {rule}"))
-            .record;
+        let rec = self.record(rule);
         let shape = self.state.stats;
         let cur = flowctl_common::stats::epoch_of(
             flowctl::system::clock::monotonic_ns(),

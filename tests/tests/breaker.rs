@@ -10,6 +10,7 @@ use aya::{
     EbpfLoader,
 };
 use flowctl_common::breaker::{counter, probe_word, target_flags, Control, Target};
+use flowctl_tests::cgroup::Cgroup;
 
 const CHILD: &str = r#"
 import json, os, socket, subprocess, sys, threading, time
@@ -69,21 +70,7 @@ fn dir_ino(p: &std::path::Path) -> u64 {
 }
 
 fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
-    let root = &flowctl::system::cgroup::cgroup2_mount()
-        .expect("a cgroup v2 hierarchy (the test declares Need::CgroupV2)");
-    let cg = root.join(flowctl_tests::unique("flowctl-brk-"));
-    let other = root.join(flowctl_tests::unique("flowctl-brko-"));
-    std::fs::create_dir(&cg).unwrap();
-    std::fs::create_dir(&other).unwrap();
-    struct Rm(Vec<std::path::PathBuf>);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            for p in &self.0 {
-                let _ = std::fs::remove_dir(p);
-            }
-        }
-    }
-    let _rm = Rm(vec![cg.clone(), other.clone()]);
+    let (cg, other) = (Cgroup::new("flowctl-brk-"), Cgroup::new("flowctl-brko-"));
     let mut ebpf = EbpfLoader::new()
         .load(flowctl::dataplane::object::breaker_object())
         .expect("load the breaker object");
@@ -118,8 +105,8 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
                 0,
             )
             .unwrap();
-        targets.set(5, in_cgroup(7906, &other), 0).unwrap();
-        targets.set(6, in_cgroup(7907, &cg), 0).unwrap();
+        targets.set(5, in_cgroup(7906, other.path()), 0).unwrap();
+        targets.set(6, in_cgroup(7907, cg.path()), 0).unwrap();
         targets
             .set(
                 7,
@@ -146,7 +133,7 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         control.set(3, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
         control.set(4, Control { drop_ppm: 0, ..refuse }, 0).unwrap();
     }
-    let fd = std::fs::File::open(&cg).unwrap();
+    let fd = std::fs::File::open(cg.path()).unwrap();
     for name in ["flowctl_connect4", "flowctl_connect6"] {
         let p: &mut CgroupSockAddr = ebpf.program_mut(name).unwrap().try_into().unwrap();
         p.load().unwrap();
@@ -158,7 +145,7 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
 
     let out = std::process::Command::new("unshare")
         .args(["-n", "python3", "-c", CHILD])
-        .arg(&cg)
+        .arg(cg.path())
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

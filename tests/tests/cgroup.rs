@@ -5,7 +5,10 @@
 //! host, such as the kernel matrix's VMs). Each is ignored where the host
 //! lacks its layout. Root only.
 
-use flowctl::controllers::cpu::{CgroupFiles, CgroupRoots, CpuSource, Sampler};
+use flowctl::{
+    controllers::cpu::{CgroupFiles, CgroupRoots, Sampler},
+    profile::cpu_source::CpuSource,
+};
 use std::{path::PathBuf, process::Command, time::Duration};
 
 /// A v1 cgroup in the cpu and cpuacct hierarchies, removed on drop (after

@@ -7,12 +7,14 @@
 //! behind a 2 KiB destination-options header on a jumbo-MTU link.
 
 use flowctl_tests::{
-    cli::{attachment, bin},
+    agent::Agent,
+    cli::{agent_ready, attachment},
     lab::{sh, Lab},
+    need::in_vm,
+    tempfile::TempFile,
 };
 use std::{
     net::UdpSocket,
-    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -21,34 +23,12 @@ const CLI6: [u8; 16] = [0xfd, 0x13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
 /// Copies of each layout sent per phase.
 const COPIES: usize = 5;
 
-/// The agent, stopped (and the interface detached) on drop.
-struct Agent(Child, String, String);
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = Command::new(bin()).args(["detach", &self.1, "--netns", &self.2]).output();
-    }
-}
-
-fn attach(lab: &Lab, profile: &std::path::Path) -> Agent {
-    let child = Command::new(bin())
-        .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
-        .arg(profile)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn flowctl attach");
-    let agent = Agent(child, lab.veth_srv.clone(), lab.ns_srv.clone());
-    let deadline =
-        Instant::now() + Duration::from_secs(if flowctl_tests::need::in_vm() { 180 } else { 20 });
-    while Instant::now() < deadline {
-        if attachment(&lab.veth_srv).is_some_and(|a| a["agent_ready"] == true) {
-            return agent;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("flowctl attach did not come up");
+/// The agent on the lab's protected side, once ready (SIGINT on drop: it
+/// detaches).
+fn attach(lab: &Lab, profile: &TempFile) -> Agent {
+    let up_within = Duration::from_secs(if in_vm() { 180 } else { 20 });
+    let cmd = Agent::attach(lab, profile.path(), &[]);
+    Agent::spawn(cmd, up_within, Duration::from_secs(3), || agent_ready(&lab.veth_srv))
 }
 
 fn mac(ns: &str, dev: &str) -> [u8; 6] {
@@ -203,8 +183,7 @@ fn send(dev: &str, frames: &[Vec<u8>]) {
 fn drain(sock: &UdpSocket) -> usize {
     let mut n = 0;
     let mut buf = [0u8; 4096];
-    let deadline = Instant::now()
-        + Duration::from_millis(if flowctl_tests::need::in_vm() { 3000 } else { 500 });
+    let deadline = Instant::now() + Duration::from_millis(if in_vm() { 3000 } else { 500 });
     while Instant::now() < deadline {
         match sock.recv(&mut buf) {
             Ok(_) => n += 1,
@@ -277,14 +256,11 @@ fn crafted_layouts_do_not_reach_the_socket_behind_a_drained_rule() {
 
     // With flowctl and every rule drained (one token, refilled hourly),
     // behind a pass rule on another port.
-    let profile = std::env::temp_dir().join(format!("flowctl-evasion-{}.toml", std::process::id()));
-    std::fs::write(
-        &profile,
+    let profile = TempFile::profile(
         "[[rule]]\nname = \"ssh\"\nproto = \"tcp\"\ndport = 22\naction = \"pass\"\n\n\
          [[rule]]\nname = \"dns-tcp\"\nproto = \"tcp\"\ndport = 53\nunit = \"connections\"\nrate = \"1/h\"\nburst = 1\nkey = \"rule\"\n\n\
          [[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = \"53-5353\"\nrate = \"1/h\"\nburst = 1\nkey = \"rule\"\n",
-    )
-    .unwrap();
+    );
     let agent = attach(&lab, &profile);
     // Spend each rule's one token with a plain packet.
     let (plain_syn, plain_udp) = (f.ipv4(6, &f.syn(39999, 53), 0, 1), f.udp6_behind(&[], 53));
@@ -306,7 +282,6 @@ fn crafted_layouts_do_not_reach_the_socket_behind_a_drained_rule() {
     );
     assert_eq!(g["unparsed_pkts"], COPIES, "the long-header datagrams matched as unparsed");
     drop(agent);
-    let _ = std::fs::remove_file(&profile);
 }
 
 fn main() {

@@ -9,94 +9,29 @@
 //! its own namespaces and interfaces (unique names, removed on drop) and
 //! bounds its traffic in packets and seconds.
 
-use flowctl_tests::cli::{attachment, bin, rule};
-use flowctl_tests::lab::Lab;
+use flowctl_tests::{
+    agent::Agent,
+    cli::{agent_ready, attachment, bin, rule},
+    lab::{sh, sh_ns, Lab},
+    tempfile::TempFile,
+};
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
     net::UdpSocket,
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
-/// A profile in a temp file, removed on drop.
-struct Profile(std::path::PathBuf);
-
-impl Profile {
-    fn new(text: &str) -> Self {
-        let p = std::env::temp_dir()
-            .join(format!("{}.toml", flowctl_tests::unique("flowctl-features-")));
-        std::fs::write(&p, text).unwrap();
-        Self(p)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for Profile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// The agent process; SIGINT (then SIGKILL) on drop.
-struct Agent(Child);
-
-impl Agent {
-    fn start(lab: &Lab, profile: &Profile, extra: &[&str], disable: &str) -> Self {
-        let mut args =
-            vec!["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", profile.path()];
-        args.extend_from_slice(extra);
-        let child = Command::new(bin())
-            .args(&args)
-            .env("FLOWCTL_DISABLE_FEATURES", disable)
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut a = Agent(child);
-        // Generous: under TCG (the kernel matrix's VMs) verifying the XDP
-        // program alone takes 15-40 s on 6.1.
-        let deadline = Instant::now() + Duration::from_secs(240);
-        while Instant::now() < deadline {
-            if attachment(&lab.veth_srv).is_some_and(|v| v["agent_ready"] == true) {
-                return a;
-            }
-            if let Ok(Some(st)) = a.0.try_wait() {
-                panic!("agent {args:?} exited: {st}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("agent {args:?} did not come up");
-    }
-
-    fn kill9(mut self) {
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
-        let _ = self.0.wait();
-    }
-
-    fn stop(mut self) {
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-        let st = self.0.wait().unwrap();
-        assert!(st.success(), "agent exit: {st}");
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            // An agent still loading holds SIGINT until it is up, then
-            // detaches: wait for that rather than leave pins behind.
-            unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
+/// The agent with the features `disable` taken away. Generous: under TCG
+/// (the kernel matrix's VMs) verifying the XDP program alone takes 15-40 s
+/// on 6.1; and on drop an agent still loading holds SIGINT until it is up,
+/// then detaches: wait for that rather than leave pins behind.
+fn start_agent(lab: &Lab, profile: &TempFile, extra: &[&str], disable: &str) -> Agent {
+    let mut cmd = Agent::attach(lab, profile.path(), extra);
+    cmd.env("FLOWCTL_DISABLE_FEATURES", disable);
+    let (up_within, grace) = (Duration::from_secs(240), Duration::from_secs(120));
+    Agent::spawn(cmd, up_within, grace, || agent_ready(&lab.veth_srv))
 }
 
 /// Runs `flowctl ARGS` that must exit by itself within `secs` (killed and
@@ -125,12 +60,6 @@ fn flowctl_exits(args: &[&str], disable: &str, secs: u64) -> Output {
         "flowctl {args:?} did not exit within {secs} s: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn sh_ns(ns: &str, args: &[&str]) -> String {
-    let mut full = vec!["ip", "netns", "exec", ns];
-    full.extend_from_slice(args);
-    flowctl_tests::lab::sh(&full)
 }
 
 /// Every path under `root` (empty when it does not exist).
@@ -203,7 +132,7 @@ fn doctor_verifies_every_program_and_leaves_nothing_behind() {
 }
 
 fn doctor_with_a_profile_names_what_this_kernel_lacks() {
-    let prof = Profile::new(
+    let prof = TempFile::profile(
         "[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\nrate = \"10/s\"\nburst = 5\n\n[[breaker]]\nname = \"db\"\ntarget = \"192.0.2.10\"\nport = 5432\n",
     );
     let out = flowctl_exits(&["doctor", "--profile", prof.path()], "set_retval,tcx", 600);
@@ -224,7 +153,7 @@ fn doctor_with_a_profile_names_what_this_kernel_lacks() {
 
 fn a_profile_needing_a_missing_feature_is_rejected_whole() {
     let lab = Lab::new("ffrj", 241);
-    let both = Profile::new(&format!(
+    let both = TempFile::profile(&format!(
         "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\nrate = \"10/s\"\nburst = 5\n\n[[breaker]]\nname = \"db\"\ntarget = \"{}\"\nport = 5432\n",
         lab.ip_cli
     ));
@@ -247,8 +176,8 @@ fn a_profile_needing_a_missing_feature_is_rejected_whole() {
     let ip_link = sh_ns(&lab.ns_srv, &["ip", "link", "show", &lab.veth_srv]);
     assert!(!ip_link.contains("xdp"), "no XDP program on the interface: {ip_link}");
     // Without breakers the same kernel attaches the rules.
-    let rules = Profile::new("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\nrate = \"10/s\"\nburst = 5\n");
-    let agent = Agent::start(&lab, &rules, &[], "set_retval");
+    let rules = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndport = 53\nrate = \"10/s\"\nburst = 5\n");
+    let agent = start_agent(&lab, &rules, &[], "set_retval");
     agent.stop();
 }
 
@@ -262,7 +191,7 @@ fn egress_counter_without_tcx_uses_clsact_and_leaves_nothing() {
         if preexisting {
             sh_ns(&lab.ns_srv, &["tc", "qdisc", "add", "dev", &lab.veth_srv, "clsact"]);
         }
-        let prof = Profile::new(&format!(
+        let prof = TempFile::profile(&format!(
             "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
 [klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
 [[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
@@ -270,7 +199,7 @@ fn egress_counter_without_tcx_uses_clsact_and_leaves_nothing() {
 source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
             lab.veth_srv, lab.ip_cli
         ));
-        let agent = Agent::start(&lab, &prof, &[], "tcx");
+        let agent = start_agent(&lab, &prof, &[], "tcx");
         let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
         assert!(filters.contains("flowctl_egress"), "a netlink filter on egress: {filters}");
         assert!(
@@ -303,7 +232,7 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
                 filters.contains("flowctl_egress"),
                 "the killed agent's filter stays: {filters}"
             );
-            let again = Agent::start(&lab, &prof, &[], "tcx");
+            let again = start_agent(&lab, &prof, &[], "tcx");
             let filters =
                 sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
             assert_eq!(
@@ -342,22 +271,12 @@ fn send_datagrams(lab: &Lab, port: u16, size: usize, count: usize) {
 fn jumbo_case(mtu: u32, size: usize, disable: &str) {
     let lab = Lab::new("ffjm", 243);
     for (ns, dev) in [(&lab.ns_srv, &lab.veth_srv), (&lab.ns_cli, &lab.veth_cli)] {
-        flowctl_tests::lab::sh(&[
-            "ip",
-            "-n",
-            ns,
-            "link",
-            "set",
-            "dev",
-            dev,
-            "mtu",
-            &mtu.to_string(),
-        ]);
+        sh(&["ip", "-n", ns, "link", "set", "dev", dev, "mtu", &mtu.to_string()]);
     }
-    let prof = Profile::new(
+    let prof = TempFile::profile(
         "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"big\"\nproto = \"udp\"\ndport = 7900\nrate = \"1/min\"\nburst = 5\nkey = \"src\"\n",
     );
-    let agent = Agent::start(&lab, &prof, &["--mode", "native"], disable);
+    let agent = start_agent(&lab, &prof, &["--mode", "native"], disable);
     assert_eq!(attachment(&lab.veth_srv).unwrap()["mode"], "native");
     let n = 60;
     send_datagrams(&lab, 7900, size, n);
@@ -387,9 +306,9 @@ fn jumbo_frames_on_a_9000_mtu_veth_in_native_mode() {
 fn a_single_buffer_program_is_refused_on_a_jumbo_veth() {
     let lab = Lab::new("ffsb", 244);
     for (ns, dev) in [(&lab.ns_srv, &lab.veth_srv), (&lab.ns_cli, &lab.veth_cli)] {
-        flowctl_tests::lab::sh(&["ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000"]);
+        sh(&["ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000"]);
     }
-    let prof = Profile::new("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"big\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 5\n");
+    let prof = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"big\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 5\n");
     let out = flowctl_exits(
         &[
             "attach",

@@ -32,16 +32,7 @@ fn main() -> Result<()> {
     );
     let lab = Lab::new("fdemo", 203);
     // A second client address that the profile trusts.
-    flowctl_tests::lab::sh(&[
-        "ip",
-        "-n",
-        &lab.ns_cli,
-        "addr",
-        "add",
-        "10.201.203.9/24",
-        "dev",
-        &lab.veth_cli,
-    ]);
+    lab.add_client_address("10.201.203.9");
     println!("lab: {} ({}) <-> {} ({})", lab.ns_cli, lab.ip_cli, lab.ns_srv, lab.ip_srv);
     sh_run(Command::new(&bin).args(["check", "demo/profile.toml"]))?;
     let mut agent = Command::new(&bin)

@@ -1,0 +1,201 @@
+//! An attachment's life: a kept data plane outliving a SIGKILLed agent and
+//! re-adopted by the next, hot reloads through the agent (all or nothing),
+//! what the errors say, someone else's XDP program, one agent per
+//! attachment and the pins' layout version.
+
+use crate::UDP_RULE;
+use flowctl_tests::{
+    agent::Agent,
+    cli::{attachment, bin, flowctl, map_ids, pin_dir, rule},
+    lab::{attach_pass_xdp, Lab},
+    tempfile::TempFile,
+    traffic::blast,
+};
+use std::{
+    io::Write,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// `--keep`: a SIGKILLed agent's data plane enforces alone and takes an
+/// agent-less apply; a restarted agent adopts the pinned maps (the same
+/// ids) with their state (the drained key stays refused).
+pub fn keep_survives_sigkill_and_restart_adopts_state() {
+    let lab = Lab::new("fkeep", 212);
+    // One token an hour: the test can take minutes under TCG (two agent
+    // starts, each verifying the program), and must never see a refill.
+    let prof = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\n");
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let ids = map_ids(&lab.veth_srv);
+    let (sent, _, _) = blast(&lab, 7100, 200, 0.5, 20);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3, "burst of 3 then refused (sent {sent})");
+    agent.kill9();
+    // The kept data plane enforces alone.
+    blast(&lab, 7100, 100, 0.2, 5);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(r["passed_pkts"].as_u64().unwrap(), 3);
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert_eq!(a["agent_running"], false);
+    // Agent-less apply works on the kept data plane.
+    let out = flowctl(&["apply", &lab.veth_srv, prof.path(), "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Restart: adopts pins, the drained key is still refused, maps unchanged.
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    assert_eq!(map_ids(&lab.veth_srv), ids, "map ids unchanged across restart");
+    blast(&lab, 7100, 100, 0.2, 5);
+    let r = rule(&lab.veth_srv, "slow");
+    assert_eq!(
+        r["passed_pkts"].as_u64().unwrap(),
+        3,
+        "drained key still refused after re-adoption"
+    );
+    agent.stop();
+}
+
+/// `apply` through the agent: a bad profile changes nothing (and says
+/// where it is wrong), a good one is applied at once, also while a silent
+/// client holds the control socket.
+pub fn apply_through_the_agent_is_all_or_nothing() {
+    let lab = Lab::new("fapply", 213);
+    let prof = TempFile::profile(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let gen0 = attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap();
+    // A client that connects to the control socket and says nothing must not
+    // hold up the agent (heartbeat, other requests).
+    let a = attachment(&lab.veth_srv).unwrap();
+    let silent = std::os::unix::net::UnixStream::connect(format!(
+        "/run/flowctl/{}-{}/agent.sock",
+        a["netns_inode"], a["ifindex"]
+    ))
+    .unwrap();
+    let bad = TempFile::profile("[[rule]]\nname = \"x\"\nrate = \"0/s\"\n");
+    let out = flowctl(&["apply", &lab.veth_srv, bad.path(), "--netns", &lab.ns_srv]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:3:", bad.path())) && err.contains("greater than zero"),
+        "{err}"
+    );
+    assert_eq!(
+        attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(),
+        gen0,
+        "nothing applied"
+    );
+    let good = TempFile::profile(&format!(
+        "{UDP_RULE}[[rule]]\nname = \"icmp\"\nproto = \"icmp\"\nrate = \"10/s\"\n"
+    ));
+    let t = Instant::now();
+    let out = flowctl(&["apply", &lab.veth_srv, good.path(), "--netns", &lab.ns_srv]);
+    assert!(t.elapsed() < Duration::from_secs(3), "apply waited on the silent client");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"].as_u64().unwrap(), gen0 + 1);
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["rules"].as_array().unwrap().len(), 2);
+    drop(silent);
+    agent.stop();
+}
+
+/// The errors say how to fix them: a missing interface, missing
+/// capabilities, a bad profile (file and line, nothing attached); `check`
+/// for CI; native XDP refused on lo falls back to generic mode, loudly.
+pub fn error_paths_say_how_to_fix() {
+    let lab = Lab::new("ferr", 214);
+    let prof = TempFile::profile(UDP_RULE);
+    // Missing interface.
+    let out = flowctl(&["attach", "nosuchdev0", "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no interface named `nosuchdev0`"));
+    // Missing capabilities: drop them all with setpriv.
+    let out = Command::new("setpriv")
+        .args(["--inh-caps=-all", "--bounding-set=-all", "--"])
+        .arg(bin())
+        .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs root"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A bad profile is rejected with file and line before anything happens.
+    let bad = TempFile::profile("[[rule]]\nname = \"x\"\nsrc = \"10.0.0.1/8\"\nrate = \"1/s\"\n");
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", bad.path()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{}:3:", bad.path())));
+    assert!(attachment(&lab.veth_srv).is_none());
+    // `check` for CI pipelines.
+    let out = flowctl(&["check", prof.path()]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kernel memory"));
+    // Native XDP is refused on a fresh namespace's lo: auto falls back loudly.
+    let child = Command::new(bin())
+        .args(["attach", "lo", "--netns", &lab.ns_srv, "--profile", prof.path()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while attachment("lo").is_none_or(|a| a["agent_ready"] != true) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(attachment("lo").expect("attached to lo")["mode"], "generic");
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("generic (skb) mode"));
+    let _ = std::io::stdout().flush();
+}
+
+/// An interface that already runs someone else's XDP program is left alone,
+/// with a message that says how to look at and remove it.
+pub fn foreign_xdp_program_is_not_replaced() {
+    let lab = Lab::new("fxdp", 216);
+    let prof = TempFile::profile(UDP_RULE);
+    let (ns, dev, path, bin) =
+        (lab.ns_srv.clone(), lab.veth_srv.clone(), prof.path().to_string(), bin());
+    let out = Lab::in_ns(&lab.ns_srv, move || {
+        let ebpf = attach_pass_xdp(&dev);
+        let out = Command::new(bin)
+            .args(["attach", &dev, "--netns", &ns, "--profile", &path])
+            .output()
+            .unwrap();
+        drop(ebpf);
+        out
+    });
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already has another XDP program") && err.contains("xdp off"), "{err}");
+    assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
+}
+
+/// One agent per attachment; pins of another layout version are refused, and
+/// `--replace` starts over.
+pub fn one_agent_per_attachment_and_layout_versions_are_checked() {
+    let lab = Lab::new("flock", 217);
+    let prof = TempFile::profile(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already running"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    agent.kill9();
+    // Pretend the pins were written by a future flowctl.
+    let a = attachment(&lab.veth_srv).unwrap();
+    let dir = pin_dir(&a);
+    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(
+            aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL))
+                .unwrap(),
+        ))
+        .unwrap();
+    let mut g = global.get(&0, 0).unwrap();
+    g.layout_version = 99;
+    global.set(0, g, 0).unwrap();
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layout version Some(99)") && err.contains("--replace"), "{err}");
+    let agent = Agent::start(&lab, prof.path(), &["--replace"]);
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 1, "started over");
+    agent.stop();
+}

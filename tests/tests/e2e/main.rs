@@ -1,0 +1,52 @@
+//! The real `flowctl` binary on veth pairs in network namespaces, with real
+//! traffic, a module per feature; the harness (the agent, traffic, cgroups,
+//! a downstream) is in `flowctl_tests`. Bounds come from timestamps the
+//! harness records, never from exact counts or sleeps. Root only; serial.
+//!
+//! The kernel matrix runs a subset by test name (`E2E_SUBSET` in
+//! xtask/src/tiers.rs): a test keeps its name wherever it moves.
+
+mod bbr;
+mod breakers;
+mod klimiter;
+mod lifecycle;
+mod limits;
+mod observability;
+
+use bbr::*;
+use breakers::*;
+use klimiter::*;
+use lifecycle::*;
+use limits::*;
+use observability::*;
+
+/// One UDP rule on port 7000, 100/s with a burst of 20 per source: the
+/// profile of most tests that need one.
+const UDP_RULE: &str = "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[[rule]]\nname = \"udp\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\n";
+
+/// The tests and what each needs (flowctl_tests::need): root for the
+/// namespaces and the agent; the breakers' tests a cgroup v2 hierarchy,
+/// `bpf_set_retval` (5.18), python3 clients and nftables counters.
+fn main() {
+    use flowctl_tests::need::Need::*;
+    flowctl_tests::need::run(flowctl_tests::trials![
+        udp_limit_holds_within_bounds_then_detaches: [Root],
+        keep_survives_sigkill_and_restart_adopts_state: [Root],
+        apply_through_the_agent_is_all_or_nothing: [Root],
+        error_paths_say_how_to_fix: [Root],
+        tcp_connection_rate_within_bounds: [Root],
+        tcp_connection_quota: [Root],
+        foreign_xdp_program_is_not_replaced: [Root],
+        one_agent_per_attachment_and_layout_versions_are_checked: [Root],
+        metrics_endpoint_matches_status: [Root],
+        top_once_json_agrees_with_traffic: [Root],
+        top_keys_finds_the_heaviest_sources: [Root],
+        top_runs_in_a_terminal_and_restores_it: [Root, Command("tmux")],
+        bbr_refuses_connections_beyond_the_limit_and_fails_open: [Root],
+        klimiter_cuts_low_priority_first_and_holds_on_garbage: [Root],
+        klimiter_holds_an_egress_level_by_cutting_low_priority_first: [Root],
+        breaker_sre_fails_fast_at_the_predicted_share_and_recovers: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
+        breaker_state_opens_on_timeouts_probes_and_closes: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
+    ]);
+}
