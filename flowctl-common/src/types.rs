@@ -36,7 +36,7 @@ pub mod key_kind {
 }
 
 /// Why a packet was dropped (or would have been, in dry-run). Index into the
-/// per-reason counter arrays; stages added by later work take the reserved slots.
+/// per-reason counter arrays; a new reason takes the next index before `COUNT`.
 pub mod reason {
     /// The token bucket had no token.
     pub const RATE: usize = 0;
@@ -47,11 +47,13 @@ pub mod reason {
     pub const FRAGMENT: usize = 2;
     /// The bucket's compare-and-swap lost `CAS_RETRIES` times in a row.
     pub const CONTENDED: usize = 3;
-    /// Reserved for the admission-ratio stage.
+    /// The admission stage left the new flow out (its ratio, fixed or
+    /// KLimiter's, is below 1).
     pub const ADMISSION: usize = 4;
-    /// Reserved for the BBR stage.
+    /// The BBR stage refused a SYN: connections in flight at the limit
+    /// while the CPU is over its threshold.
     pub const BBR: usize = 5;
-    /// Reserved for the quota stage.
+    /// The rule's sliding-window quota is used up.
     pub const QUOTA: usize = 6;
     /// Layouts RFCs say to discard because they hide or rewrite the L4
     /// header (tiny and overlapping fragments, a first IPv6 fragment

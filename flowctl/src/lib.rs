@@ -26,7 +26,7 @@ macro_rules! out {
 pub mod agent;
 /// The command line: one module per verb, and `top`.
 pub mod cli;
-/// The controllers (KLimiter, the CPU signal) and the KLimiter simulator.
+/// The controllers: KLimiter and the CPU signal.
 pub mod controllers;
 /// The kernel side: the embedded object, pins, loading, attaching, applying.
 pub mod dataplane;

@@ -158,7 +158,7 @@ fn main() {
             Ok(false) => std::process::exit(1),
             Err(e) => Err(e),
         },
-        Cmd::Simulate { scenario, out } => flowctl::controllers::simulate::command(&scenario, &out),
+        Cmd::Simulate { scenario, out } => cli::simulate::command(&scenario, &out),
         Cmd::Top { iface, interval, once, json, keys, count } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
             if let Some(rule) = keys {

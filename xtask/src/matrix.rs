@@ -97,6 +97,16 @@ pub fn test(sel: Selection) -> Result<()> {
     let t_host = Instant::now();
     let mut host_rows = Vec::new();
     if sel.host {
+        // Tier 0: the tree is formatted and lint-free (workspace `[lints]`,
+        // warnings denied), so neither drifts.
+        let t = Instant::now();
+        let problem = lint();
+        host_rows.push(Row::new(
+            "lint",
+            tee::Counts::default(),
+            problem,
+            Some(t.elapsed().as_secs_f64()),
+        ));
         // Tier 1: pure logic and property tests (no root).
         let c = tee::run(
             Command::new("cargo")
@@ -193,6 +203,28 @@ pub fn test(sel: Selection) -> Result<()> {
         bail!("failed tiers: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// `cargo fmt --check` and clippy with warnings denied over every host
+/// crate; the eBPF crates' libraries are empty on the host (their programs
+/// are `required-features = ["bpf-target"]` binaries).
+fn lint() -> Option<String> {
+    let checks: [(&str, &[&str]); 2] = [
+        ("cargo fmt", &["fmt", "--all", "--", "--check"]),
+        ("cargo clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+    ];
+    let mut problems = Vec::new();
+    for (name, args) in checks {
+        let ok = Command::new("cargo")
+            .args(args)
+            .current_dir(root())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            problems.push(format!("{name} failed (see above)"));
+        }
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 fn summary(runs: &[KernelRun]) {

@@ -24,7 +24,7 @@ pub struct E2e {
 }
 
 /// The end-to-end subset that runs in each VM: the tests that exercise what
-/// differs between kernels, at a cost TCG can carry. The rest of e2e.rs runs
+/// differs between kernels, at a cost TCG can carry. The rest of e2e runs
 /// on the host only (CLI error paths, `top`'s terminal, metrics, quotas: the
 /// same user-space code over the same programs).
 pub const E2E_SUBSET: &[E2e] = &[

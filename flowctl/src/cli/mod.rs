@@ -7,6 +7,7 @@ pub mod detach;
 pub mod doctor;
 pub mod explain;
 pub mod format;
+pub mod simulate;
 pub mod status;
 pub mod top;
 

@@ -1,5 +1,4 @@
-//! The controllers, pure where they can be: KLimiter's water-level loop, the
-//! CPU signal, and the simulator that runs KLimiter on a modelled plant.
+//! The controllers, pure where they can be: KLimiter's water-level loop and
+//! the CPU signal. The profile configures them; the agent runs them.
 pub mod cpu;
 pub mod klimiter;
-pub mod simulate;
