@@ -1,4 +1,4 @@
-//! The BBR adaptive limiter's decision (algorithms.md section 4; Kratos and
+//! The BBR adaptive limiter's decision (docs/algorithms.md section 4; Kratos and
 //! its port aegis), pure: the agent evaluates it over the statistics rings
 //! and writes the result into the rule's control record; host tests run the
 //! golden vectors.

@@ -1,4 +1,4 @@
-//! Circuit-breaker decisions for outbound connections (algorithms.md
+//! Circuit-breaker decisions for outbound connections (docs/algorithms.md
 //! section 6), pure: the SRE adaptive-throttling probability and the
 //! closed / open / half-open state machine. The kernel side (cgroup
 //! `connect4`/`connect6` hooks enforcing, `sock_ops` callbacks measuring)

@@ -62,9 +62,10 @@ pub const MAX_STATS_BUCKETS: u32 = 1000;
 
 /// Open-connection ring of BBR rules: connections established per epoch of
 /// `OPEN_BUCKET_NS`, minus those that completed; a rule's in-flight count is
-/// the sum over the epochs within its idle timeout, so connections that went
-/// silent (or whose FIN was lost, or whose entry was evicted) stop counting
-/// after the timeout instead of drifting.
+/// the sum over the epochs within its idle timeout, so a connection counts
+/// for at most the timeout after its handshake (a lost FIN or an evicted
+/// entry cannot make the count drift; a longer-lived connection stops
+/// counting too, since the ring sees only opens and completions).
 pub const OPEN_BUCKET_NS: u64 = 1_000_000_000;
 pub const OPEN_BUCKETS: usize = 64;
 /// Default entries of the connection table (BBR rules' tracked connections).

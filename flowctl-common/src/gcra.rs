@@ -1,4 +1,4 @@
-//! Token buckets as the Generic Cell Rate Algorithm (algorithms.md section 1).
+//! Token buckets as the Generic Cell Rate Algorithm (docs/algorithms.md section 1).
 //!
 //! A bucket of rate `r` and burst `b` is GCRA with emission interval `T = 1/r`:
 //! one u64 per key, the theoretical arrival time (TAT, ns). A packet of cost `c`

@@ -85,8 +85,8 @@ pub fn bucket_key(meta: &PacketMeta, rule: &RuleConfig) -> BucketKey {
 /// (`record * DEBT_SLOTS_PER_RULE + hash % DEBT_SLOTS_PER_RULE`).
 #[inline(always)]
 pub fn debt_slot(record: u32, k: &BucketKey) -> u32 {
-    // Fold the words with distinct rotations (cheap: this runs on every
-    // refused packet), then one murmur3 finaliser to spread the bits.
+    // Fold the words with distinct rotations (cheap: this runs once per
+    // refusal episode, when the debt mark is set), then one murmur3 finaliser to spread the bits.
     let mut h = k.state_id.wrapping_mul(0x9e37_79b9);
     h ^= ((k.family as u32) | (k.proto as u32) << 8 | (k.sport as u32) << 16).rotate_left(5);
     h ^= (k.dport as u32).rotate_left(11);

@@ -1,4 +1,4 @@
-//! Per-rule statistics rings (algorithms.md section 2): what the control
+//! Per-rule statistics rings (docs/algorithms.md section 2): what the control
 //! loops read at 100 ms resolution, and what `top` and the metrics show.
 //!
 //! Each rule record owns `buckets` consecutive entries of a per-CPU array.

@@ -1,4 +1,4 @@
-//! Sliding-window counting for quotas (algorithms.md section 2), pure.
+//! Sliding-window counting for quotas (docs/algorithms.md section 2), pure.
 //!
 //! A quota "at most N per W" splits W into K buckets of length L = W/K and
 //! keeps a ring of K + 1 slots. Each slot is one u64 packing the bucket's

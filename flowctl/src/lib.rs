@@ -1,15 +1,6 @@
 //! flowctl: the agent and CLI of a kernel-assisted rate limiter.
 //!
-//! Dependencies and why: aya (loads and pins the XDP object; pure Rust, no
-//! libbpf), clap (the CLI), serde/serde_json/toml (profiles and the agent's
-//! state and socket protocol), thiserror/anyhow (errors in library/binary),
-//! tokio (the agent's event loop: signals, timers, control socket), tracing
-//! (logs), libc (setns, flock, if_nametoindex, capabilities),
-//! prometheus-client (metric encoding), procfs (`/proc/stat` for the CPU signal), tiny_http (the metrics endpoint) and
-//! ratatui (the `top` view, over its crossterm backend), nnls (non-negative
-//! least squares for KLimiter's coefficients), nalgebra (the condition number
-//! that decides whether a fit is trusted), ndarray (nnls' matrix type) and
-//! plotters (the SVG chart of `flowctl simulate`, SVG backend only).
+//! Why each dependency is there: docs/dependencies.md.
 
 /// `println!` that returns the write error (through `?`) instead of
 /// panicking, so `flowctl status | head` ends with the broken pipe that main

@@ -25,7 +25,7 @@ key = "rule"
 /// The processed-instruction budget (docs/design.md, "Verifier budget"):
 /// half of the verifier's 1M limit, on every kernel this test runs on (the
 /// kernel matrix runs it on 6.1, 6.12 and the host's; older verifiers prune
-/// less, so 6.1 is the worst: about 450k, against 142k on 6.18).
+/// less, so 6.1 is the worst: about 319k, against 109k on 6.18).
 const VERIFIER_BUDGET: u32 = 500_000;
 
 fn verifier_instruction_budget() {

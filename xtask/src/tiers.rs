@@ -11,7 +11,7 @@ pub const KERNEL_TIER: &[&str] = &["kernel", "breaker", "cgroup"];
 /// The kernel tier's gate in a VM, run first: a small test that loads the
 /// XDP program. Where it fails (the program does not verify on that kernel),
 /// the other tests that load it would fail the same way, each after a
-/// verification of up to a minute and a half under TCG (27 of them: past
+/// verification of up to a minute and a half under TCG (28 of them: past
 /// the VM's timeout); they are reported not run, the gate as failed, and
 /// the tests that do not need the XDP program (breakers, CPU readers) run.
 pub const XDP_GATE: &str = "non_ip_always_passes";

@@ -5,8 +5,8 @@
 //!
 //! What the kernel measures (docs/design.md, "BBR at L4"): an arrival is the
 //! first admitted SYN of a tuple; a connection is in flight from the
-//! client's handshake-completing ACK until FIN/RST, or until it has been
-//! silent for the rule's idle timeout (the open ring stops counting it);
+//! client's handshake-completing ACK until FIN/RST, or for at most the
+//! rule's idle timeout after it (the open ring stops counting it then);
 //! a completion is a FIN/RST of an established connection, and its round
 //! trip is the connection's lifetime from the SYN. `maxPass` counts
 //! completions per bucket, so connections that only time out add nothing

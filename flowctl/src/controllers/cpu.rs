@@ -1,4 +1,4 @@
-//! The CPU signal (algorithms.md section 3): a usage sample every 250 ms in
+//! The CPU signal (docs/algorithms.md section 3): a usage sample every 250 ms in
 //! per-mille, smoothed by an EMA with decay 0.95.
 //!
 //! Sources, chosen per profile (`[settings] cpu = ...`):

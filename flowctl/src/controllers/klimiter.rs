@@ -1,4 +1,4 @@
-//! KLimiter (algorithms.md section 5): keeps each downstream resource (a
+//! KLimiter (docs/algorithms.md section 5): keeps each downstream resource (a
 //! *baseline*, with a water level L and a threshold T) under its threshold
 //! by lowering the admission ratios of the flowctl rules (*entries*) that
 //! load it, low priority first. Pure and deterministic: the agent calls
@@ -19,7 +19,7 @@ use nalgebra::DMatrix;
 use serde::Serialize;
 use std::collections::VecDeque;
 
-/// Tuning, with the brief's defaults.
+/// Tuning, with the defaults of docs/algorithms.md section 5.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// Dead band h: hold between (1 - h) T and T; cut towards (1 - h/2) T.

@@ -191,7 +191,7 @@ pub struct Requirement {
 /// Every feature each part of a profile uses: the one place that says so.
 pub const REQUIREMENTS: &[Requirement] = &[
     Requirement { feature: Feature::XdpLink, part: Part::Rules, need: Need::Required, why: "the pinned XDP link the data plane lives in (and --keep)" },
-    Requirement { feature: Feature::Btf, part: Part::Rules, need: Need::Required, why: "the XDP object's function information (its global parser function is verified on its own)" },
+    Requirement { feature: Feature::Btf, part: Part::Rules, need: Need::Required, why: "the XDP object's function information (its global functions are verified on their own)" },
     Requirement { feature: Feature::RingBuf, part: Part::Rules, need: Need::Required, why: "the key-sampling ring of `top --keys`, created with the data plane" },
     Requirement { feature: Feature::LruHash, part: Part::Rules, need: Need::Required, why: "the per-key bucket, quota, source-cache and connection tables" },
     Requirement { feature: Feature::LpmTrie, part: Part::Rules, need: Need::Required, why: "the source-prefix classifier" },
