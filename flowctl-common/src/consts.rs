@@ -132,6 +132,11 @@ pub mod map_names {
     pub const OPEN: &str = "FLOWCTL_OPEN";
     pub const EGRESS_TARGETS: &str = "FLOWCTL_EGRESS_TARGETS";
     pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
+    /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
+    pub const BREAKER_TARGETS: &str = "FLOWCTL_BREAKER_TARGETS";
+    pub const BREAKER_CONTROL: &str = "FLOWCTL_BREAKER_CONTROL";
+    pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
+    pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
     pub const ALL: [&str; 20] = [
         GLOBAL,

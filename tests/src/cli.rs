@@ -8,9 +8,13 @@ use std::{
     process::{Command, Output},
 };
 
-/// `FLOWCTL_BIN` (set by `cargo xtask test`), else the debug build.
+/// The variable naming the binary under test (`cargo xtask test`, `demo`
+/// and `bench` set it).
+pub const BIN_ENV: &str = "FLOWCTL_BIN";
+
+/// [`BIN_ENV`], else the debug build.
 pub fn bin() -> PathBuf {
-    std::env::var_os("FLOWCTL_BIN").map(PathBuf::from).unwrap_or_else(|| {
+    std::env::var_os(BIN_ENV).map(PathBuf::from).unwrap_or_else(|| {
         let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/flowctl");
         assert!(p.exists(), "build flowctl first (cargo xtask test does) or set FLOWCTL_BIN");
         p

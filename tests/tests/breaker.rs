@@ -77,11 +77,13 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     let live = flowctl::system::clock::monotonic_ns() + 60_000_000_000;
     let refuse = Control { drop_ppm: 1_000_000, errno: 111, ..Default::default() };
     let mut deadline: Array<_, u64> =
-        Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").unwrap()).unwrap();
+        Array::try_from(ebpf.map_mut(flowctl_common::map_names::BREAKER_DEADLINE).unwrap())
+            .unwrap();
     deadline.set(0, live, 0).unwrap();
     {
         let mut targets: Array<_, Target> =
-            Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").unwrap()).unwrap();
+            Array::try_from(ebpf.map_mut(flowctl_common::map_names::BREAKER_TARGETS).unwrap())
+                .unwrap();
         let in_cgroup = |port, cgroup: &std::path::Path| Target {
             cgroup_id: dir_ino(cgroup),
             cgroup_level: 1,
@@ -122,7 +124,8 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
             )
             .unwrap();
         let mut control: Array<_, Control> =
-            Array::try_from(ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+            Array::try_from(ebpf.map_mut(flowctl_common::map_names::BREAKER_CONTROL).unwrap())
+                .unwrap();
         for slot in [0, 1, 5, 6, 7] {
             control.set(slot, refuse, 0).unwrap();
         }
@@ -173,7 +176,8 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
     assert_eq!(v["after_probe"][0], 111, "half-open: no probe left, refused");
 
     let counts: PerCpuArray<_, u64> =
-        PerCpuArray::try_from(ebpf.map("FLOWCTL_BREAKER_COUNTS").unwrap()).unwrap();
+        PerCpuArray::try_from(ebpf.map(flowctl_common::map_names::BREAKER_COUNTS).unwrap())
+            .unwrap();
     let get =
         |t: u32, c: u32| -> u64 { counts.get(&(t * counter::COUNT + c), 0).unwrap().iter().sum() };
     assert_eq!(
@@ -214,7 +218,7 @@ fn connect_hooks_refuse_at_once_and_sock_ops_counts_outcomes() {
         "an IPv6 target (::1/128)"
     );
     let control: Array<_, Control> =
-        Array::try_from(ebpf.map("FLOWCTL_BREAKER_CONTROL").unwrap()).unwrap();
+        Array::try_from(ebpf.map(flowctl_common::map_names::BREAKER_CONTROL).unwrap()).unwrap();
     let w = control.get(&2, 0).unwrap().probe_word;
     assert_eq!(
         (probe_word::epoch(w), probe_word::admitted(w), probe_word::ok(w), probe_word::failed(w)),

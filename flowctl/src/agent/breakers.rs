@@ -608,7 +608,9 @@ impl BreakerAgent {
         self.write_table(&table)?;
         {
             let mut control: Array<_, Control> = Array::try_from(
-                self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+                self.ebpf
+                    .map_mut(flowctl_common::map_names::BREAKER_CONTROL)
+                    .context("control map")?,
             )?;
             for s in cleared {
                 control.set(s, Control::default(), 0)?;
@@ -623,8 +625,9 @@ impl BreakerAgent {
     }
 
     fn write_table(&mut self, table: &[Target]) -> Result<()> {
-        let mut targets: Array<_, Target> =
-            Array::try_from(self.ebpf.map_mut("FLOWCTL_BREAKER_TARGETS").context("targets map")?)?;
+        let mut targets: Array<_, Target> = Array::try_from(
+            self.ebpf.map_mut(flowctl_common::map_names::BREAKER_TARGETS).context("targets map")?,
+        )?;
         for i in 0..MAX_TARGETS {
             targets.set(i as u32, table.get(i).copied().unwrap_or_default(), 0)?;
         }
@@ -632,8 +635,9 @@ impl BreakerAgent {
     }
 
     fn counts(&self, slot: u32) -> Result<[u64; counter::COUNT as usize]> {
-        let m: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.ebpf.map("FLOWCTL_BREAKER_COUNTS").context("counts map")?)?;
+        let m: PerCpuArray<_, u64> = PerCpuArray::try_from(
+            self.ebpf.map(flowctl_common::map_names::BREAKER_COUNTS).context("counts map")?,
+        )?;
         let mut out = [0u64; counter::COUNT as usize];
         for (i, o) in out.iter_mut().enumerate() {
             *o = m.get(&(slot * counter::COUNT + i as u32), 0)?.iter().sum();
@@ -660,7 +664,9 @@ impl BreakerAgent {
             let counts = self.counts(slot)?;
             let kernel = {
                 let control: Array<_, Control> = Array::try_from(
-                    self.ebpf.map("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+                    self.ebpf
+                        .map(flowctl_common::map_names::BREAKER_CONTROL)
+                        .context("control map")?,
                 )?;
                 control.get(&slot, 0)?
             };
@@ -669,14 +675,18 @@ impl BreakerAgent {
             transitioned |= self.live[i].last_transition != before;
             if self.live[i].written != Some(want) {
                 let mut control: Array<_, Control> = Array::try_from(
-                    self.ebpf.map_mut("FLOWCTL_BREAKER_CONTROL").context("control map")?,
+                    self.ebpf
+                        .map_mut(flowctl_common::map_names::BREAKER_CONTROL)
+                        .context("control map")?,
                 )?;
                 control.set(slot, want, 0)?;
                 self.live[i].written = Some(want);
             }
         }
         let mut deadline: Array<_, u64> = Array::try_from(
-            self.ebpf.map_mut("FLOWCTL_BREAKER_DEADLINE").context("deadline map")?,
+            self.ebpf
+                .map_mut(flowctl_common::map_names::BREAKER_DEADLINE)
+                .context("deadline map")?,
         )?;
         deadline.set(DEADLINE_INDEX, now + self.grace_ns, 0)?;
         if transitioned || now.saturating_sub(self.last_publish_ns) >= 250_000_000 {

@@ -161,7 +161,8 @@ fn main() {
     let quick = std::env::args().any(|a| a == "quick");
     if std::env::args().any(|a| a == "overload") {
         println!("6. Overload: BBR on and off against a CPU-bound service at 3x its capacity");
-        let bin = std::env::var_os("FLOWCTL_BIN").expect("FLOWCTL_BIN (cargo xtask bench sets it)");
+        let bin = std::env::var_os(flowctl_tests::cli::BIN_ENV)
+            .expect("FLOWCTL_BIN (cargo xtask bench sets it)");
         flowctl_tests::overload::run(&std::env::current_exe().unwrap(), std::path::Path::new(&bin));
         return;
     }
@@ -330,7 +331,7 @@ fn main() {
 }
 
 fn breaker_section(quick: bool) {
-    match std::env::var_os("FLOWCTL_BIN") {
+    match std::env::var_os(flowctl_tests::cli::BIN_ENV) {
         Some(bin) => flowctl_tests::breaker_bench::run(std::path::Path::new(&bin), quick),
         None => {
             println!("7. skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)")
@@ -354,7 +355,7 @@ fn agent_cpu(seconds: u64) {
     use flowctl::dataplane::{count_entries, pins::AttachId};
     use flowctl_common::{map_names, BucketKey, SrcEntry, SrcKey};
     use std::time::Instant;
-    let Some(bin) = std::env::var_os("FLOWCTL_BIN") else {
+    let Some(bin) = std::env::var_os(flowctl_tests::cli::BIN_ENV) else {
         println!("  skipped: set FLOWCTL_BIN to a release flowctl (cargo xtask bench does)");
         return;
     };

@@ -28,7 +28,8 @@ fn main() -> Result<()> {
         );
     }
     let bin = std::path::PathBuf::from(
-        std::env::var_os("FLOWCTL_BIN").ok_or("set FLOWCTL_BIN (cargo xtask demo does)")?,
+        std::env::var_os(flowctl_tests::cli::BIN_ENV)
+            .ok_or("set FLOWCTL_BIN (cargo xtask demo does)")?,
     );
     let lab = Lab::new("fdemo", 203);
     // A second client address that the profile trusts.
