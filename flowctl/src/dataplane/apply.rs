@@ -9,13 +9,16 @@ use super::{
 };
 use crate::profile::RuleSet;
 use anyhow::{anyhow, bail, Result};
-use aya::maps::{lpm_trie::Key, PerCpuValues};
+use aya::{
+    maps::{lpm_trie::Key, Array, MapData, PerCpuValues},
+    Pod,
+};
 use flowctl_common::{
     control_flags, tables, ControlRecord, RuleConfig, RuleCounters, StatsBucket, TrieData,
     DEBT_SLOTS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
     OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS,
 };
-use std::fs;
+use std::{fs, ops::Range};
 
 /// Assigns counter records and bucket-state ids for `set`, keeping a rule's
 /// record while its name is unchanged and its state id while its match and
@@ -74,8 +77,12 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         bail!("pinned layout version {} is not {LAYOUT_VERSION}", g.layout_version);
     }
 
-    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
-        let cfg = RuleConfig {
+    let configs: Vec<RuleConfig> = set
+        .rules
+        .iter()
+        .zip(&planned)
+        .enumerate()
+        .map(|(i, (r, s))| RuleConfig {
             interval_fp: r.interval_fp,
             burst_ns: r.burst_ns,
             state_id: s.state_id,
@@ -92,20 +99,14 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             quota_bucket_ns: r.quota_bucket_ns,
             quota_limit: r.quota_limit,
             quota_buckets: r.quota_buckets,
-        };
-        maps.rules.set(slot * MAX_RULES as u32 + i as u32, cfg, 0)?;
-    }
+        })
+        .collect();
+    write_slot(&mut maps.rules, slot, MAX_RULES, &configs)?;
     let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
     let t = tables::compile(&specs, slot as u8);
-    for (i, b) in t.proto.iter().enumerate() {
-        maps.proto.set(slot * PROTO_INDICES as u32 + i as u32, b, 0)?;
-    }
-    for (i, b) in t.port.iter().enumerate() {
-        maps.port.set(slot * PORT_INDICES as u32 + i as u32, b, 0)?;
-    }
-    for (i, b) in t.sets.iter().enumerate() {
-        maps.rule_sets.set(slot * RULE_SETS as u32 + i as u32, b, 0)?;
-    }
+    write_slot(&mut maps.proto, slot, PROTO_INDICES, &t.proto)?;
+    write_slot(&mut maps.port, slot, PORT_INDICES, &t.port)?;
+    write_slot(&mut maps.rule_sets, slot, RULE_SETS, &t.sets)?;
     // Replace this slot's trie entries.
     let stale: Vec<Key<TrieData>> = maps
         .trie
@@ -117,9 +118,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         let _ = maps.trie.remove(k);
     }
     // Classes first, so no trie entry ever names a class not yet written.
-    for (i, b) in t.classes.iter().enumerate() {
-        maps.classes.set(slot * MAX_SRC_CLASSES as u32 + i as u32, b, 0)?;
-    }
+    write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
     for e in &t.trie {
         maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0)?;
     }
@@ -127,34 +126,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
     for s in &planned {
         if !state.rules.iter().any(|o| o.record == s.record) {
-            let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
-            maps.counters.set(s.record, zeros, 0)?;
-            maps.control.set(s.record, ControlRecord::default(), 0)?;
-            // Debts of the rule that used this record before are not this rule's.
-            let base = s.record * DEBT_SLOTS_PER_RULE as u32;
-            for i in 0..DEBT_SLOTS_PER_RULE as u32 {
-                if maps.debt.get(&(base + i), 0)? != 0 {
-                    maps.debt.set(base + i, 0, 0)?;
-                }
-            }
-            // Nor its statistics or open connections.
-            let buckets = state.stats.buckets;
-            for i in 0..buckets {
-                let idx = s.record * buckets + i;
-                if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
-                    maps.stats.set(
-                        idx,
-                        PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?,
-                        0,
-                    )?;
-                }
-            }
-            for i in 0..OPEN_BUCKETS as u32 {
-                let idx = s.record * OPEN_BUCKETS as u32 + i;
-                if maps.open.get(&idx, 0)? != 0 {
-                    maps.open.set(idx, 0, 0)?;
-                }
-            }
+            clear_record(maps, s.record, state.stats.buckets, ncpu)?;
         }
     }
     // Fixed admission ratios from the profile (none: all pass). KLimiter's
@@ -198,6 +170,50 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     maps.global.set(0, g, 0)?;
     state.rules = planned;
     state.next_state_id = next;
+    Ok(())
+}
+
+/// Writes `items` into `slot`'s part of a table that holds `per_slot`
+/// entries for each slot.
+fn write_slot<V: Pod>(
+    map: &mut Array<MapData, V>,
+    slot: u32,
+    per_slot: usize,
+    items: &[V],
+) -> Result<()> {
+    for (i, v) in items.iter().enumerate() {
+        map.set(slot * per_slot as u32 + i as u32, v, 0)?;
+    }
+    Ok(())
+}
+
+/// A record new to the rule set starts from zero: its counters and control
+/// record, and the debts, statistics and open connections of the rule that
+/// used it before.
+fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -> Result<()> {
+    let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
+    maps.counters.set(record, zeros, 0)?;
+    maps.control.set(record, ControlRecord::default(), 0)?;
+    let debts = record * DEBT_SLOTS_PER_RULE as u32;
+    zero(&mut maps.debt, debts..debts + DEBT_SLOTS_PER_RULE as u32)?;
+    for i in 0..stats_buckets {
+        let idx = record * stats_buckets + i;
+        if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
+            maps.stats.set(idx, PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?, 0)?;
+        }
+    }
+    let open = record * OPEN_BUCKETS as u32;
+    zero(&mut maps.open, open..open + OPEN_BUCKETS as u32)
+}
+
+/// Zeroes the entries `range` of a u64 array, writing only those that are
+/// not zero already.
+fn zero(map: &mut Array<MapData, u64>, range: Range<u32>) -> Result<()> {
+    for i in range {
+        if map.get(&i, 0)? != 0 {
+            map.set(i, 0, 0)?;
+        }
+    }
     Ok(())
 }
 
