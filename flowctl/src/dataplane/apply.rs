@@ -7,16 +7,16 @@ use super::{
     maps::Maps,
     state::{AttachState, RuleState},
 };
-use crate::profile::RuleSet;
+use crate::{profile::RuleSet, system::clock::monotonic_ns};
 use anyhow::{anyhow, bail, Result};
 use aya::{
     maps::{lpm_trie::Key, Array, MapData, PerCpuValues},
     Pod,
 };
 use flowctl_common::{
-    control_flags, tables, ControlRecord, RuleConfig, RuleCounters, StatsBucket, TrieData,
-    DEBT_SLOTS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES,
-    OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS,
+    tables, RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SLOTS_PER_RULE, LAYOUT_VERSION,
+    MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
+    RULE_SETS,
 };
 use std::{fs, ops::Range};
 
@@ -122,40 +122,29 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     for e in &t.trie {
         maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0)?;
     }
-    // Records new to this set start from zero.
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
-    for s in &planned {
-        if !state.rules.iter().any(|o| o.record == s.record) {
+    let now = monotonic_ns();
+    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
+        let new = !state.rules.iter().any(|o| o.record == s.record);
+        if new {
             clear_record(maps, s.record, state.stats.buckets, ncpu)?;
         }
-    }
-    // Fixed admission ratios from the profile (none: all pass). KLimiter's
-    // entries keep the ratio the agent last set: a reload during an
-    // overload must not open the gates.
-    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
-        if set.baselines.iter().any(|b| b.entries.contains(&i)) {
-            continue;
-        }
-        let mut c = maps.control.get(&s.record, 0)?;
-        if c.set_admission(r.admission_ppm, r.admission_per_flow) {
-            maps.control.set(s.record, c, 0)?;
-        }
-    }
-    // Rules without BBR (any more) leave nothing of it in their control record.
-    for (r, s) in set.rules.iter().zip(&planned) {
-        if r.bbr.is_none() {
-            let mut c = maps.control.get(&s.record, 0)?;
-            if c.flags & control_flags::BBR_ACTIVE != 0 {
-                c.flags &= !control_flags::BBR_ACTIVE;
-                c.bbr_max_inflight = 0;
-                c.bbr_overloaded = 0;
-                c.bbr_inflight = 0;
-                c.bbr_max_pass = 0;
-                c.bbr_min_rt_ms = 0;
-                c.version = c.version.wrapping_add(1);
-                maps.control.set(s.record, c, 0)?;
+        // KLimiter's entries keep the ratio the agent last set: a reload
+        // during an overload must not open the gates.
+        let klimiter = set.baselines.iter().any(|b| b.entries.contains(&i));
+        maps.update_control(s.record, now, |c| {
+            if new {
+                c.reset();
             }
-        }
+            if !klimiter {
+                // Fixed admission ratios from the profile (none: all pass).
+                c.set_admission(r.admission_ppm, r.admission_per_flow);
+            }
+            if r.bbr.is_none() {
+                // Rules without BBR (any more) leave nothing of it.
+                c.clear_bbr();
+            }
+        })?;
     }
     // The flip.
     g.layout_version = LAYOUT_VERSION;
@@ -187,13 +176,12 @@ fn write_slot<V: Pod>(
     Ok(())
 }
 
-/// A record new to the rule set starts from zero: its counters and control
-/// record, and the debts, statistics and open connections of the rule that
-/// used it before.
+/// A record new to the rule set starts from zero: its counters, and the
+/// debts, statistics and open connections of the rule that used it before
+/// (its control record is reset by the caller, through `update_control`).
 fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -> Result<()> {
     let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
     maps.counters.set(record, zeros, 0)?;
-    maps.control.set(record, ControlRecord::default(), 0)?;
     let debts = record * DEBT_SLOTS_PER_RULE as u32;
     zero(&mut maps.debt, debts..debts + DEBT_SLOTS_PER_RULE as u32)?;
     for i in 0..stats_buckets {

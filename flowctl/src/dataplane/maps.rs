@@ -1,6 +1,6 @@
 //! The pinned maps of one attachment, opened by path, with typed reads of
 //! what the kernel counts and the few writes that are not a rule set
-//! (`apply`): the agent record, key
+//! (`apply`) or a control record (`control`): the agent record, key
 //! sampling and the heartbeat.
 
 use super::pins::AttachId;

@@ -13,21 +13,24 @@
 //!   open-connection rings of records new to the set, then flips
 //!   `GlobalRecord::active_slot` and bumps the generation.
 //! - The rule's control record (`FLOWCTL_CONTROL`, read by the admission
-//!   and BBR stages): fixed ratios from `apply`, KLimiter's ratios and
-//!   BBR's decision from the agent's loops.
+//!   and BBR stages) changes through `Maps::update_control` (control.rs)
+//!   only: `apply`'s fixed ratios, KLimiter's ratios and BBR's decision
+//!   from the agent's loops.
 //! - `heartbeat` stamps `GlobalRecord::heartbeat_ns`; past the grace period
 //!   the adaptive stages fail open.
 //!
 //! The modules: `load` (the object and its XDP variant), `attach` (the
 //! pinned link, detach and their errors), `maps` (the pinned maps opened
-//! by path, typed reads), `apply` (rule sets), `egress` (KLimiter's TC
-//! egress counter), `samples` (the `top --keys` ring), `inspect` (what pins
-//! say without `Maps`: layout, sizes, entries, kernel memory); `pins` and
-//! `state` say where an attachment lives and what is recorded about it,
-//! `object` embeds the programs.
+//! by path, typed reads), `apply` (rule sets), `control` (the control
+//! records' write path), `egress` (KLimiter's TC egress counter),
+//! `samples` (the `top --keys` ring), `inspect` (what pins say without
+//! `Maps`: layout, sizes, entries, kernel memory); `pins` and `state` say
+//! where an attachment lives and what is recorded about it, `object`
+//! embeds the programs.
 
 mod apply;
 mod attach;
+mod control;
 mod egress;
 mod inspect;
 mod load;
