@@ -170,11 +170,16 @@ pub struct GlobalRecord {
 }
 
 /// Per-rule control record written by the agent's control loops (admission
-/// ratio, BBR). All zero means all pass.
+/// ratio, BBR) and read by the XDP program's admission and BBR stages. All
+/// zero means all pass.
+///
+/// User space changes it only through `ControlRecord::update` (in flowctl,
+/// `Maps::update_control`), which owns the version and the stamp; the
+/// kernel itself only counts into `bbr_admitted`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ControlRecord {
-    /// Bumped on every write by the agent.
+    /// Bumped on every change by user space (`ControlRecord::update`).
     pub version: u32,
     /// `control_flags::*`.
     pub flags: u32,
@@ -189,7 +194,7 @@ pub struct ControlRecord {
     /// BBR: established connections not yet completed, as the agent last
     /// summed them from the open-connection ring.
     pub bbr_inflight: u32,
-    /// CLOCK_MONOTONIC ns of the last write.
+    /// CLOCK_MONOTONIC ns of the last change.
     pub updated_ns: u64,
     /// BBR, for display: the window's most completions in one bucket and its
     /// smallest mean round trip (ms; 0: no data).
@@ -205,29 +210,18 @@ pub struct ControlRecord {
 }
 
 impl ControlRecord {
-    /// Sets the admission stage: `Some(ppm)` admits that share of new flows,
-    /// `None` switches the stage off; `per_flow` hashes the 5-tuple.
-    /// Returns whether anything changed (the version is bumped then).
-    pub fn set_admission(&mut self, ppm: Option<u32>, per_flow: bool) -> bool {
+    /// The one way user space changes a control record: `edit` sets what
+    /// its writer decides through `ControlEdit`'s setters, and when the
+    /// record differs afterwards the version is bumped and `updated_ns`
+    /// stamped with `now_ns`, once. Returns whether it changed, that is
+    /// whether it needs writing back.
+    pub fn update(&mut self, now_ns: u64, edit: impl FnOnce(&mut ControlEdit<'_>)) -> bool {
         let before = *self;
-        match ppm {
-            Some(ppm) => {
-                self.flags |= control_flags::ADMISSION_ACTIVE;
-                self.admission_ppm = ppm;
-            }
-            None => {
-                self.flags &= !control_flags::ADMISSION_ACTIVE;
-                self.admission_ppm = 0;
-            }
-        }
-        if per_flow {
-            self.flags |= control_flags::ADMISSION_PER_FLOW;
-        } else {
-            self.flags &= !control_flags::ADMISSION_PER_FLOW;
-        }
+        edit(&mut ControlEdit(self));
         let changed = *self != before;
         if changed {
-            self.version = self.version.wrapping_add(1);
+            self.version = before.version.wrapping_add(1);
+            self.updated_ns = now_ns;
         }
         changed
     }
@@ -241,6 +235,86 @@ impl ControlRecord {
             1.0
         }
     }
+}
+
+/// A control record open for change inside `ControlRecord::update`: each
+/// setter keeps a stage's flag and its fields consistent, and none touches
+/// the version or the stamp (`update` does, once).
+pub struct ControlEdit<'a>(&'a mut ControlRecord);
+
+impl ControlEdit<'_> {
+    /// The admission stage: `Some(ppm)` admits that share of new flows,
+    /// `None` switches the stage off; `per_flow` hashes the 5-tuple.
+    pub fn set_admission(&mut self, ppm: Option<u32>, per_flow: bool) {
+        let c = &mut *self.0;
+        match ppm {
+            Some(ppm) => {
+                c.flags |= control_flags::ADMISSION_ACTIVE;
+                c.admission_ppm = ppm;
+            }
+            None => {
+                c.flags &= !control_flags::ADMISSION_ACTIVE;
+                c.admission_ppm = 0;
+            }
+        }
+        if per_flow {
+            c.flags |= control_flags::ADMISSION_PER_FLOW;
+        } else {
+            c.flags &= !control_flags::ADMISSION_PER_FLOW;
+        }
+    }
+
+    /// The BBR stage on, with BBR's latest decision (saturated to the
+    /// record's 32-bit fields). `bbr_admitted` restarts from zero: the
+    /// connections the kernel admitted since the last decision are in
+    /// `in_flight` once established, and the kernel counts new ones from
+    /// here.
+    pub fn set_bbr(&mut self, b: &BbrControl) {
+        let sat = |v: u64| v.min(u32::MAX as u64) as u32;
+        let c = &mut *self.0;
+        c.flags |= control_flags::BBR_ACTIVE;
+        c.bbr_max_inflight = b.max_in_flight.map(sat).unwrap_or(u32::MAX);
+        c.bbr_overloaded = b.overloaded as u32;
+        c.bbr_inflight = sat(b.in_flight);
+        c.bbr_max_pass = sat(b.max_pass);
+        c.bbr_min_rt_ms = sat(b.min_rt_ms);
+        c.bbr_admitted = 0;
+    }
+
+    /// The BBR stage off, with nothing of it left in the record.
+    pub fn clear_bbr(&mut self) {
+        let c = &mut *self.0;
+        c.flags &= !control_flags::BBR_ACTIVE;
+        c.bbr_max_inflight = 0;
+        c.bbr_overloaded = 0;
+        c.bbr_inflight = 0;
+        c.bbr_max_pass = 0;
+        c.bbr_min_rt_ms = 0;
+        c.bbr_admitted = 0;
+    }
+
+    /// Every stage off, every field a stage reads zero (all pass): a record
+    /// taken over by a new rule. The version goes on counting.
+    pub fn reset(&mut self) {
+        let c = &mut *self.0;
+        *c = ControlRecord { version: c.version, updated_ns: c.updated_ns, ..Default::default() };
+    }
+}
+
+/// What BBR's loop decided for a rule at one tick, as `ControlEdit::set_bbr`
+/// writes it into the rule's control record.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BbrControl {
+    /// The window's most completions in one bucket.
+    pub max_pass: u64,
+    /// The window's smallest mean round trip (ms; 0: no data).
+    pub min_rt_ms: u64,
+    /// The limit on connections in flight (None: no limit yet).
+    pub max_in_flight: Option<u64>,
+    /// Established connections not yet completed.
+    pub in_flight: u64,
+    /// The in-flight test is on (CPU over threshold or cooling down).
+    pub overloaded: bool,
 }
 
 pub mod bbr_flags {
@@ -531,17 +605,102 @@ mod pod {
 mod tests {
     use super::*;
 
+    use control_flags::{ADMISSION_ACTIVE, ADMISSION_PER_FLOW, BBR_ACTIVE};
+
+    const BBR: BbrControl = BbrControl {
+        max_pass: 40,
+        min_rt_ms: 12,
+        max_in_flight: Some(90),
+        in_flight: 70,
+        overloaded: true,
+    };
+
     #[test]
     fn set_admission_reports_changes_and_bumps_the_version() {
         let mut c = ControlRecord::default();
-        assert!(c.set_admission(Some(250_000), true));
+        assert!(c.update(10, |e| e.set_admission(Some(250_000), true)));
         assert_eq!(
-            (c.admission_ppm, c.flags, c.version),
-            (250_000, control_flags::ADMISSION_ACTIVE | control_flags::ADMISSION_PER_FLOW, 1)
+            (c.admission_ppm, c.flags, c.version, c.updated_ns),
+            (250_000, ADMISSION_ACTIVE | ADMISSION_PER_FLOW, 1, 10)
         );
-        assert!(!c.set_admission(Some(250_000), true), "the same setting is no change");
-        assert_eq!(c.version, 1);
-        assert!(c.set_admission(None, false));
+        assert!(!c.update(20, |e| e.set_admission(Some(250_000), true)), "the same is no change");
+        assert_eq!((c.version, c.updated_ns), (1, 10), "no change, no bump, no stamp");
+        assert!(c.update(30, |e| e.set_admission(Some(250_000), false)));
+        assert_eq!((c.flags, c.version), (ADMISSION_ACTIVE, 2));
+        assert!(c.update(40, |e| e.set_admission(None, false)));
         assert_eq!((c.admission_ppm, c.flags, c.admission_ratio()), (0, 0, 1.0));
+        assert_eq!((c.version, c.updated_ns), (3, 40));
+    }
+
+    #[test]
+    fn set_bbr_sets_the_flag_and_every_field() {
+        let mut c = ControlRecord { bbr_admitted: 7, ..Default::default() };
+        assert!(c.update(5, |e| e.set_bbr(&BBR)));
+        assert_eq!(c.flags, BBR_ACTIVE);
+        assert_eq!(
+            (c.bbr_max_inflight, c.bbr_overloaded, c.bbr_inflight, c.bbr_max_pass, c.bbr_min_rt_ms),
+            (90, 1, 70, 40, 12)
+        );
+        assert_eq!((c.bbr_admitted, c.version, c.updated_ns), (0, 1, 5));
+        assert!(!c.update(6, |e| e.set_bbr(&BBR)), "the same decision is no change");
+        assert_eq!((c.version, c.updated_ns), (1, 5));
+        // The kernel counted admissions since: the same decision restarts them.
+        c.bbr_admitted = 3;
+        assert!(c.update(7, |e| e.set_bbr(&BBR)));
+        assert_eq!((c.bbr_admitted, c.version, c.updated_ns), (0, 2, 7));
+    }
+
+    #[test]
+    fn set_bbr_saturates_and_reads_no_limit_as_the_maximum() {
+        let mut c = ControlRecord::default();
+        let b = BbrControl { max_in_flight: None, in_flight: u64::MAX, overloaded: false, ..BBR };
+        assert!(c.update(1, |e| e.set_bbr(&b)));
+        assert_eq!((c.bbr_max_inflight, c.bbr_inflight, c.bbr_overloaded), (u32::MAX, u32::MAX, 0));
+        let mut c = ControlRecord::default();
+        let b = BbrControl { max_in_flight: Some(1 << 40), ..b };
+        assert!(c.update(2, |e| e.set_bbr(&b)));
+        assert_eq!(c.bbr_max_inflight, u32::MAX, "a limit beyond u32 is no limit either");
+    }
+
+    #[test]
+    fn clear_bbr_leaves_nothing_of_it_and_keeps_admission() {
+        let mut c = ControlRecord::default();
+        assert!(c.update(1, |e| {
+            e.set_admission(Some(500_000), true);
+            e.set_bbr(&BBR);
+        }));
+        assert_eq!(c.version, 1, "one update, one bump");
+        assert!(c.update(2, |e| e.clear_bbr()));
+        let admission_only = ControlRecord {
+            version: 2,
+            flags: ADMISSION_ACTIVE | ADMISSION_PER_FLOW,
+            admission_ppm: 500_000,
+            updated_ns: 2,
+            ..Default::default()
+        };
+        assert_eq!(c, admission_only);
+        assert!(!c.update(3, |e| e.clear_bbr()), "nothing to clear is no change");
+        assert_eq!(c.version, 2);
+    }
+
+    #[test]
+    fn reset_zeroes_every_stage_and_the_version_goes_on() {
+        let mut c = ControlRecord::default();
+        assert!(!c.update(1, |e| e.reset()), "a zero record is reset already");
+        assert_eq!(c, ControlRecord::default());
+        c.update(2, |e| {
+            e.set_admission(Some(1), false);
+            e.set_bbr(&BBR);
+        });
+        assert!(c.update(3, |e| e.reset()));
+        assert_eq!(c, ControlRecord { version: 2, updated_ns: 3, ..Default::default() });
+        assert_eq!(c.admission_ratio(), 1.0);
+    }
+
+    #[test]
+    fn the_version_wraps() {
+        let mut c = ControlRecord { version: u32::MAX, ..Default::default() };
+        assert!(c.update(1, |e| e.set_admission(Some(1), false)));
+        assert_eq!(c.version, 0);
     }
 }

@@ -1,7 +1,8 @@
 //! The agent's BBR loop: every statistics bucket (100 ms by default) it
 //! reads each BBR rule's window from the kernel's rings, evaluates the pure
 //! decision (`flowctl_common::bbr`) and writes the result into the rule's
-//! control record, where the XDP program applies it to each SYN.
+//! control record (`Maps::update_control`, `ControlEdit::set_bbr`), where
+//! the XDP program applies it to each SYN.
 //!
 //! What the kernel measures (docs/design.md, "BBR at L4"): an arrival is the
 //! first admitted SYN of a tuple; a connection is in flight from the
@@ -24,7 +25,7 @@ use crate::{
 use anyhow::Result;
 use flowctl_common::{
     bbr::{self, BbrBucket, BbrState},
-    control_flags, reason, stats, NO_CPU_SIGNAL,
+    reason, stats, BbrControl, NO_CPU_SIGNAL,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -37,16 +38,6 @@ struct RuleLoop {
     state: BbrState,
     /// BBR drops counted by the kernel at the last tick.
     drops_seen: u64,
-}
-
-/// What one tick decided for a rule (also what `top` and the tests read).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BbrView {
-    pub max_pass: u64,
-    pub min_rt_ms: u64,
-    pub max_in_flight: Option<u64>,
-    pub in_flight: u64,
-    pub overloaded: bool,
 }
 
 #[derive(Default)]
@@ -112,7 +103,7 @@ impl BbrLoop {
             if !bbr::active(&l.state, &cfg, cpu, now_ns) {
                 l.state.drop_anchor_ns = 0;
             }
-            let view = BbrView {
+            let view = BbrControl {
                 max_pass: bbr::max_pass(&window),
                 min_rt_ms: bbr::min_rt_ms(&window).unwrap_or(0),
                 max_in_flight: max,
@@ -120,25 +111,8 @@ impl BbrLoop {
                 overloaded: bbr::active(&l.state, &cfg, cpu, now_ns),
             };
             tracing::debug!(rule = %rule.name, cpu, drops, anchor = l.state.drop_anchor_ns, ?view, "bbr tick");
-            write_control(maps, rs.record, &view, now_ns)?;
+            maps.update_control(rs.record, now_ns, |c| c.set_bbr(&view))?;
         }
         Ok(())
     }
-}
-
-fn write_control(maps: &mut Maps, record: u32, v: &BbrView, now_ns: u64) -> Result<()> {
-    let mut c = maps.control.get(&record, 0)?;
-    c.flags |= control_flags::BBR_ACTIVE;
-    c.bbr_max_inflight = v.max_in_flight.map(|m| m.min(u32::MAX as u64) as u32).unwrap_or(u32::MAX);
-    c.bbr_overloaded = v.overloaded as u32;
-    c.bbr_inflight = v.in_flight.min(u32::MAX as u64) as u32;
-    c.bbr_max_pass = v.max_pass.min(u32::MAX as u64) as u32;
-    c.bbr_min_rt_ms = v.min_rt_ms.min(u32::MAX as u64) as u32;
-    // Connections admitted since the last tick are in `in_flight` now once
-    // established; the kernel counts new ones from zero.
-    c.bbr_admitted = 0;
-    c.updated_ns = now_ns;
-    c.version = c.version.wrapping_add(1);
-    maps.control.set(record, c, 0)?;
-    Ok(())
 }

@@ -275,13 +275,11 @@ impl KlimiterLoop {
         self.level_n.iter_mut().for_each(|v| *v = 0);
         self.samples = 0;
         for (k, &i) in self.rules.iter().enumerate() {
-            let record = state.rules[i].record;
-            let mut c = maps.control.get(&record, 0)?;
             let ppm = (self.ctl.ratios()[k] * 1e6).round() as u32;
-            if c.set_admission(Some(ppm), set.rules[i].admission_per_flow) {
-                c.updated_ns = now;
-                maps.control.set(record, c, 0)?;
-            }
+            let per_flow = set.rules[i].admission_per_flow;
+            maps.update_control(state.rules[i].record, now, |c| {
+                c.set_admission(Some(ppm), per_flow)
+            })?;
         }
         self.publish(state, set, &view, now)
     }

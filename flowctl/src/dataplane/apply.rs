@@ -1,0 +1,215 @@
+//! Writing a rule set: `plan_states` keeps each rule's counter record and
+//! bucket state across reloads, `apply` writes the set into the inactive
+//! slot of every per-slot table and flips `GlobalRecord::active_slot`, so
+//! the kernel sees the old rule set or the new one, never a mix.
+
+use super::{
+    maps::Maps,
+    state::{AttachState, RuleState},
+};
+use crate::{profile::RuleSet, system::clock::monotonic_ns};
+use anyhow::{anyhow, bail, Result};
+use aya::{
+    maps::{lpm_trie::Key, Array, MapData, PerCpuValues},
+    Pod,
+};
+use flowctl_common::{
+    tables, RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SLOTS_PER_RULE, LAYOUT_VERSION,
+    MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
+    RULE_SETS,
+};
+use std::{fs, ops::Range};
+
+/// Assigns counter records and bucket-state ids for `set`, keeping a rule's
+/// record while its name is unchanged and its state id while its match and
+/// limits are unchanged (so its buckets survive the reload).
+pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) -> Vec<RuleState> {
+    let mut used_records: Vec<u32> = Vec::new();
+    let mut used_states: Vec<u32> = Vec::new();
+    let mut out: Vec<RuleState> = Vec::new();
+    for r in &set.rules {
+        let fp = r.state_fingerprint();
+        let record = old.iter().find(|o| o.name == r.name).map(|o| o.record);
+        let state = old
+            .iter()
+            .find(|o| o.fingerprint == fp && o.name == r.name && !used_states.contains(&o.state_id))
+            .or_else(|| {
+                old.iter().find(|o| o.fingerprint == fp && !used_states.contains(&o.state_id))
+            })
+            .map(|o| o.state_id);
+        let state_id = state.unwrap_or_else(|| {
+            *next_state_id += 1;
+            *next_state_id
+        });
+        used_states.push(state_id);
+        out.push(RuleState {
+            name: r.name.clone(),
+            fingerprint: fp,
+            state_id,
+            record: record.unwrap_or(u32::MAX),
+        });
+        if let Some(rec) = record {
+            used_records.push(rec);
+        }
+    }
+    // New names take records that neither the old nor the new set uses, so
+    // old and new rules never share counters during the flip.
+    let old_records: Vec<u32> = old.iter().map(|o| o.record).collect();
+    let mut free = (0..MAX_RULE_RECORDS as u32)
+        .filter(|r| !used_records.contains(r) && !old_records.contains(r));
+    for s in out.iter_mut() {
+        if s.record == u32::MAX {
+            s.record = free.next().expect("2*MAX_RULES records cover old and new sets");
+        }
+    }
+    out
+}
+
+/// Writes `set` into the inactive slot, then flips the active slot and bumps
+/// the generation. The kernel sees either the old or the new rule set, never a
+/// mix. The new rule states replace `state.rules`.
+pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<()> {
+    let mut next = state.next_state_id;
+    let planned = plan_states(&state.rules, &mut next, set);
+    let mut g = maps.global()?;
+    let slot = (g.active_slot & 1) ^ 1;
+    if g.layout_version != 0 && g.layout_version != LAYOUT_VERSION {
+        bail!("pinned layout version {} is not {LAYOUT_VERSION}", g.layout_version);
+    }
+
+    let configs: Vec<RuleConfig> = set
+        .rules
+        .iter()
+        .zip(&planned)
+        .enumerate()
+        .map(|(i, (r, s))| RuleConfig {
+            interval_fp: r.interval_fp,
+            burst_ns: r.burst_ns,
+            state_id: s.state_id,
+            record: s.record,
+            action: r.action,
+            unit: r.unit,
+            key_kind: r.key_kind,
+            prefix_v4: r.prefix_v4,
+            prefix_v6: r.prefix_v6,
+            has_ports: r.spec.ports.is_some() as u8,
+            has_bucket: (r.interval_fp != 0) as u8,
+            bbr: r.bbr.as_ref().map(|b| b.kernel_flags()).unwrap_or(0),
+            at: slot * MAX_RULES as u32 + i as u32,
+            quota_bucket_ns: r.quota_bucket_ns,
+            quota_limit: r.quota_limit,
+            quota_buckets: r.quota_buckets,
+        })
+        .collect();
+    write_slot(&mut maps.rules, slot, MAX_RULES, &configs)?;
+    let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
+    let t = tables::compile(&specs, slot as u8);
+    write_slot(&mut maps.proto, slot, PROTO_INDICES, &t.proto)?;
+    write_slot(&mut maps.port, slot, PORT_INDICES, &t.port)?;
+    write_slot(&mut maps.rule_sets, slot, RULE_SETS, &t.sets)?;
+    // Replace this slot's trie entries.
+    let stale: Vec<Key<TrieData>> = maps
+        .trie
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| k.data()[0] >> 1 == slot as u8)
+        .collect();
+    for k in &stale {
+        let _ = maps.trie.remove(k);
+    }
+    // Classes first, so no trie entry ever names a class not yet written.
+    write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
+    for e in &t.trie {
+        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0)?;
+    }
+    let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
+    let now = monotonic_ns();
+    for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
+        let new = !state.rules.iter().any(|o| o.record == s.record);
+        if new {
+            clear_record(maps, s.record, state.stats.buckets, ncpu)?;
+        }
+        // KLimiter's entries keep the ratio the agent last set: a reload
+        // during an overload must not open the gates.
+        let klimiter = set.baselines.iter().any(|b| b.entries.contains(&i));
+        maps.update_control(s.record, now, |c| {
+            if new {
+                c.reset();
+            }
+            if !klimiter {
+                // Fixed admission ratios from the profile (none: all pass).
+                c.set_admission(r.admission_ppm, r.admission_per_flow);
+            }
+            if r.bbr.is_none() {
+                // Rules without BBR (any more) leave nothing of it.
+                c.clear_bbr();
+            }
+        })?;
+    }
+    // The flip.
+    g.layout_version = LAYOUT_VERSION;
+    g.active_slot = slot;
+    g.generation += 1;
+    g.malformed_verdict = set.settings.malformed_verdict;
+    g.fragment_verdict = set.settings.fragment_verdict;
+    g.grace_ns = set.settings.grace_ns;
+    if g.hash_seed == 0 {
+        g.hash_seed = random_u64();
+    }
+    maps.global.set(0, g, 0)?;
+    state.rules = planned;
+    state.next_state_id = next;
+    Ok(())
+}
+
+/// Writes `items` into `slot`'s part of a table that holds `per_slot`
+/// entries for each slot.
+fn write_slot<V: Pod>(
+    map: &mut Array<MapData, V>,
+    slot: u32,
+    per_slot: usize,
+    items: &[V],
+) -> Result<()> {
+    for (i, v) in items.iter().enumerate() {
+        map.set(slot * per_slot as u32 + i as u32, v, 0)?;
+    }
+    Ok(())
+}
+
+/// A record new to the rule set starts from zero: its counters, and the
+/// debts, statistics and open connections of the rule that used it before
+/// (its control record is reset by the caller, through `update_control`).
+fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -> Result<()> {
+    let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
+    maps.counters.set(record, zeros, 0)?;
+    let debts = record * DEBT_SLOTS_PER_RULE as u32;
+    zero(&mut maps.debt, debts..debts + DEBT_SLOTS_PER_RULE as u32)?;
+    for i in 0..stats_buckets {
+        let idx = record * stats_buckets + i;
+        if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
+            maps.stats.set(idx, PerCpuValues::try_from(vec![StatsBucket::default(); ncpu])?, 0)?;
+        }
+    }
+    let open = record * OPEN_BUCKETS as u32;
+    zero(&mut maps.open, open..open + OPEN_BUCKETS as u32)
+}
+
+/// Zeroes the entries `range` of a u64 array, writing only those that are
+/// not zero already.
+fn zero(map: &mut Array<MapData, u64>, range: Range<u32>) -> Result<()> {
+    for i in range {
+        if map.get(&i, 0)? != 0 {
+            map.set(i, 0, 0)?;
+        }
+    }
+    Ok(())
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if let Ok(mut f) = fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    u64::from_ne_bytes(b) | 1
+}

@@ -1,0 +1,151 @@
+//! Attaching the loaded XDP program to an interface through a pinned
+//! bpf_link (or re-pointing the pinned link of an adopted data plane),
+//! detaching it with every pin, and the error text of both.
+
+use super::{load::loaded_xdp, pins::AttachId};
+use anyhow::{anyhow, Context, Result};
+use aya::{
+    programs::{links::FdLink, links::PinnedLink, ProgramError, Xdp, XdpMode},
+    Ebpf,
+};
+use flowctl_common::XDP_PROGRAM_FRAGS;
+use std::fs;
+
+/// The pinned link outlived its interface (the namespace or device was
+/// deleted, and the numbers were reused): its pins are stale.
+#[derive(Debug, thiserror::Error)]
+#[error("the pinned XDP link is severed: its interface is gone")]
+pub struct SeveredLink;
+
+/// How `attach` should treat the interface's XDP mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Native (driver) mode, falling back to generic with a warning.
+    Auto,
+    Native,
+    /// Generic (skb) mode.
+    Skb,
+}
+
+/// Attaches (or, when `link` is pinned already, re-points the pinned link at
+/// the freshly loaded program) and returns the mode in use.
+pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result<String> {
+    let link_path = id.pin_dir().join("link");
+    let name = loaded_xdp(ebpf)?;
+    let frags = name == XDP_PROGRAM_FRAGS;
+    let prog: &mut Xdp = ebpf.program_mut(name).context("program missing")?.try_into()?;
+    if link_path.exists() {
+        let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
+        let fd_link: FdLink = pinned.into();
+        let xdp_link = aya::programs::xdp::XdpLink::try_from(fd_link)?;
+        let link_id = match prog.attach_to_link(xdp_link) {
+            Ok(l) => l,
+            Err(ProgramError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+            {
+                return Err(SeveredLink.into());
+            }
+            Err(e) => return Err(anyhow!("re-pointing the pinned XDP link at {name}: {e}")),
+        };
+        let link = prog.take_link(link_id)?;
+        std::mem::forget(link); // stays pinned
+        return Ok("adopted".into());
+    }
+    let try_mode = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(id.ifindex, m);
+    let (link_id, used) = match mode {
+        Mode::Skb => {
+            (try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?, "generic")
+        }
+        Mode::Native => {
+            (try_mode(prog, XdpMode::Driver).map_err(|e| attach_error(e, iface, frags))?, "native")
+        }
+        Mode::Auto => match try_mode(prog, XdpMode::Driver) {
+            Ok(l) => (l, "native"),
+            Err(e) if is_busy(&e) => return Err(attach_error(e, iface, frags)),
+            Err(e) => {
+                tracing::warn!("native XDP is not available on {iface} ({}); FALLING BACK TO GENERIC (skb) MODE, which is slower", describe(&e));
+                eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
+                (
+                    try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?,
+                    "generic",
+                )
+            }
+        },
+    };
+    let link = prog.take_link(link_id)?;
+    let fd_link = FdLink::try_from(link).map_err(|e| {
+        anyhow!(
+            "this kernel attached XDP without bpf_link ({e}); flowctl needs bpf_link (Linux 5.9+)"
+        )
+    })?;
+    fd_link
+        .pin(&link_path)
+        .with_context(|| format!("pinning the XDP link at {}", link_path.display()))?;
+    Ok(used.into())
+}
+
+fn is_busy(e: &ProgramError) -> bool {
+    let s = format!("{e:?}");
+    s.contains("EBUSY")
+        || s.contains("EEXIST")
+        || s.contains("Device or resource busy")
+        || s.contains("File exists")
+}
+
+/// The errno behind a failed attach, when the kernel gave one.
+fn os_error(e: &ProgramError) -> Option<&std::io::Error> {
+    match e {
+        ProgramError::SyscallError(s) => Some(&s.io_error),
+        _ => None,
+    }
+}
+
+/// A program error with its errno (aya's Display leaves it out).
+fn describe(e: &ProgramError) -> String {
+    match os_error(e) {
+        Some(io) => format!("{e}: {io}"),
+        None => e.to_string(),
+    }
+}
+
+fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
+    // veth (drivers/net/veth.c, veth_xdp_set) and other drivers refuse a
+    // single-buffer program in native mode when the MTU does not fit one
+    // page: ERANGE.
+    let range = os_error(&e).and_then(|io| io.raw_os_error()) == Some(libc::ERANGE);
+    if range && !frags {
+        anyhow!(
+            "attaching XDP to {iface}: {}: its MTU is too large for a single-buffer XDP program in native mode, and this kernel ({}) lacks multi-buffer XDP (xdp.frags, Linux 5.18+); lower the MTU or use --mode skb",
+            describe(&e),
+            crate::kernel::features::get().release
+        )
+    } else if is_busy(&e) {
+        anyhow!(
+            "{iface} already has another XDP program attached; flowctl will not replace it. Inspect it with `ip link show {iface}` and remove it with `ip link set dev {iface} xdp off` (or `bpftool net detach xdp dev {iface}`) if it is not needed"
+        )
+    } else {
+        anyhow!("attaching XDP to {iface}: {}", describe(&e))
+    }
+}
+
+/// Removes the link and every pin of an attachment. Idempotent: returns false
+/// when there was nothing to remove.
+pub fn detach(id: &AttachId) -> Result<bool> {
+    let dir = id.pin_dir();
+    if !dir.exists() {
+        let _ = fs::remove_dir_all(id.run_dir());
+        return Ok(false);
+    }
+    let link_path = dir.join("link");
+    if link_path.exists() {
+        let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
+        let fd = pinned.unpin().context("unpinning the XDP link")?;
+        drop(fd);
+    }
+    fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    // Keep the lock file (an agent may hold it); drop the rest.
+    for f in ["state.json", "profile.toml", "agent.sock"] {
+        let _ = fs::remove_file(id.run_dir().join(f));
+    }
+    Ok(true)
+}

@@ -1,0 +1,206 @@
+//! The pinned maps of one attachment, opened by path, with typed reads of
+//! what the kernel counts and the few writes that are not a rule set
+//! (`apply`) or a control record (`control`): the agent record, key
+//! sampling and the heartbeat.
+
+use super::pins::AttachId;
+use crate::{profile::StatsSettings, system::clock::monotonic_ns};
+use anyhow::{Context, Result};
+use aya::maps::{lpm_trie::Key, Array, LpmTrie, Map, MapData, PerCpuArray};
+use flowctl_common::{
+    map_names as names,
+    stats::{self, StatsSum},
+    tables, AgentRecord, ControlRecord, EgressTarget, GlobalRecord, RuleBitmap, RuleConfig,
+    RuleCounters, StatsBucket, TrieData, MAX_RULES, MAX_SRC_CLASSES, OPEN_BUCKETS, OPEN_BUCKET_NS,
+    PORT_INDICES, PORT_NONE, PROTO_INDICES,
+};
+use std::path::Path;
+
+/// The pinned maps of one attachment, opened by path.
+pub struct Maps {
+    pub global: Array<MapData, GlobalRecord>,
+    pub rules: Array<MapData, RuleConfig>,
+    pub proto: Array<MapData, RuleBitmap>,
+    pub port: Array<MapData, RuleBitmap>,
+    pub rule_sets: Array<MapData, RuleBitmap>,
+    pub trie: LpmTrie<MapData, TrieData, u32>,
+    pub classes: Array<MapData, RuleBitmap>,
+    pub counters: PerCpuArray<MapData, RuleCounters>,
+    pub control: Array<MapData, ControlRecord>,
+    pub debt: Array<MapData, u64>,
+    pub stats: PerCpuArray<MapData, StatsBucket>,
+    pub agent: Array<MapData, AgentRecord>,
+    /// BBR rules' open-connection rings (see `OPEN_BUCKETS`).
+    pub open: Array<MapData, u64>,
+    /// KLimiter's egress targets and their per-CPU counters.
+    pub egress_targets: Array<MapData, EgressTarget>,
+    pub egress_counts: PerCpuArray<MapData, u64>,
+}
+
+/// A pinned map of the attachment whose pin directory is `dir`.
+pub(super) fn open_pinned(dir: &Path, name: &str) -> Result<MapData> {
+    MapData::from_pin(dir.join(name))
+        .with_context(|| format!("opening pinned map {}", dir.join(name).display()))
+}
+
+impl Maps {
+    pub fn open(id: &AttachId) -> Result<Self> {
+        let d = id.pin_dir();
+        Ok(Self {
+            global: Array::try_from(Map::Array(open_pinned(&d, names::GLOBAL)?))?,
+            rules: Array::try_from(Map::Array(open_pinned(&d, names::RULES)?))?,
+            proto: Array::try_from(Map::Array(open_pinned(&d, names::PROTO_BITS)?))?,
+            port: Array::try_from(Map::Array(open_pinned(&d, names::PORT_BITS)?))?,
+            rule_sets: Array::try_from(Map::Array(open_pinned(&d, names::RULE_SETS)?))?,
+            trie: LpmTrie::try_from(Map::LpmTrie(open_pinned(&d, names::SRC_TRIE)?))?,
+            classes: Array::try_from(Map::Array(open_pinned(&d, names::SRC_CLASSES)?))?,
+            counters: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(&d, names::COUNTERS)?))?,
+            control: Array::try_from(Map::Array(open_pinned(&d, names::CONTROL)?))?,
+            debt: Array::try_from(Map::Array(open_pinned(&d, names::DEBT)?))?,
+            stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(&d, names::STATS)?))?,
+            agent: Array::try_from(Map::Array(open_pinned(&d, names::AGENT)?))?,
+            open: Array::try_from(Map::Array(open_pinned(&d, names::OPEN)?))?,
+            egress_targets: Array::try_from(Map::Array(open_pinned(&d, names::EGRESS_TARGETS)?))?,
+            egress_counts: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(
+                &d,
+                names::EGRESS_COUNTS,
+            )?))?,
+        })
+    }
+
+    pub fn global(&self) -> Result<GlobalRecord> {
+        Ok(self.global.get(&0, 0)?)
+    }
+
+    /// Established, not yet completed connections of a BBR rule: the open
+    /// ring's counts over the epochs within `idle_timeout_ns` of `now_ns`.
+    pub fn in_flight(&self, record: u32, idle_timeout_ns: u64, now_ns: u64) -> Result<u64> {
+        let cur = now_ns / OPEN_BUCKET_NS;
+        let span = (idle_timeout_ns / OPEN_BUCKET_NS).clamp(1, OPEN_BUCKETS as u64 - 1);
+        let mut n = 0u64;
+        for e in cur.saturating_sub(span - 1)..=cur {
+            let w = self
+                .open
+                .get(&(record * OPEN_BUCKETS as u32 + (e % OPEN_BUCKETS as u64) as u32), 0)?;
+            let (epoch, count) = flowctl_common::window::unpack(w);
+            if epoch == e as u32 {
+                // A count is a u32 that completions may have taken below the
+                // establishments they match (a CPU race): never below zero.
+                n += (count as i32).max(0) as u64;
+            }
+        }
+        Ok(n)
+    }
+
+    /// What the agent last published (see `AgentRecord`).
+    pub fn agent_record(&self) -> Result<AgentRecord> {
+        Ok(self.agent.get(&0, 0)?)
+    }
+
+    pub fn set_agent_record(&mut self, r: &AgentRecord) -> Result<()> {
+        self.agent.set(0, *r, 0)?;
+        Ok(())
+    }
+
+    /// The active slot's configuration of rule `index` (profile order).
+    pub fn active_rule(&self, index: usize) -> Result<RuleConfig> {
+        let slot = self.global()?.active_slot & 1;
+        Ok(self.rules.get(&(slot * MAX_RULES as u32 + index as u32), 0)?)
+    }
+
+    /// Turns key sampling for `top --keys` on (about one in `every` matched
+    /// packets) or off (0).
+    pub fn set_key_sampling(&mut self, every: u32) -> Result<()> {
+        let mut g = self.global()?;
+        g.key_sample_every = every;
+        self.global.set(0, g, 0)?;
+        Ok(())
+    }
+
+    /// Sum of a record's per-CPU counters.
+    pub fn counters(&self, record: u32) -> Result<RuleCounters> {
+        let mut total = RuleCounters::default();
+        for c in self.counters.get(&record, 0)?.iter() {
+            total.add(c);
+        }
+        Ok(total)
+    }
+
+    /// A record's statistics over the last `span` complete buckets before
+    /// `now_ns` (CLOCK_MONOTONIC), summed over CPUs. Reads only those
+    /// buckets, one lookup each; the kernel's writers never wait on it.
+    pub fn stats_span(
+        &self,
+        record: u32,
+        shape: &StatsSettings,
+        now_ns: u64,
+        span: u32,
+    ) -> Result<StatsSum> {
+        self.stats_epochs(
+            record,
+            shape,
+            stats::complete_span(now_ns, shape.bucket_ns, shape.buckets, span),
+        )
+    }
+
+    /// A record's statistics over the last `span` complete buckets (at
+    /// least one, at most what the ring holds) and the seconds they cover,
+    /// for rates.
+    pub fn stats_rate_window(
+        &self,
+        record: u32,
+        shape: &StatsSettings,
+        now_ns: u64,
+        span: u32,
+    ) -> Result<(StatsSum, f64)> {
+        let span = span.min(shape.buckets.saturating_sub(1)).max(1);
+        let sum = self.stats_span(record, shape, now_ns, span)?;
+        Ok((sum, span as f64 * shape.bucket_ns as f64 / 1e9))
+    }
+
+    /// A record's statistics over the given bucket epochs, summed over CPUs.
+    pub fn stats_epochs(
+        &self,
+        record: u32,
+        shape: &StatsSettings,
+        epochs: std::ops::Range<u64>,
+    ) -> Result<StatsSum> {
+        let mut sum = StatsSum::default();
+        for e in epochs {
+            let idx = stats::index(record, e, shape.buckets);
+            for b in self.stats.get(&idx, 0)?.iter() {
+                if b.epoch == e {
+                    sum.add(b);
+                }
+            }
+        }
+        Ok(sum)
+    }
+
+    /// The rule index the kernel would pick, read from the kernel's own active
+    /// tables with the kernel's matcher.
+    pub fn classify(
+        &self,
+        src: &std::net::IpAddr,
+        proto: u8,
+        dport: Option<u16>,
+    ) -> Result<Option<u32>> {
+        let slot = (self.global()?.active_slot & 1) as u8;
+        let key = Key::new(8 + 128, tables::trie_data(slot, src));
+        let src_bits = match self.trie.get(&key, 0) {
+            Ok(class) => self.classes.get(&(slot as u32 * MAX_SRC_CLASSES as u32 + class), 0)?,
+            Err(_) => RuleBitmap::EMPTY,
+        };
+        let pb = self.proto.get(&(slot as u32 * PROTO_INDICES as u32 + proto as u32), 0)?;
+        let port = dport.map(u32::from).unwrap_or(PORT_NONE);
+        let portb = self.port.get(&(slot as u32 * PORT_INDICES as u32 + port), 0)?;
+        Ok(flowctl_common::matcher::first_match(&src_bits, &pb, &portb))
+    }
+}
+
+pub fn heartbeat(maps: &mut Maps) -> Result<()> {
+    let mut g = maps.global()?;
+    g.heartbeat_ns = monotonic_ns();
+    maps.global.set(0, g, 0)?;
+    Ok(())
+}
