@@ -2,7 +2,10 @@
 //! bpf_link (or re-pointing the pinned link of an adopted data plane),
 //! detaching it with every pin, and the error text of both.
 
-use super::{load::loaded_xdp, pins::AttachId};
+use super::{
+    load::loaded_xdp,
+    pins::{run_file, AttachId},
+};
 use anyhow::{anyhow, Context, Result};
 use aya::{
     programs::{links::FdLink, links::PinnedLink, ProgramError, Xdp, XdpMode},
@@ -144,7 +147,7 @@ pub fn detach(id: &AttachId) -> Result<bool> {
     }
     fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     // Keep the lock file (an agent may hold it); drop the rest.
-    for f in ["state.json", "profile.toml", "agent.sock"] {
+    for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET] {
         let _ = fs::remove_file(id.run_dir().join(f));
     }
     Ok(true)
