@@ -90,41 +90,17 @@ fn main() -> Result<()> {
         Cmd::Setup => setup::setup(),
         Cmd::Test { kernels, full } => matrix::test(matrix::Selection::parse(&kernels, full)?),
         Cmd::Demo => {
-            setup::setup()?;
-            if !is_root() {
-                bail!("the demo creates network namespaces and loads XDP: run `sudo -E cargo xtask demo`");
-            }
-            run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
-            let bin = std::env::current_dir()?.join("target/release/flowctl");
-            run(Command::new("cargo")
-                .args([
-                    "run",
-                    "--release",
-                    "--quiet",
-                    "--package",
-                    "flowctl-tests",
-                    "--bin",
-                    "flowctl-demo",
-                ])
-                .env("FLOWCTL_BIN", bin))
+            privileged("the demo creates network namespaces and loads XDP", "demo")?;
+            let bin = release_flowctl()?;
+            run(tests_bin("flowctl-demo").env("FLOWCTL_BIN", bin))
         }
         Cmd::Fuzz { frames, args } => {
-            setup::setup()?;
-            if !is_root() {
-                bail!("the fuzzer loads the XDP program for BPF_PROG_TEST_RUN: run `sudo -E cargo xtask fuzz {frames}`");
-            }
+            privileged(
+                "the fuzzer loads the XDP program for BPF_PROG_TEST_RUN",
+                &format!("fuzz {frames}"),
+            )?;
             let out = root().join("target/fuzz");
-            run(Command::new("cargo")
-                .args([
-                    "run",
-                    "--release",
-                    "--quiet",
-                    "--package",
-                    "flowctl-tests",
-                    "--bin",
-                    "flowctl-fuzz",
-                    "--",
-                ])
+            run(tests_bin("flowctl-fuzz")
                 .arg(frames.to_string())
                 .arg("--out")
                 .arg(&out)
@@ -132,26 +108,32 @@ fn main() -> Result<()> {
                 .current_dir(root()))
         }
         Cmd::Bench { args } => {
-            setup::setup()?;
-            if !is_root() {
-                bail!("the benchmarks load XDP programs and make veth labs: run `sudo -E cargo xtask bench`");
-            }
+            privileged("the benchmarks load XDP programs and make veth labs", "bench")?;
             // The agent benchmark runs the real release binary.
-            run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
-            let bin = std::env::current_dir()?.join("target/release/flowctl");
-            run(Command::new("cargo")
-                .args([
-                    "run",
-                    "--release",
-                    "--quiet",
-                    "--package",
-                    "flowctl-tests",
-                    "--bin",
-                    "flowctl-bench",
-                    "--",
-                ])
-                .args(args)
-                .env("FLOWCTL_BIN", bin))
+            let bin = release_flowctl()?;
+            run(tests_bin("flowctl-bench").args(args).env("FLOWCTL_BIN", bin))
         }
     }
+}
+
+/// Setup, then root: `what` needs it, `sudo -E cargo xtask VERB` gives it.
+fn privileged(what: &str, verb: &str) -> Result<()> {
+    setup::setup()?;
+    if !is_root() {
+        bail!("{what}: run `sudo -E cargo xtask {verb}`");
+    }
+    Ok(())
+}
+
+/// Builds the release `flowctl` and returns its path.
+fn release_flowctl() -> Result<PathBuf> {
+    run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
+    Ok(root().join("target/release/flowctl"))
+}
+
+/// `cargo run --release` of one of flowctl-tests' binaries; arguments after.
+fn tests_bin(name: &str) -> Command {
+    let mut c = Command::new("cargo");
+    c.args(["run", "--release", "--quiet", "--package", "flowctl-tests", "--bin", name, "--"]);
+    c
 }

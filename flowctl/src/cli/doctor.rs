@@ -385,20 +385,9 @@ fn program_error(e: aya::programs::ProgramError, name: &str) -> anyhow::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::features::Probe;
 
     fn kernel(missing: &[Feature]) -> Features {
-        Features {
-            release: "6.1.0-54-amd64".into(),
-            probes: Feature::ALL
-                .iter()
-                .map(|&feature| Probe {
-                    feature,
-                    available: !missing.contains(&feature),
-                    detail: None,
-                })
-                .collect(),
-        }
+        Features::with_missing("6.1.0-54-amd64", missing)
     }
 
     fn programs(failing: &[&str]) -> Vec<ProgramRow> {

@@ -569,12 +569,12 @@ fn probe_vmlinux_btf() -> Result<bool, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn kernel(missing: &[Feature]) -> Features {
+impl Features {
+    /// A kernel that has every feature but `missing` (for tests of what
+    /// depends on the probes).
+    pub fn with_missing(release: &str, missing: &[Feature]) -> Self {
         Features {
-            release: "5.15.0".into(),
+            release: release.into(),
             probes: Feature::ALL
                 .iter()
                 .map(|&feature| Probe {
@@ -584,6 +584,15 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(missing: &[Feature]) -> Features {
+        Features::with_missing("5.15.0", missing)
     }
 
     #[test]
