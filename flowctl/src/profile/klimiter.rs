@@ -1,101 +1,28 @@
-//! The KLimiter part of a profile: `[klimiter]` timing, `priority` on rules
-//! (their floor) and `[[baseline]]` tables with a level source. Parsed with
-//! the same spans as the rest, so every error names file, line and column.
+//! The KLimiter sections: `[klimiter]` timing and `[[baseline]]` tables,
+//! each a threshold, its entries (rules) and a level source. A rule's
+//! `priority` (its floor) is read with the rule; whether a baseline lists
+//! it is checked in `super::parse`.
 
-use serde::Deserialize;
+use super::{
+    error::{Ctx, ProfileError},
+    model::{TCP, UDP},
+    primitives::{addr_words, duration, name, parse_prefix, Prefix},
+    raw::{RawBaseline, RawKlimiter, RawSource},
+};
+use flowctl_common::tables::Cidr;
 use toml::Spanned;
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawKlimiter {
-    pub sample_period: Option<Spanned<String>>,
-    pub control_period: Option<Spanned<String>>,
-    pub dead_band: Option<Spanned<f64>>,
-    pub stale_after: Option<Spanned<String>>,
-}
+// The validated KLimiter types live in `model`; callers name them here.
+pub use super::model::{Baseline, KlimiterSettings, LevelSource};
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawBaseline {
-    pub name: Spanned<String>,
-    pub threshold: Spanned<f64>,
-    pub entries: Spanned<Vec<String>>,
-    pub source: Spanned<RawSource>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawSource {
-    pub kind: Spanned<String>,
-    pub file: Option<String>,
-    pub command: Option<String>,
-    pub url: Option<String>,
-    pub metric: Option<String>,
-    pub iface: Option<String>,
-    pub dst: Option<String>,
-    pub dport: Option<toml::Value>,
-    pub proto: Option<String>,
-    pub unit: Option<String>,
-}
-
-/// KLimiter timing.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KlimiterSettings {
-    pub sample_period_ns: u64,
-    pub control_period_ns: u64,
-    pub dead_band: f64,
-    /// A level source failing this long releases its entries.
-    pub stale_after_ns: u64,
-}
-
-impl Default for KlimiterSettings {
-    fn default() -> Self {
-        Self {
-            sample_period_ns: 1_000_000_000,
-            control_period_ns: 5_000_000_000,
-            dead_band: 0.03,
-            stale_after_ns: 30_000_000_000,
-        }
-    }
-}
-
-/// Where a baseline's level comes from.
-#[derive(Clone, Debug, PartialEq)]
-pub enum LevelSource {
-    /// The agent's CPU signal (per mille).
-    Cpu,
-    /// A number in a file.
-    File(String),
-    /// A command's standard output (a number), run with a timeout.
-    Command(String),
-    /// One metric of a Prometheus text endpoint (http:// only).
-    Http { url: String, metric: String },
-    /// Packets (or new TCP connections) this host sends to a downstream
-    /// endpoint, counted by the TC egress program on `iface`.
-    Egress { iface: String, target: flowctl_common::EgressTarget, connections: bool },
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct Baseline {
-    pub name: String,
-    pub threshold: f64,
-    /// Indices of the rules (entries) that load it.
-    pub entries: Vec<usize>,
-    pub source: LevelSource,
-}
-
-pub(crate) type Err = (std::ops::Range<usize>, String);
-
-pub(crate) fn settings(
-    raw: &RawKlimiter,
-    duration: impl Fn(&Spanned<String>) -> Result<u64, Err>,
-) -> Result<KlimiterSettings, Err> {
+/// Validates `[klimiter]`.
+pub(super) fn settings(cx: &Ctx, raw: &RawKlimiter) -> Result<KlimiterSettings, ProfileError> {
     let mut k = KlimiterSettings::default();
     if let Some(v) = &raw.sample_period {
-        k.sample_period_ns = duration(v)?;
+        k.sample_period_ns = duration(cx, v, "duration")?;
     }
     if let Some(v) = &raw.control_period {
-        k.control_period_ns = duration(v)?;
+        k.control_period_ns = duration(cx, v, "duration")?;
     }
     if k.sample_period_ns < 100_000_000 || k.control_period_ns < k.sample_period_ns {
         let span = raw
@@ -104,31 +31,37 @@ pub(crate) fn settings(
             .or(raw.sample_period.as_ref())
             .map(|v| v.span())
             .unwrap_or(0..0);
-        return Err((span, "klimiter: sample_period must be at least 100ms and control_period at least sample_period".into()));
+        return Err(cx.err(span, "klimiter: sample_period must be at least 100ms and control_period at least sample_period"));
     }
     if let Some(v) = &raw.dead_band {
         if !(0.0..0.5).contains(v.get_ref()) {
-            return Err((v.span(), format!("dead_band {} out of range: 0.0 to 0.5", v.get_ref())));
+            return Err(
+                cx.err(v.span(), format!("dead_band {} out of range: 0.0 to 0.5", v.get_ref()))
+            );
         }
         k.dead_band = *v.get_ref();
     }
     if let Some(v) = &raw.stale_after {
-        k.stale_after_ns = duration(v)?;
+        k.stale_after_ns = duration(cx, v, "duration")?;
     }
     Ok(k)
 }
 
-pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Baseline, Err> {
-    let name = raw.name.get_ref().trim().to_string();
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err((
-            raw.name.span(),
-            "baseline names are letters, digits, '-', '_' or '.'".into(),
-        ));
-    }
+/// Validates one `[[baseline]]`; `rule_names` are the profile's rules, in
+/// order (entries are their indices).
+pub(super) fn baseline(
+    cx: &Ctx,
+    raw: &Spanned<RawBaseline>,
+    rule_names: &[String],
+) -> Result<Baseline, ProfileError> {
+    let raw = raw.get_ref();
+    let name =
+        name(cx, &raw.name, usize::MAX, "baseline names are letters, digits, '-', '_' or '.'")?;
     let t = *raw.threshold.get_ref();
     if !(t > 0.0 && t.is_finite()) {
-        return Err((raw.threshold.span(), format!("threshold {t} must be a positive number")));
+        return Err(
+            cx.err(raw.threshold.span(), format!("threshold {t} must be a positive number"))
+        );
     }
     let names = raw.entries.get_ref();
     let entries: Vec<usize> = if names.len() == 1 && names[0] == "all" {
@@ -139,7 +72,7 @@ pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Basel
             match rule_names.iter().position(|r| r == n) {
                 Some(i) => v.push(i),
                 None => {
-                    return Err((
+                    return Err(cx.err(
                         raw.entries.span(),
                         format!(
                         "baseline {name}: no rule named `{n}` (entries name rules, or [\"all\"])"
@@ -151,47 +84,50 @@ pub(crate) fn baseline(raw: &RawBaseline, rule_names: &[String]) -> Result<Basel
         v
     };
     if entries.is_empty() {
-        return Err((raw.entries.span(), format!("baseline {name} lists no entries")));
+        return Err(cx.err(raw.entries.span(), format!("baseline {name} lists no entries")));
     }
-    let s = raw.source.get_ref();
-    let source = match s.kind.get_ref().as_str() {
+    let source = level_source(cx, &raw.source)?;
+    Ok(Baseline { name, threshold: t, entries, source })
+}
+
+/// A baseline's `source`: errors point at the whole table, but for an
+/// unknown `kind`.
+fn level_source(cx: &Ctx, raw: &Spanned<RawSource>) -> Result<LevelSource, ProfileError> {
+    let s = raw.get_ref();
+    let at_source = |msg: &str| cx.err(raw.span(), msg);
+    Ok(match s.kind.get_ref().as_str() {
         "cpu" => LevelSource::Cpu,
         "gauge" => match (&s.file, &s.command, &s.url) {
             (Some(f), None, None) => LevelSource::File(f.clone()),
             (None, Some(c), None) => LevelSource::Command(c.clone()),
             (None, None, Some(u)) => {
                 if !u.starts_with("http://") {
-                    return Err((
-                        raw.source.span(),
-                        "gauge url: only http:// endpoints (Prometheus text format)".into(),
+                    return Err(at_source(
+                        "gauge url: only http:// endpoints (Prometheus text format)",
                     ));
                 }
                 let Some(m) = &s.metric else {
-                    return Err((
-                        raw.source.span(),
-                        "a gauge url needs `metric`, the name of the sample to read".into(),
+                    return Err(at_source(
+                        "a gauge url needs `metric`, the name of the sample to read",
                     ));
                 };
                 LevelSource::Http { url: u.clone(), metric: m.clone() }
             }
-            _ => {
-                return Err((
-                    raw.source.span(),
-                    "a gauge reads exactly one of `file`, `command` or `url`".into(),
-                ))
-            }
+            _ => return Err(at_source("a gauge reads exactly one of `file`, `command` or `url`")),
         },
-        "egress" => egress(s).map_err(|m| (raw.source.span(), m))?,
+        "egress" => egress(s).map_err(|m| at_source(&m))?,
         other => {
-            return Err((
+            return Err(cx.err(
                 s.kind.span(),
                 format!("unknown source kind `{other}`: cpu, gauge or egress"),
             ))
         }
-    };
-    Ok(Baseline { name, threshold: t, entries, source })
+    })
 }
 
+/// `kind = "egress"`: the downstream endpoint the TC egress program counts
+/// packets (or SYNs) to. Its `dst` may have host bits set, and its `dport`
+/// is 1-65535 or a `"lo-hi"` range: unlike a rule's or a breaker's.
 fn egress(s: &RawSource) -> Result<LevelSource, String> {
     let iface = s.iface.clone().ok_or(
         "an egress source needs `iface`, the interface traffic to the downstream leaves by",
@@ -200,41 +136,19 @@ fn egress(s: &RawSource) -> Result<LevelSource, String> {
         .dst
         .as_deref()
         .ok_or("an egress source needs `dst`, the downstream's address or prefix")?;
-    let (addr, len) = match dst.split_once('/') {
-        Some((a, l)) => (a, Some(l)),
-        None => (dst, None),
-    };
-    let ip: std::net::IpAddr =
-        addr.trim().parse().map_err(|_| format!("egress dst: `{addr}` is not an IP address"))?;
-    let max = if ip.is_ipv4() { 32 } else { 128 };
-    let prefix_len: u8 = match len {
-        Some(l) => l
-            .trim()
-            .parse()
-            .ok()
-            .filter(|n| *n <= max)
-            .ok_or(format!("egress dst: bad prefix length `{l}`"))?,
+    let Prefix { addr: ip, len } = parse_prefix(dst).map_err(|m| format!("egress dst: {m}"))?;
+    let max = Cidr::max_len(&ip);
+    let prefix_len = match len {
+        Some((n, _)) if n <= max => n,
+        Some((_, l)) => return Err(format!("egress dst: bad prefix length `{l}`")),
         None => max,
     };
-    let mut t = flowctl_common::EgressTarget { prefix_len, ..Default::default() };
-    match ip {
-        std::net::IpAddr::V4(a) => {
-            t.family = 4;
-            t.addr[0] = u32::from(a);
-        }
-        std::net::IpAddr::V6(a) => {
-            t.family = 6;
-            let o = a.octets();
-            for i in 0..4 {
-                t.addr[i] =
-                    u32::from_be_bytes([o[i * 4], o[i * 4 + 1], o[i * 4 + 2], o[i * 4 + 3]]);
-            }
-        }
-    }
+    let (addr, family) = addr_words(&ip);
+    let mut t = flowctl_common::EgressTarget { prefix_len, family, addr, ..Default::default() };
     t.proto = match s.proto.as_deref().unwrap_or("any") {
         "any" => 0,
-        "tcp" => 6,
-        "udp" => 17,
+        "tcp" => TCP,
+        "udp" => UDP,
         other => return Err(format!("egress proto `{other}`: tcp, udp or any")),
     };
     (t.port_lo, t.port_hi) = match &s.dport {
@@ -260,7 +174,7 @@ fn egress(s: &RawSource) -> Result<LevelSource, String> {
     let connections = match s.unit.as_deref().unwrap_or("packets") {
         "packets" => false,
         "connections" => {
-            if t.proto == 17 {
+            if t.proto == UDP {
                 return Err(
                     "egress unit = \"connections\" counts TCP SYNs: it needs proto tcp or any"
                         .into(),

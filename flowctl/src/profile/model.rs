@@ -1,0 +1,412 @@
+//! The validated profile: what the agent, the data plane and the CLI read.
+//! The sections (rule, settings, klimiter, breaker) build it from the raw
+//! TOML, so a [`RuleSet`] from `parse` has passed every check. The kernel
+//! memory these settings need is computed in `super::memory`.
+
+use super::cpu_source::CpuSource;
+use flowctl_common::{
+    action,
+    breaker::StateConfig,
+    key_kind, stats,
+    tables::{Cidr, MatchSpec},
+    unit, DEFAULT_CONN_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
+    DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, XDP_PASS,
+};
+
+/// A validated profile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuleSet {
+    pub settings: Settings,
+    pub rules: Vec<Rule>,
+    pub klimiter: KlimiterSettings,
+    pub baselines: Vec<Baseline>,
+    pub breakers: Vec<Breaker>,
+}
+
+// ---- [settings] ----
+
+/// Default ceiling on the kernel memory a profile may preallocate.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
+
+/// Profile-wide settings, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub malformed_verdict: u32,
+    pub fragment_verdict: u32,
+    pub key_table_entries: u32,
+    pub source_cache_entries: u32,
+    pub quota_table_entries: u32,
+    /// Tracked TCP connections of BBR rules.
+    pub connection_table_entries: u32,
+    pub memory_budget: u64,
+    pub grace_ns: u64,
+    pub stats: StatsSettings,
+    /// Where the CPU signal comes from (`crate::controllers::cpu`).
+    pub cpu_source: CpuSource,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            malformed_verdict: XDP_PASS,
+            fragment_verdict: XDP_PASS,
+            key_table_entries: DEFAULT_TABLE_ENTRIES,
+            source_cache_entries: DEFAULT_TABLE_ENTRIES,
+            quota_table_entries: DEFAULT_QUOTA_ENTRIES,
+            connection_table_entries: DEFAULT_CONN_ENTRIES,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            grace_ns: 3_000_000_000,
+            stats: StatsSettings::default(),
+            cpu_source: CpuSource::Host,
+        }
+    }
+}
+
+/// Shape of the statistics rings, fixed when the program is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StatsSettings {
+    /// `flowctl_common::stats::level::*`.
+    pub level: u8,
+    pub bucket_ns: u64,
+    pub buckets: u32,
+}
+
+impl Default for StatsSettings {
+    fn default() -> Self {
+        Self {
+            level: stats::level::FULL,
+            bucket_ns: DEFAULT_STATS_BUCKET_NS,
+            buckets: DEFAULT_STATS_BUCKETS,
+        }
+    }
+}
+
+impl StatsSettings {
+    pub fn level_name(&self) -> &'static str {
+        if self.level == stats::level::FULL {
+            "full"
+        } else {
+            "control"
+        }
+    }
+}
+
+// ---- [[rule]] ----
+
+/// The largest standard Ethernet frame with one VLAN tag: a byte bucket must
+/// hold at least one, or full-size packets could never pass.
+pub const MIN_BYTE_BURST: u64 = 1518;
+/// Default quota buckets K: the effective window is at most W + W/K.
+pub const DEFAULT_QUOTA_BUCKETS: u64 = 10;
+
+/// One validated rule.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rule {
+    pub name: String,
+    pub line: usize,
+    pub spec: MatchSpec,
+    pub action: u8,
+    pub unit: u8,
+    pub key_kind: u8,
+    pub prefix_v4: u8,
+    pub prefix_v6: u8,
+    /// As written, for display.
+    pub rate_text: String,
+    pub burst: u64,
+    pub interval_fp: u64,
+    pub burst_ns: u64,
+    /// Quota: at most `quota_limit` units per `quota_buckets * quota_bucket_ns`.
+    pub quota_limit: u32,
+    pub quota_bucket_ns: u64,
+    pub quota_buckets: u32,
+    pub bbr: Option<BbrRule>,
+    /// Where `bbr` was written (for errors that need the settings).
+    pub bbr_span: Option<std::ops::Range<usize>>,
+    /// Admission ratios hash the 5-tuple (a flow is wholly in or out) unless
+    /// the rule asks for per-packet sampling.
+    pub admission_per_flow: bool,
+    /// A fixed admission ratio in parts per million (the control loops of
+    /// the KLimiter work set it dynamically otherwise).
+    pub admission_ppm: Option<u32>,
+    /// KLimiter: the lowest ratio round 1 may cut this rule to (0 to 1).
+    pub priority: f64,
+    pub priority_span: Option<std::ops::Range<usize>>,
+}
+
+impl Rule {
+    /// What must be equal for `apply` to keep this rule's bucket state.
+    pub fn state_fingerprint(&self) -> String {
+        format!(
+            "{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
+            self.spec,
+            self.action,
+            self.unit,
+            self.key_kind,
+            self.prefix_v4,
+            self.prefix_v6,
+            self.interval_fp,
+            self.burst_ns,
+            self.quota_limit,
+            self.quota_bucket_ns,
+            self.quota_buckets
+        )
+    }
+
+    pub fn key_name(&self) -> String {
+        match self.key_kind {
+            key_kind::RULE => "rule".into(),
+            key_kind::SRC => "src".into(),
+            key_kind::SRC_PREFIX => format!("src_prefix(/{},/{})", self.prefix_v4, self.prefix_v6),
+            key_kind::DPORT => "dport".into(),
+            key_kind::SRC_DPORT => "src_dport".into(),
+            _ => "5tuple".into(),
+        }
+    }
+
+    pub fn unit_name(&self) -> &'static str {
+        match self.unit {
+            unit::BYTES => "bytes",
+            unit::CONNECTIONS => "connections",
+            _ => "packets",
+        }
+    }
+
+    pub fn action_name(&self) -> &'static str {
+        match self.action {
+            action::PASS => "pass",
+            action::DRY_RUN => "dry-run",
+            _ => "drop",
+        }
+    }
+
+    pub fn quota_text(&self) -> Option<String> {
+        (self.quota_limit != 0).then(|| {
+            let w = self.quota_bucket_ns * self.quota_buckets as u64;
+            format!(
+                "{} {} per {} ms ({} buckets)",
+                self.quota_limit,
+                self.unit_name(),
+                w / 1_000_000,
+                self.quota_buckets
+            )
+        })
+    }
+
+    pub fn match_text(&self) -> String {
+        let proto = match self.spec.proto {
+            None => "any".to_string(),
+            Some(p) => proto_name(p),
+        };
+        let src = self.spec.src.map(|c| c.to_string()).unwrap_or_else(|| "any".into());
+        let ports = match self.spec.ports {
+            None => "any".into(),
+            Some((a, b)) if a == b => a.to_string(),
+            Some((a, b)) => format!("{a}-{b}"),
+        };
+        format!("{proto} from {src} to port {ports}")
+    }
+}
+
+/// IP protocol numbers a profile may name.
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+/// The protocols with a name (`proto`); any other is written as its number.
+pub const PROTOCOLS: [(&str, u8); 4] = [("tcp", TCP), ("udp", UDP), ("icmp", 1), ("icmpv6", 58)];
+
+/// A protocol number as a profile writes it.
+pub fn proto_name(p: u8) -> String {
+    match PROTOCOLS.iter().find(|(_, n)| *n == p) {
+        Some((name, _)) => (*name).into(),
+        None => p.to_string(),
+    }
+}
+
+/// A rule's BBR limiter, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BbrRule {
+    /// CPU EMA (per-mille) at or above which the in-flight test is on.
+    pub cpu_threshold: u32,
+    /// Hysteresis: the test stays on until the CPU falls below this.
+    pub release_below: u32,
+    pub window_ns: u64,
+    pub buckets: u32,
+    /// Established connections silent this long stop counting as in flight.
+    pub idle_timeout_ns: u64,
+    /// Answer refused SYNs with a TCP RST instead of dropping them.
+    pub reset: bool,
+    pub compat: flowctl_common::bbr::Compat,
+}
+
+impl BbrRule {
+    pub fn config(&self) -> flowctl_common::bbr::BbrConfig {
+        flowctl_common::bbr::BbrConfig {
+            cpu_threshold: self.cpu_threshold,
+            buckets_per_second: (1_000_000_000 / (self.window_ns / self.buckets as u64).max(1))
+                .max(1),
+            cooldown_ns: 1_000_000_000,
+            release_below: self.release_below,
+            compat: self.compat,
+        }
+    }
+
+    pub fn kernel_flags(&self) -> u8 {
+        flowctl_common::bbr_flags::ON
+            | if self.reset { flowctl_common::bbr_flags::RESET } else { 0 }
+    }
+}
+
+// ---- [klimiter] and [[baseline]] ----
+
+/// KLimiter timing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KlimiterSettings {
+    pub sample_period_ns: u64,
+    pub control_period_ns: u64,
+    pub dead_band: f64,
+    /// A level source failing this long releases its entries.
+    pub stale_after_ns: u64,
+}
+
+impl Default for KlimiterSettings {
+    fn default() -> Self {
+        Self {
+            sample_period_ns: 1_000_000_000,
+            control_period_ns: 5_000_000_000,
+            dead_band: 0.03,
+            stale_after_ns: 30_000_000_000,
+        }
+    }
+}
+
+/// Where a baseline's level comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LevelSource {
+    /// The agent's CPU signal (per mille).
+    Cpu,
+    /// A number in a file.
+    File(String),
+    /// A command's standard output (a number), run with a timeout.
+    Command(String),
+    /// One metric of a Prometheus text endpoint (http:// only).
+    Http { url: String, metric: String },
+    /// Packets (or new TCP connections) this host sends to a downstream
+    /// endpoint, counted by the TC egress program on `iface`.
+    Egress { iface: String, target: flowctl_common::EgressTarget, connections: bool },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Baseline {
+    pub name: String,
+    pub threshold: f64,
+    /// Indices of the rules (entries) that load it.
+    pub entries: Vec<usize>,
+    pub source: LevelSource,
+}
+
+// ---- [[breaker]] ----
+
+/// How a breaker decides.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BreakerMode {
+    /// Google SRE adaptive throttling (Kratos `sreBreaker`).
+    Sre { k_milli: u64, min_requests: u64, max_drop_ppm: u32 },
+    /// Closed / open / half-open (Hystrix style).
+    State(StateConfig),
+}
+
+impl BreakerMode {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Sre { .. } => "sre",
+            Self::State(_) => "state",
+        }
+    }
+}
+
+/// A downstream address range and port range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetSpec {
+    pub net: Cidr,
+    pub ports: (u16, u16),
+}
+
+impl std::fmt::Display for TargetSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let net = if self.net.len == Cidr::max_len(&self.net.addr) {
+            self.net.addr.to_string()
+        } else {
+            self.net.to_string()
+        };
+        let net = if self.net.addr.is_ipv6() { format!("[{net}]") } else { net };
+        match self.ports {
+            (0, 65535) => write!(f, "{net}:*"),
+            (a, b) if a == b => write!(f, "{net}:{a}"),
+            (a, b) => write!(f, "{net}:{a}-{b}"),
+        }
+    }
+}
+
+/// A validated `[[breaker]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Breaker {
+    pub name: String,
+    /// Line of its `[[breaker]]` header, for errors found at attach time
+    /// (a cgroup that does not exist).
+    pub line: usize,
+    pub target: TargetSpec,
+    /// The processes it applies to: a cgroup v2 path as written (absolute,
+    /// or relative to the cgroup v2 mount); `None`: every process under the
+    /// attach point.
+    pub cgroup: Option<String>,
+    pub mode: BreakerMode,
+    pub window_ns: u64,
+    pub buckets: u32,
+    /// errno of a refused connect() (positive).
+    pub errno: u32,
+    pub dry_run: bool,
+    pub exempt: Vec<TargetSpec>,
+}
+
+impl Breaker {
+    /// What `apply` compares: a breaker whose identity is unchanged keeps
+    /// its state (window, open/half-open, drop probability) across applies;
+    /// errno, dry-run and exempt targets can change without a reset.
+    pub fn identity(&self) -> (&str, &TargetSpec, &Option<String>, &BreakerMode, u64, u32) {
+        (&self.name, &self.target, &self.cgroup, &self.mode, self.window_ns, self.buckets)
+    }
+}
+
+/// errno names a profile may use (Linux x86-64/arm64 values).
+pub const ERRNOS: [(&str, u32); 9] = [
+    ("ECONNREFUSED", 111),
+    ("ETIMEDOUT", 110),
+    ("ECONNRESET", 104),
+    ("ECONNABORTED", 103),
+    ("EHOSTUNREACH", 113),
+    ("ENETUNREACH", 101),
+    ("EAGAIN", 11),
+    ("EPERM", 1),
+    ("EACCES", 13),
+];
+
+pub fn errno_name(n: u32) -> String {
+    ERRNOS
+        .iter()
+        .find(|(_, v)| *v == n)
+        .map(|(s, _)| s.to_string())
+        .unwrap_or_else(|| n.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::profile::parse;
+
+    #[test]
+    fn fingerprint_tracks_limits_not_names() {
+        let a = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
+        let b = parse("p", "[[rule]]\nname = \"b\"\nrate = \"1/s\"").unwrap();
+        let c = parse("p", "[[rule]]\nname = \"a\"\nrate = \"2/s\"").unwrap();
+        assert_eq!(a.rules[0].state_fingerprint(), b.rules[0].state_fingerprint());
+        assert_ne!(a.rules[0].state_fingerprint(), c.rules[0].state_fingerprint());
+    }
+}

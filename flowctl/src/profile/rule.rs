@@ -1,0 +1,498 @@
+//! The `[[rule]]` section: one rule's validation, in the steps a rule is
+//! read in: name, match, action, (a `pass` rule stops there) unit, token
+//! bucket, quota, admission, BBR, key. The first problem found is the one
+//! reported, so the order of the steps is part of the behaviour. Checks
+//! that need other sections (unique names, BBR against the statistics
+//! rings, KLimiter's entries) are in `super::parse`.
+
+use super::{
+    error::{Ctx, ProfileError},
+    model::{proto_name, BbrRule, Rule, DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST, TCP, UDP},
+    primitives::{amount, cidr, duration, keyword, name, ports, protocol, rate},
+    raw::{RawBbr, RawRule},
+};
+use flowctl_common::{
+    action, gcra, key_kind,
+    rate::{Dimension, Rate},
+    tables::MatchSpec,
+    unit, MAX_QUOTA_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS,
+};
+use toml::Spanned;
+
+/// Validates one `[[rule]]`.
+pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
+    let span = raw.span();
+    let r = raw.get_ref();
+    let name = name(
+        cx,
+        &r.name,
+        64,
+        "rule names are 1-64 characters of letters, digits, '-', '_' or '.'",
+    )?;
+    let spec = match_spec(cx, r)?;
+    let action = rule_action(cx, r)?;
+    let mut rule = Rule {
+        name,
+        line: cx.line(&span),
+        spec: MatchSpec { enforcing: action == action::DROP, ..spec },
+        action,
+        unit: unit::PACKETS,
+        key_kind: key_kind::RULE,
+        prefix_v4: 32,
+        prefix_v6: 128,
+        rate_text: String::new(),
+        burst: 0,
+        interval_fp: 0,
+        burst_ns: 0,
+        quota_limit: 0,
+        quota_bucket_ns: 0,
+        quota_buckets: 0,
+        bbr: None,
+        bbr_span: None,
+        admission_per_flow: true,
+        admission_ppm: None,
+        priority: 0.0,
+        priority_span: None,
+    };
+    if action == action::PASS {
+        nothing_to_limit(cx, r)?;
+        return Ok(rule);
+    }
+    if r.rate.is_none() && r.quota.is_none() {
+        return Err(cx.err(span, format!("rule `{}` needs a `rate` (e.g. \"100/s\", \"10Mbit/s\"), a `quota` (e.g. 60 with quota_window = \"1min\"), or action = \"pass\"", rule.name)));
+    }
+    let rate = r.rate.as_ref().map(|v| rate(cx, v)).transpose()?;
+    let quota = r.quota.as_ref().map(|v| amount(cx, v, "quota")).transpose()?;
+    rule.unit = rule_unit(cx, raw, rate, quota, rule.spec.proto)?;
+    token_bucket(cx, r, rate, &mut rule)?;
+    quota_window(cx, r, quota, &mut rule)?;
+    if rule.interval_fp != 0 {
+        rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+    }
+    admission(cx, r, &mut rule)?;
+    if let Some(b) = &r.bbr {
+        if rule.unit != unit::CONNECTIONS || rule.spec.proto != Some(TCP) {
+            return Err(cx.err(b.span(), "bbr needs proto = \"tcp\" and unit = \"connections\" (its requests are TCP connections)"));
+        }
+        rule.bbr = Some(bbr(cx, b.get_ref())?);
+        rule.bbr_span = Some(b.span());
+    }
+    (rule.key_kind, rule.prefix_v4, rule.prefix_v6) = key(cx, r)?;
+    Ok(rule)
+}
+
+/// What a packet must be to match: `proto`, `src` and `dport` (which needs
+/// a protocol with ports, when a protocol is named). Whether the rule
+/// enforces is its action's (`enforcing` is left false).
+fn match_spec(cx: &Ctx, r: &RawRule) -> Result<MatchSpec, ProfileError> {
+    let proto = match &r.proto {
+        None => None,
+        Some(p) => protocol(cx, p)?,
+    };
+    let src = r.src.as_ref().map(|s| cidr(cx, s)).transpose()?;
+    let ports = match &r.dport {
+        None => None,
+        Some(p) => {
+            let range = ports(cx, p)?;
+            if let Some(pr) = proto.filter(|pr| *pr != TCP && *pr != UDP) {
+                return Err(cx.err(
+                    p.span(),
+                    format!("`dport` needs proto tcp or udp, not {}", proto_name(pr)),
+                ));
+            }
+            Some(range)
+        }
+    };
+    Ok(MatchSpec { proto, src, ports, enforcing: false })
+}
+
+fn rule_action(cx: &Ctx, r: &RawRule) -> Result<u8, ProfileError> {
+    match &r.action {
+        None => Ok(action::DROP),
+        Some(a) => keyword(
+            cx,
+            a,
+            "action",
+            &[
+                ("drop", action::DROP),
+                ("pass", action::PASS),
+                ("dry-run", action::DRY_RUN),
+                ("dry_run", action::DRY_RUN),
+            ],
+            "use drop, pass or dry-run",
+        ),
+    }
+}
+
+/// A `pass` rule limits nothing: a limit on it is a mistake.
+fn nothing_to_limit(cx: &Ctx, r: &RawRule) -> Result<(), ProfileError> {
+    for (f, s) in [
+        ("rate", r.rate.as_ref().map(|x| x.span())),
+        ("burst", r.burst.as_ref().map(|x| x.span())),
+        ("key", r.key.as_ref().map(|x| x.span())),
+        ("quota", r.quota.as_ref().map(|x| x.span())),
+    ] {
+        if let Some(s) = s {
+            return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
+        }
+    }
+    Ok(())
+}
+
+/// The unit: as written, else the dimension of the rate or the quota
+/// (bytes), else packets. Connections are TCP SYNs.
+fn rule_unit(
+    cx: &Ctx,
+    raw: &Spanned<RawRule>,
+    rate: Option<Rate>,
+    quota: Option<(u64, Dimension)>,
+    proto: Option<u8>,
+) -> Result<u8, ProfileError> {
+    let r = raw.get_ref();
+    let implied_bytes = rate
+        .map(|x| x.dim == Dimension::Bytes)
+        .or(quota.map(|q| q.1 == Dimension::Bytes))
+        .unwrap_or(false);
+    let unit = match &r.unit {
+        None if implied_bytes => unit::BYTES,
+        None => unit::PACKETS,
+        Some(u) => keyword(
+            cx,
+            u,
+            "unit",
+            &[
+                ("packets", unit::PACKETS),
+                ("bytes", unit::BYTES),
+                ("connections", unit::CONNECTIONS),
+            ],
+            "use packets, bytes or connections",
+        )?,
+    };
+    if unit == unit::CONNECTIONS && proto.is_some_and(|p| p != TCP) {
+        return Err(cx.err(
+            r.unit.as_ref().map(|u| u.span()).unwrap_or(raw.span()),
+            "unit = \"connections\" counts TCP SYNs: use proto = \"tcp\"",
+        ));
+    }
+    Ok(unit)
+}
+
+/// The token bucket of a `rate`: its interval and its burst (default: one
+/// second of the rate, at least one unit, or one full frame for bytes).
+fn token_bucket(
+    cx: &Ctx,
+    r: &RawRule,
+    rate: Option<Rate>,
+    rule: &mut Rule,
+) -> Result<(), ProfileError> {
+    let (Some(rate), Some(rate_s)) = (rate, &r.rate) else {
+        if let Some(b) = &r.burst {
+            return Err(cx.err(b.span(), "`burst` belongs to a `rate`; this rule has none"));
+        }
+        return Ok(());
+    };
+    let bytes = rule.unit == unit::BYTES;
+    if bytes != (rate.dim == Dimension::Bytes) {
+        return Err(cx.err(
+            rate_s.span(),
+            if bytes {
+                "a bytes rule needs a byte rate such as \"10Mbit/s\" or \"1MB/s\"".to_string()
+            } else {
+                format!("a byte rate needs unit = \"bytes\", not {}", rule.unit_name())
+            },
+        ));
+    }
+    rule.rate_text = rate_s.get_ref().clone();
+    let (num, den) = (rate.num, rate.den);
+    if num > u64::MAX as u128 || den > u64::MAX as u128 {
+        return Err(cx.err(rate_s.span(), "rate out of range"));
+    }
+    rule.interval_fp = gcra::interval_fp(num as u64, den as u64);
+    rule.burst = match &r.burst {
+        None => {
+            let per_s = rate.per_second() as u64;
+            per_s.max(if bytes { MIN_BYTE_BURST } else { 1 })
+        }
+        Some(b) => {
+            let (n, dim) = amount(cx, b, "burst")?;
+            if bytes {
+                if n < MIN_BYTE_BURST {
+                    return Err(cx.err(b.span(), format!("byte burst {n} is below one full frame ({MIN_BYTE_BURST} bytes): such packets could never pass")));
+                }
+            } else if dim == Dimension::Bytes {
+                return Err(cx.err(
+                    b.span(),
+                    format!("a byte-sized burst needs unit = \"bytes\", not {}", rule.unit_name()),
+                ));
+            }
+            n
+        }
+    };
+    Ok(())
+}
+
+/// A `quota` over `quota_window`, counted in `quota_buckets` buckets.
+fn quota_window(
+    cx: &Ctx,
+    r: &RawRule,
+    quota: Option<(u64, Dimension)>,
+    rule: &mut Rule,
+) -> Result<(), ProfileError> {
+    let (Some((n, dim)), Some(q)) = (quota, &r.quota) else {
+        for (f, s) in [
+            ("quota_window", r.quota_window.as_ref().map(|x| x.span())),
+            ("quota_buckets", r.quota_buckets.as_ref().map(|x| x.span())),
+        ] {
+            if let Some(s) = s {
+                return Err(cx.err(s, format!("`{f}` needs a `quota`")));
+            }
+        }
+        return Ok(());
+    };
+    if rule.unit == unit::BYTES && n < MIN_BYTE_BURST {
+        return Err(cx.err(
+            q.span(),
+            format!("byte quota {n} is below one full frame ({MIN_BYTE_BURST} bytes)"),
+        ));
+    }
+    if rule.unit != unit::BYTES && dim == Dimension::Bytes {
+        return Err(cx.err(
+            q.span(),
+            format!("a byte-sized quota needs unit = \"bytes\", not {}", rule.unit_name()),
+        ));
+    }
+    if n > u32::MAX as u64 {
+        return Err(cx.err(q.span(), format!("quota {n} is over the limit of {}", u32::MAX)));
+    }
+    let Some(w) = &r.quota_window else {
+        return Err(cx.err(q.span(), "a quota needs `quota_window` (e.g. \"1min\")"));
+    };
+    let window = duration(cx, w, "quota_window")?;
+    let k = match &r.quota_buckets {
+        Some(b) => {
+            let k = *b.get_ref();
+            if !(1..=MAX_QUOTA_BUCKETS as i64).contains(&k) {
+                return Err(cx.err(
+                    b.span(),
+                    format!("quota_buckets {k} out of range 1..={MAX_QUOTA_BUCKETS}"),
+                ));
+            }
+            k as u64
+        }
+        None => DEFAULT_QUOTA_BUCKETS,
+    };
+    let bucket_ns = window / k;
+    if bucket_ns < 1_000_000 {
+        return Err(cx.err(
+            w.span(),
+            format!("quota_window / quota_buckets must be at least 1ms (is {bucket_ns} ns)"),
+        ));
+    }
+    rule.quota_limit = n as u32;
+    rule.quota_bucket_ns = bucket_ns;
+    rule.quota_buckets = k as u32;
+    Ok(())
+}
+
+/// How admission ratios pick (`admission`), a fixed ratio
+/// (`admission_ratio`) and KLimiter's floor (`priority`).
+fn admission(cx: &Ctx, r: &RawRule, rule: &mut Rule) -> Result<(), ProfileError> {
+    if let Some(a) = &r.admission {
+        rule.admission_per_flow = keyword(
+            cx,
+            a,
+            "admission",
+            &[("flow", true), ("packet", false)],
+            "\"flow\" (a 5-tuple hash keeps each flow wholly in or out) or \"packet\"",
+        )?;
+    }
+    if let Some(p) = &r.priority {
+        let v = *p.get_ref();
+        if !(0.0..=1.0).contains(&v) {
+            return Err(cx.err(p.span(), format!("priority {v} out of range: the lowest admission ratio KLimiter may cut this rule to in its first round, 0.0 to 1.0")));
+        }
+        rule.priority = v;
+        rule.priority_span = Some(p.span());
+    }
+    if let Some(a) = &r.admission_ratio {
+        let v = *a.get_ref();
+        if !(0.0..=1.0).contains(&v) {
+            return Err(cx.err(
+                a.span(),
+                format!(
+                    "admission_ratio {v} out of range: 0.0 (admit no new flows) to 1.0 (admit all)"
+                ),
+            ));
+        }
+        rule.admission_ppm = Some((v * 1e6).round() as u32);
+    }
+    Ok(())
+}
+
+/// A rule's `bbr = { ... }`.
+fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
+    let mut out = BbrRule {
+        cpu_threshold: 800,
+        release_below: 0, // = cpu_threshold unless written
+        window_ns: 10_000_000_000,
+        buckets: 100,
+        idle_timeout_ns: 30_000_000_000,
+        reset: false,
+        compat: flowctl_common::bbr::Compat::default(),
+    };
+    if let Some(v) = &b.cpu_threshold {
+        let n = *v.get_ref();
+        if !(1..=1000).contains(&n) {
+            return Err(cx.err(
+                v.span(),
+                format!("cpu_threshold {n} out of range: 1 to 1000 (per mille of the CPU signal)"),
+            ));
+        }
+        out.cpu_threshold = n as u32;
+    }
+    out.release_below = out.cpu_threshold;
+    if let Some(v) = &b.release_below {
+        let n = *v.get_ref();
+        if !(0..=out.cpu_threshold as i64).contains(&n) {
+            return Err(cx.err(
+                v.span(),
+                format!(
+                    "release_below {n} must be between 0 and cpu_threshold ({})",
+                    out.cpu_threshold
+                ),
+            ));
+        }
+        out.release_below = n as u32;
+    }
+    if let Some(v) = &b.window {
+        out.window_ns = duration(cx, v, "bbr window")?;
+    }
+    if let Some(v) = &b.buckets {
+        let n = *v.get_ref();
+        if !(2..=1000).contains(&n) {
+            return Err(cx.err(v.span(), format!("bbr buckets {n} out of range: 2 to 1000")));
+        }
+        out.buckets = n as u32;
+    }
+    if let Some(v) = &b.idle_timeout {
+        let ns = duration(cx, v, "idle_timeout")?;
+        let max = (OPEN_BUCKETS as u64 - 1) * OPEN_BUCKET_NS;
+        if !(OPEN_BUCKET_NS..=max).contains(&ns) {
+            return Err(cx.err(
+                v.span(),
+                format!(
+                    "idle_timeout must be between 1s and {}s (the open-connection ring's span)",
+                    max / 1_000_000_000
+                ),
+            ));
+        }
+        out.idle_timeout_ns = ns;
+    }
+    if let Some(v) = &b.reject {
+        out.reset = keyword(
+            cx,
+            v,
+            "reject",
+            &[("drop", false), ("reset", true)],
+            "use \"drop\" or \"reset\" (answer refused SYNs with a TCP RST)",
+        )?;
+    }
+    for c in &b.compat {
+        match c.get_ref().as_str() {
+            "floor_max_inflight" => out.compat.floor_max_inflight = true,
+            "empty_window_zero" => out.compat.empty_window_zero = true,
+            "cooldown_from_first_drop" => out.compat.cooldown_from_first_drop = true,
+            "kratos" => out.compat = flowctl_common::bbr::Compat::KRATOS,
+            other => {
+                return Err(cx.err(
+                    c.span(),
+                    format!("unknown compat switch `{other}`: floor_max_inflight, empty_window_zero, cooldown_from_first_drop or kratos (all three)"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The key (`key_kind`) and, for `src_prefix`, its prefix lengths
+/// (default /24 and /64; other keys use whole addresses).
+fn key(cx: &Ctx, r: &RawRule) -> Result<(u8, u8, u8), ProfileError> {
+    let kind = match &r.key {
+        None => key_kind::RULE,
+        Some(k) => keyword(
+            cx,
+            k,
+            "key",
+            &[
+                ("rule", key_kind::RULE),
+                ("src", key_kind::SRC),
+                ("src_prefix", key_kind::SRC_PREFIX),
+                ("dport", key_kind::DPORT),
+                ("src_dport", key_kind::SRC_DPORT),
+                ("5tuple", key_kind::FIVE_TUPLE),
+                ("five_tuple", key_kind::FIVE_TUPLE),
+            ],
+            "use rule, src, src_prefix, dport, src_dport or 5tuple",
+        )?,
+    };
+    let prefix = |raw: &Option<Spanned<i64>>, max: i64, default: u8| match raw {
+        None => Ok(default),
+        Some(p) if kind != key_kind::SRC_PREFIX => {
+            Err(cx.err(p.span(), "prefix_v4/prefix_v6 need key = \"src_prefix\""))
+        }
+        Some(p) => {
+            let n = *p.get_ref();
+            if !(1..=max).contains(&n) {
+                return Err(cx.err(p.span(), format!("prefix length {n} out of range 1..={max}")));
+            }
+            Ok(n as u8)
+        }
+    };
+    let v4 = prefix(&r.prefix_v4, 32, 24)?;
+    let v6 = prefix(&r.prefix_v6, 128, 64)?;
+    Ok(if kind == key_kind::SRC_PREFIX { (kind, v4, v6) } else { (kind, 32, 128) })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::profile::{parse, tests::err};
+    use flowctl_common::unit;
+
+    #[test]
+    fn quotas() {
+        let s = parse("p", "[[rule]]\nname = \"q\"\nproto = \"tcp\"\nunit = \"connections\"\nquota = 60\nquota_window = \"1min\"\nkey = \"src_prefix\"\n").unwrap();
+        let r = &s.rules[0];
+        assert_eq!((r.quota_limit, r.quota_buckets, r.quota_bucket_ns), (60, 10, 6_000_000_000));
+        assert_eq!(r.interval_fp, 0, "quota only: no bucket");
+        let b = parse(
+            "p",
+            "[[rule]]\nname = \"q\"\nquota = \"1GiB\"\nquota_window = \"1h\"\nquota_buckets = 16\n",
+        )
+        .unwrap();
+        assert_eq!((b.rules[0].unit, b.rules[0].quota_limit), (unit::BYTES, 1 << 30));
+        for (text, line, needle) in [
+            ("[[rule]]\nname = \"q\"\nquota = 5\n", 3, "quota_window"),
+            (
+                "[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\nquota_buckets = 17\n",
+                5,
+                "out of range",
+            ),
+            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5ms\"\n", 4, "at least 1ms"),
+            (
+                "[[rule]]\nname = \"q\"\nrate = \"1/s\"\nquota_window = \"5s\"\n",
+                4,
+                "needs a `quota`",
+            ),
+            ("[[rule]]\nname = \"q\"\nquota = 0\nquota_window = \"5s\"\n", 3, "greater than zero"),
+            (
+                "[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"5s\"\nburst = 3\n",
+                5,
+                "belongs to a `rate`",
+            ),
+        ] {
+            let e = err(text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+    }
+}
