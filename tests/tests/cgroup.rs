@@ -6,8 +6,8 @@
 //! lacks its layout. Root only.
 
 use flowctl::{
+    controllers::cpu::CpuSource,
     controllers::cpu::{CgroupFiles, CgroupRoots, Sampler},
-    profile::cpu_source::CpuSource,
 };
 use std::{path::PathBuf, process::Command, time::Duration};
 

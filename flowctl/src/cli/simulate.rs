@@ -114,7 +114,7 @@ fn five() -> f64 {
     5.0
 }
 fn default_band() -> f64 {
-    0.03
+    crate::controllers::klimiter::DEFAULT_DEAD_BAND
 }
 
 /// One sampled instant.

@@ -14,7 +14,6 @@
 //!
 //! Kratos starts its EMA at 0, so under full load it takes ~8 s to cross an
 //! 800 threshold; flowctl seeds the EMA with the first sample instead.
-use crate::profile::cpu_source::CpuSource;
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::{
@@ -26,6 +25,54 @@ use std::{
 pub const DECAY: f64 = 0.95;
 /// How often the agent samples.
 pub const SAMPLE_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Which source a signal comes from, as the profile names it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum CpuSource {
+    Host,
+    Cgroup(String),
+    File(PathBuf),
+}
+
+impl CpuSource {
+    /// `host`, `cgroup:/path` or `file:/path`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "host" {
+            return Ok(Self::Host);
+        }
+        if let Some(p) = s.strip_prefix("cgroup:") {
+            if p.is_empty() || !p.starts_with('/') {
+                return Err(format!("`{s}`: the cgroup path starts with / and is relative to the cgroup mount, e.g. \"cgroup:/system.slice/nginx.service\""));
+            }
+            return Ok(Self::Cgroup(p.to_string()));
+        }
+        if let Some(p) = s.strip_prefix("file:") {
+            if p.is_empty() {
+                return Err(format!("`{s}`: name the file, e.g. \"file:/run/cpu\""));
+            }
+            return Ok(Self::File(PathBuf::from(p)));
+        }
+        Err(format!("unknown cpu source `{s}`: use \"host\", \"cgroup:/path\" or \"file:/path\""))
+    }
+
+    /// The code kept in the agent record (`flowctl_common::AgentRecord`).
+    pub fn code(&self) -> u32 {
+        match self {
+            Self::Host => 1,
+            Self::Cgroup(_) => 2,
+            Self::File(_) => 3,
+        }
+    }
+
+    pub fn name_of(code: u32) -> &'static str {
+        match code {
+            1 => "host",
+            2 => "cgroup",
+            3 => "file",
+            _ => "none",
+        }
+    }
+}
 
 /// The smoothed signal, seeded with the first sample.
 #[derive(Clone, Copy, Debug, Default)]

@@ -40,10 +40,14 @@ pub struct Config {
     pub release_after_periods: u32,
 }
 
+/// Ratios change only when the level is outside the threshold by more than
+/// this fraction (docs/algorithms.md section 5); the profile's default too.
+pub const DEFAULT_DEAD_BAND: f64 = 0.03;
+
 impl Default for Config {
     fn default() -> Self {
         Self {
-            dead_band: 0.03,
+            dead_band: DEFAULT_DEAD_BAND,
             cap: 0.05,
             min_ratio: 0.01,
             eligible_qps: 5.0,

@@ -13,11 +13,12 @@
 //! - `primitives`: the value parsers every section shares (names,
 //!   keywords, prefixes, ports, protocols, durations, rates, amounts);
 //! - `model` (the validated types), `raw` (serde's view of the TOML),
-//!   `error` (the span-carrying context and [`ProfileError`]) and
-//!   `cpu_source`: leaves, but `model` holds a `cpu_source::CpuSource`.
+//!   `error` (the span-carrying context and [`ProfileError`]): leaves.
+//!
+//! Out of the wing, the profile names types of what it configures
+//! (`crate::controllers::cpu::CpuSource`, KLimiter's default dead band).
 
 pub mod breaker;
-pub mod cpu_source;
 mod error;
 pub mod klimiter;
 mod memory;

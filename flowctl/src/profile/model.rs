@@ -3,7 +3,7 @@
 //! TOML, so a [`RuleSet`] from `parse` has passed every check. The kernel
 //! memory these settings need is computed in `super::memory`.
 
-use super::cpu_source::CpuSource;
+use crate::controllers::cpu::CpuSource;
 use flowctl_common::{
     action,
     breaker::StateConfig,
@@ -272,7 +272,7 @@ impl Default for KlimiterSettings {
         Self {
             sample_period_ns: 1_000_000_000,
             control_period_ns: 5_000_000_000,
-            dead_band: 0.03,
+            dead_band: crate::controllers::klimiter::DEFAULT_DEAD_BAND,
             stale_after_ns: 30_000_000_000,
         }
     }

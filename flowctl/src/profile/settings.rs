@@ -3,12 +3,12 @@
 //! What is not written keeps its default ([`Settings::default`]).
 
 use super::{
-    cpu_source::CpuSource,
     error::{Ctx, ProfileError, Span},
     model::Settings,
     primitives::{duration, keyword},
     raw::RawSettings,
 };
+use crate::controllers::cpu::CpuSource;
 use flowctl_common::{
     rate::{parse_amount, Dimension},
     stats, MAX_STATS_BUCKETS, XDP_DROP, XDP_PASS,

@@ -236,7 +236,7 @@ pub fn cpu_text(agent: Option<&flowctl_common::AgentRecord>) -> String {
             format!(
                 "{:.1}% ({})",
                 r.cpu_permille as f64 / 10.0,
-                profile::cpu_source::CpuSource::name_of(r.cpu_source)
+                crate::controllers::cpu::CpuSource::name_of(r.cpu_source)
             )
         }
         Some(_) => "n/a".into(),
