@@ -12,104 +12,36 @@
 #![allow(internal_features)]
 
 mod egress;
+mod maps;
 mod parse;
 
+use maps::{
+    packet, FLOWCTL_CONNS, FLOWCTL_CONTROL, FLOWCTL_COUNTERS, FLOWCTL_DEBT, FLOWCTL_GLOBAL,
+    FLOWCTL_KEYS, FLOWCTL_KEY_SAMPLES, FLOWCTL_OPEN, FLOWCTL_PACKET, FLOWCTL_PORT_BITS,
+    FLOWCTL_PROTO_BITS, FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE,
+    FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE, FLOWCTL_STATS, FLOWCTL_STATS_BUCKETS,
+    FLOWCTL_STATS_BUCKET_NS, FLOWCTL_STATS_CLOCK, FLOWCTL_STATS_LEVEL, FLOWCTL_ZERO_RING,
+};
 use parse::class;
 
 use aya_ebpf::{
     bindings::{xdp_action, xdp_md},
     helpers::bpf_ktime_get_ns,
-    macros::{map, xdp},
-    maps::{lpm_trie::Key, Array, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    macros::xdp,
+    maps::lpm_trie::Key,
     programs::XdpContext,
-    Global,
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     action, conn_state, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
-    matcher, reason, rule_set, stats,
-    stats::StatsClock,
-    tcp_flags, unit, unparsed,
+    matcher, reason, rule_set, stats, tcp_flags, unit, unparsed,
     window::{self, Window},
-    AgentRecord, BucketKey, ConnEntry, ControlRecord, GlobalRecord, KeySample, PacketMeta,
-    QuotaRing, RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData,
-    CAS_RETRIES, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_QUOTA_ENTRIES,
-    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, GLOBAL_COUNTER_INDEX,
-    KEY_SAMPLE_RING_BYTES, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS,
-    OPEN_BUCKET_NS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS, SLOTS,
+    BucketKey, ConnEntry, ControlRecord, GlobalRecord, KeySample, PacketMeta, QuotaRing,
+    RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, CAS_RETRIES,
+    GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS, OPEN_BUCKET_NS,
+    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
 };
-
-#[map]
-static FLOWCTL_GLOBAL: Array<GlobalRecord> = Array::pinned(1, 0);
-#[map]
-static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned((MAX_RULES * SLOTS) as u32, 0);
-#[map]
-static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SLOTS) as u32, 0);
-#[map]
-static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOTS) as u32, 0);
-/// Rules by property per slot (`rule_set::*`), for packets whose ports the
-/// parser could not reach.
-#[map]
-static FLOWCTL_RULE_SETS: Array<RuleBitmap> = Array::pinned((RULE_SETS * SLOTS) as u32, 0);
-#[map]
-static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> =
-    LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
-#[map]
-static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> = Array::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
-#[map]
-static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
-    LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
-#[map]
-static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
-#[map]
-static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> = PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
-#[map]
-static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
-/// Quota window rings, one per key of every quota rule.
-#[map]
-static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
-    LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
-/// A zeroed ring to insert from (136 bytes are too many for the stack).
-#[map]
-static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
-/// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
-#[map]
-static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
-/// Per-rule statistics rings: `FLOWCTL_STATS_BUCKETS` entries per counter
-/// record, sized by the loader (see `flowctl_common::stats`).
-#[map]
-static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
-    PerCpuArray::pinned(COUNTER_RECORDS as u32 * DEFAULT_STATS_BUCKETS, 0);
-/// Agent-computed state for other readers (user space only; see AgentRecord).
-#[map]
-static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
-/// Tracked TCP connections of BBR rules (key: 5-tuple, `state_id` = record).
-#[map]
-static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> =
-    LruHashMap::pinned(DEFAULT_CONN_ENTRIES, 0);
-/// BBR rules' open-connection rings: per record, `OPEN_BUCKETS` words of
-/// (epoch << 32 | established-and-not-completed), updated by compare-and-swap.
-#[map]
-static FLOWCTL_OPEN: Array<u64> = Array::pinned((MAX_RULE_RECORDS * OPEN_BUCKETS) as u32, 0);
-/// The packet in flight on this CPU, as `flowctl_parse` read it (see
-/// `entry`).
-#[map]
-static FLOWCTL_PACKET: PerCpuArray<PacketMeta> = PerCpuArray::with_max_entries(1, 0);
-/// Each CPU's current statistics bucket (see `account`).
-#[map]
-static FLOWCTL_STATS_CLOCK: PerCpuArray<StatsClock> = PerCpuArray::with_max_entries(1, 0);
-/// Sampled keys for `top --keys`, read by the agent.
-#[map]
-static FLOWCTL_KEY_SAMPLES: RingBuf = RingBuf::pinned(KEY_SAMPLE_RING_BYTES, 0);
-
-// Load-time constants (set by the loader; the verifier prunes by them).
-#[no_mangle]
-static FLOWCTL_STATS_LEVEL: Global<u8> = Global::new(stats::level::FULL);
-#[no_mangle]
-static FLOWCTL_STATS_BUCKET_NS: Global<u64> = Global::new(DEFAULT_STATS_BUCKET_NS);
-#[no_mangle]
-static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
 
 #[xdp]
 pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
@@ -184,12 +116,6 @@ pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u
 pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 {
     let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
     parse::parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
-}
-
-/// The headers `flowctl_parse` left for the packet in flight.
-#[inline(always)]
-fn packet() -> Option<&'static PacketMeta> {
-    FLOWCTL_PACKET.get(0)
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
