@@ -11,16 +11,19 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod accounting;
+mod decision;
 mod egress;
 mod maps;
 mod parse;
 
+use accounting::{counters, current_stats, flowctl_account};
+use decision::{outcome_code, packed, Decision, Outcome};
 use maps::{
-    packet, FLOWCTL_CONNS, FLOWCTL_CONTROL, FLOWCTL_COUNTERS, FLOWCTL_DEBT, FLOWCTL_GLOBAL,
-    FLOWCTL_KEYS, FLOWCTL_KEY_SAMPLES, FLOWCTL_OPEN, FLOWCTL_PACKET, FLOWCTL_PORT_BITS,
-    FLOWCTL_PROTO_BITS, FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE,
-    FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE, FLOWCTL_STATS, FLOWCTL_STATS_BUCKETS,
-    FLOWCTL_STATS_BUCKET_NS, FLOWCTL_STATS_CLOCK, FLOWCTL_STATS_LEVEL, FLOWCTL_ZERO_RING,
+    packet, FLOWCTL_CONNS, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS,
+    FLOWCTL_KEY_SAMPLES, FLOWCTL_OPEN, FLOWCTL_PACKET, FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS,
+    FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES,
+    FLOWCTL_SRC_TRIE, FLOWCTL_ZERO_RING,
 };
 use parse::class;
 
@@ -35,12 +38,12 @@ use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     action, conn_state, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
-    matcher, reason, rule_set, stats, tcp_flags, unit, unparsed,
+    matcher, reason, rule_set, tcp_flags, unit, unparsed,
     window::{self, Window},
     BucketKey, ConnEntry, ControlRecord, GlobalRecord, KeySample, PacketMeta, QuotaRing,
-    RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, CAS_RETRIES,
-    GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS, OPEN_BUCKET_NS,
-    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
+    RuleBitmap, RuleConfig, SrcEntry, SrcKey, TrieData, CAS_RETRIES, GLOBAL_COUNTER_INDEX,
+    MAX_RULES, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS, OPEN_BUCKET_NS, PORT_INDICES, PORT_NONE,
+    PROTO_INDICES, RULE_SETS,
 };
 
 #[xdp]
@@ -118,189 +121,10 @@ pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 
     parse::parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
 }
 
-/// What `flowctl_decide` returns, in one register: the XDP action (bits
-/// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
-/// table index (32-47, 0xffff: none), the rule's BBR flags (61-62) and
-/// "sample this packet" (63).
-mod packed {
-    pub const SAMPLE: u64 = 1 << 63;
-    /// The deciding rule's `bbr_flags` sit in bits 61 (ON: track its
-    /// connections) and 62 (RESET: answer its refused SYNs with a RST).
-    pub const BBR_ON: u64 = (flowctl_common::bbr_flags::ON as u64) << 61;
-    pub const BBR_RESET: u64 = (flowctl_common::bbr_flags::RESET as u64) << 61;
-
-    #[inline(always)]
-    pub fn pack(action: u32, code: u32, record: u32, rule_at: u32, sample: bool) -> u64 {
-        (action as u64 & 0xff)
-            | (code as u64 & 0xff) << 8
-            | (record as u64 & 0xffff) << 16
-            | (rule_at as u64 & 0xffff) << 32
-            | (sample as u64) << 63
-    }
-    #[inline(always)]
-    pub fn action(v: u64) -> u32 {
-        (v & 0xff) as u32
-    }
-    #[inline(always)]
-    pub fn code(v: u64) -> u32 {
-        (v >> 8 & 0xff) as u32
-    }
-    #[inline(always)]
-    pub fn record(v: u64) -> u32 {
-        (v >> 16 & 0xffff) as u32
-    }
-    #[inline(always)]
-    pub fn rule_at(v: u64) -> u32 {
-        (v >> 32 & 0xffff) as u32
-    }
-}
-
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_decide(parsed: u32, len: u64) -> u64 {
     run(parsed, len)
-}
-
-#[inline(always)]
-fn counters(record: u32) -> Option<&'static mut RuleCounters> {
-    FLOWCTL_COUNTERS.get_ptr_mut(record).map(|p| unsafe { &mut *p })
-}
-
-/// A packet's verdict, counted in one place (`account`) whatever stage
-/// decided it: one copy of the counting code keeps the verifier's work small.
-#[derive(Clone, Copy)]
-struct Decision {
-    record: u32,
-    outcome: Outcome,
-    /// Index of the deciding rule in `FLOWCTL_RULES` (u32::MAX: none).
-    rule_at: u32,
-    /// The deciding rule's `bbr_flags` (0: none).
-    bbr: u8,
-}
-
-impl Decision {
-    #[inline(always)]
-    fn unmatched(outcome: Outcome) -> Self {
-        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX, bbr: 0 }
-    }
-
-    #[inline(always)]
-    fn of(rule: &RuleConfig, outcome: Outcome) -> Self {
-        Self { record: rule.record, outcome, rule_at: rule.at, bbr: rule.bbr }
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Outcome {
-    Pass,
-    Drop(usize),
-    WouldDrop,
-}
-
-/// An outcome as one scalar for `account`: 0 pass, 1 would-drop, 2 + reason
-/// for a drop.
-#[inline(always)]
-fn outcome_code(o: Outcome) -> u32 {
-    match o {
-        Outcome::Pass => 0,
-        Outcome::WouldDrop => 1,
-        Outcome::Drop(why) => 2 + why as u32,
-    }
-}
-
-/// Counts one offered packet of `len` bytes against its record (the running
-/// totals and the current bucket of its statistics ring) and returns the
-/// XDP action. A real BPF-to-BPF call taking only scalars, with nothing of
-/// the caller live after it: the verifier walks it once per distinct
-/// outcome instead of once per path through the stages.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, now: u64) -> u32 {
-    let dropped = code >= 2;
-    let why = code.wrapping_sub(2) as usize;
-    if let Some(c) = counters(record) {
-        c.offered_pkts += 1;
-        c.offered_bytes += len;
-        if dropped {
-            if let (Some(p), Some(b)) = (c.dropped_pkts.get_mut(why), c.dropped_bytes.get_mut(why))
-            {
-                *p += 1;
-                *b += len;
-            }
-        } else {
-            c.passed_pkts += 1;
-            c.passed_bytes += len;
-            if code == 1 {
-                c.would_drop_pkts += 1;
-                c.would_drop_bytes += len;
-            }
-        }
-    }
-    let action = if dropped { xdp_action::XDP_DROP } else { xdp_action::XDP_PASS };
-    let level = FLOWCTL_STATS_LEVEL.load();
-    if level == stats::level::OFF {
-        return action;
-    }
-    let full = level == stats::level::FULL;
-    // Per-CPU: only this CPU writes its copy, so plain stores are exact.
-    // (Two 64-bit divisions per packet cost more than the rest of the ring
-    // update: `current_stats` divides once per bucket and keeps the answer.)
-    if let Some(b) = current_stats(record, now) {
-        b.offered_pkts += 1;
-        if !dropped {
-            b.passed_pkts += 1;
-        }
-        if tcp as u8 & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN {
-            b.syn_offered += 1;
-            if !dropped {
-                b.syn_passed += 1;
-            }
-        }
-        if tcp as u8 & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-            b.fin_rst += 1;
-        }
-        if full {
-            b.offered_bytes += len;
-            if dropped {
-                if let Some(p) = b.dropped_pkts.get_mut(why) {
-                    *p += 1;
-                }
-            } else {
-                b.passed_bytes += len;
-                if code == 1 {
-                    b.would_drop_pkts += 1;
-                }
-            }
-        }
-    }
-    action
-}
-
-/// Zeroes a stale bucket field by field (a struct-wide zero fill becomes a
-/// memset call the verifier cannot load); display-only fields only when kept.
-#[inline(always)]
-fn reset_bucket(b: &mut StatsBucket, epoch: u64, full: bool) {
-    b.epoch = epoch;
-    b.offered_pkts = 0;
-    b.passed_pkts = 0;
-    b.syn_offered = 0;
-    b.syn_passed = 0;
-    b.fin_rst = 0;
-    b.established = 0;
-    b.completed = 0;
-    b.arrivals = 0;
-    b.rt_count = 0;
-    b.rt_sum_us = 0;
-    if full {
-        b.would_drop_pkts = 0;
-        b.offered_bytes = 0;
-        b.passed_bytes = 0;
-        let mut i = 0;
-        while i < b.dropped_pkts.len() {
-            b.dropped_pkts[i] = 0;
-            i += 1;
-        }
-    }
 }
 
 /// Sends about one in `every` matched packets' keys to the sampling ring
@@ -486,26 +310,6 @@ fn open_add(record: u32, epoch: u64, add: bool) {
         }
         tries += 1;
     }
-}
-
-/// This CPU's current bucket of a record's statistics ring, reset when stale.
-#[inline(always)]
-fn current_stats(record: u32, now: u64) -> Option<&'static mut StatsBucket> {
-    let clock = unsafe { &mut *FLOWCTL_STATS_CLOCK.get_ptr_mut(0)? };
-    if now >= clock.end_ns || now < clock.start_ns {
-        let width = FLOWCTL_STATS_BUCKET_NS.load();
-        let epoch = stats::epoch_of(now, width);
-        clock.epoch = epoch;
-        clock.slot = stats::index(0, epoch, FLOWCTL_STATS_BUCKETS.load());
-        clock.start_ns = (epoch - 1).wrapping_mul(width);
-        clock.end_ns = clock.start_ns.wrapping_add(width);
-    }
-    let index = record.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
-    let b = unsafe { &mut *FLOWCTL_STATS.get_ptr_mut(index)? };
-    if b.epoch != clock.epoch {
-        reset_bucket(b, clock.epoch, FLOWCTL_STATS_LEVEL.load() == stats::level::FULL);
-    }
-    Some(b)
 }
 
 /// Turns a refused SYN into the RST|ACK a closed port would send, in place,
