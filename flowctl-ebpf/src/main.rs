@@ -12,18 +12,19 @@
 #![allow(internal_features)]
 
 mod accounting;
+mod conntrack;
 mod decision;
 mod egress;
 mod maps;
 mod parse;
+mod sampler;
 
-use accounting::{counters, current_stats, flowctl_account};
+use accounting::{counters, flowctl_account};
 use decision::{outcome_code, packed, Decision, Outcome};
 use maps::{
-    packet, FLOWCTL_CONNS, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS,
-    FLOWCTL_KEY_SAMPLES, FLOWCTL_OPEN, FLOWCTL_PACKET, FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS,
-    FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES,
-    FLOWCTL_SRC_TRIE, FLOWCTL_ZERO_RING,
+    packet, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_PACKET,
+    FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS,
+    FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE, FLOWCTL_ZERO_RING,
 };
 use parse::class;
 
@@ -36,14 +37,13 @@ use aya_ebpf::{
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, conn_state, control_flags, frag, gcra, key_kind,
+    action, control_flags, frag, gcra, key_kind,
     keys::{bucket_key, debt_slot},
     matcher, reason, rule_set, tcp_flags, unit, unparsed,
     window::{self, Window},
-    BucketKey, ConnEntry, ControlRecord, GlobalRecord, KeySample, PacketMeta, QuotaRing,
-    RuleBitmap, RuleConfig, SrcEntry, SrcKey, TrieData, CAS_RETRIES, GLOBAL_COUNTER_INDEX,
-    MAX_RULES, MAX_SRC_CLASSES, NO_CLASS, OPEN_BUCKETS, OPEN_BUCKET_NS, PORT_INDICES, PORT_NONE,
-    PROTO_INDICES, RULE_SETS,
+    BucketKey, ControlRecord, GlobalRecord, PacketMeta, QuotaRing, RuleBitmap, RuleConfig,
+    SrcEntry, SrcKey, TrieData, CAS_RETRIES, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
+    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
 };
 
 #[xdp]
@@ -78,12 +78,17 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     let parsed = flowctl_parse(ctx.ctx, len);
     let v = flowctl_decide(parsed, len);
     if v & packed::SAMPLE != 0 {
-        flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
+        sampler::flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
     }
     if v & packed::BBR_ON != 0 {
         let reply = v & packed::BBR_RESET != 0
             && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
-        let r = flowctl_connection(ctx.ctx, packed::record(v), packed::code(v), reply as u32);
+        let r = conntrack::flowctl_connection(
+            ctx.ctx,
+            packed::record(v),
+            packed::code(v),
+            reply as u32,
+        );
         if reply {
             return r;
         }
@@ -127,38 +132,6 @@ pub extern "C" fn flowctl_decide(parsed: u32, len: u64) -> u64 {
     run(parsed, len)
 }
 
-/// Sends about one in `every` matched packets' keys to the sampling ring
-/// (`top --keys`); called only while sampling is on. A global function,
-/// verified once on its own, taking scalars only and reading the headers
-/// from `FLOWCTL_PACKET` (headers passed by pointer from the decision kept
-/// every field live to the end of every path there, which stopped the
-/// verifier's state pruning and nearly tripled its work).
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_sample_key(rule_at: u32, record: u32, code: u32) -> u32 {
-    let Some(global) = FLOWCTL_GLOBAL.get(0) else { return 0 };
-    let every = global.key_sample_every;
-    let r = unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() };
-    if r.checked_rem(every).unwrap_or(1) != 0 {
-        return 0;
-    }
-    let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return 0 };
-    let Some(meta) = packet() else { return 0 };
-    let dropped = (code != 0) as u32;
-    if let Some(mut entry) = FLOWCTL_KEY_SAMPLES.reserve::<KeySample>(0) {
-        let s = entry.as_mut_ptr();
-        unsafe {
-            (*s).record = record;
-            (*s).len = meta.len;
-            (*s).dropped = dropped;
-            (*s).key = bucket_key(meta, rule);
-        }
-        entry.submit(0);
-        return 1;
-    }
-    0
-}
-
 /// Kratos' test for one new connection: refuse while the agent says the
 /// rule is overloaded and more than max(1, maxInFlight) connections are in
 /// flight: the agent's last sum plus the SYNs admitted since. Open (0) when
@@ -189,146 +162,6 @@ pub extern "C" fn flowctl_bbr_refuses(record: u32, alive: u32) -> u32 {
         )
     };
     0
-}
-
-/// Connection work for a BBR rule's TCP packet: the RST reply to a refused
-/// SYN (`reply`; returns the XDP action), else tracking. A global function
-/// reading the headers from `FLOWCTL_PACKET` (see `flowctl_sample_key`).
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_connection(ctx: *mut xdp_md, record: u32, code: u32, reply: u32) -> u32 {
-    let c = XdpContext::new(ctx);
-    let Some(meta) = packet() else { return xdp_action::XDP_DROP };
-    if meta.proto != 6 {
-        return xdp_action::XDP_DROP;
-    }
-    if reply != 0 {
-        return reset(&c, meta);
-    }
-    track(meta, record, code);
-    xdp_action::XDP_PASS
-}
-
-/// Follows the TCP connections of BBR rules (algorithms.md section 4, at
-/// L4): the first admitted SYN of a tuple is an arrival (retransmissions are
-/// not), the client's handshake-completing ACK establishes (counted in the
-/// open ring's current epoch and the statistics ring), FIN or RST completes
-/// (taken off the epoch it was established in, counted with its lifetime as
-/// the round trip).
-#[inline(always)]
-fn track(meta: &PacketMeta, record: u32, code: u32) {
-    let now = unsafe { bpf_ktime_get_ns() };
-    let key = conn_key(meta, record);
-    let flags = meta.tcp_flags;
-    let syn = flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
-    let entry = FLOWCTL_CONNS.get_ptr_mut(&key);
-    if syn {
-        if code == 0 && entry.is_none() {
-            let e = ConnEntry { syn_ns: now, open_epoch: 0, state: conn_state::SYN_SEEN };
-            if FLOWCTL_CONNS.insert(&key, &e, 1 /* BPF_NOEXIST */).is_ok() {
-                if let Some(b) = current_stats(record, now) {
-                    b.arrivals += 1;
-                }
-            }
-        }
-        return;
-    }
-    let Some(e) = entry else { return };
-    let e = unsafe { &mut *e };
-    if flags & (tcp_flags::FIN | tcp_flags::RST) != 0 {
-        // Out of flight: take it off the kernel's count since the agent's
-        // last tick (the SYN, or the agent's sum, counted it).
-        if let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) {
-            unsafe {
-                core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(
-                    &mut (*ctl).bbr_admitted,
-                    u32::MAX,
-                )
-            };
-        }
-        if e.state == conn_state::ESTABLISHED {
-            open_add(record, e.open_epoch as u64, false);
-            if let Some(b) = current_stats(record, now) {
-                b.completed += 1;
-                b.rt_count += 1;
-                b.rt_sum_us += now.saturating_sub(e.syn_ns) / 1000;
-            }
-        }
-        let _ = FLOWCTL_CONNS.remove(&key);
-        return;
-    }
-    if flags & tcp_flags::ACK != 0 && e.state == conn_state::SYN_SEEN {
-        let epoch = now / OPEN_BUCKET_NS;
-        e.state = conn_state::ESTABLISHED;
-        e.open_epoch = epoch as u32;
-        open_add(record, epoch, true);
-        if let Some(b) = current_stats(record, now) {
-            b.established += 1;
-        }
-    }
-}
-
-/// The connection key: the 5-tuple, kept apart per rule record.
-#[inline(always)]
-fn conn_key(m: &PacketMeta, record: u32) -> BucketKey {
-    BucketKey {
-        state_id: record,
-        family: m.family,
-        proto: m.proto,
-        sport: m.sport,
-        dport: m.dport,
-        _pad: 0,
-        src: m.src,
-        dst: m.dst,
-    }
-}
-
-/// Adds one establishment to (or takes one completion off) `epoch` of a
-/// record's open ring. A completion whose epoch has left the ring (or was
-/// overwritten) changes nothing: that connection no longer counts anyway.
-#[inline(always)]
-fn open_add(record: u32, epoch: u64, add: bool) {
-    let idx =
-        record.wrapping_mul(OPEN_BUCKETS as u32).wrapping_add((epoch % OPEN_BUCKETS as u64) as u32);
-    let Some(p) = FLOWCTL_OPEN.get_ptr_mut(idx) else { return };
-    let mut tries = 0;
-    while tries < CAS_RETRIES {
-        let old = unsafe { core::ptr::read_volatile(p) };
-        let (e, c) = window::unpack(old);
-        let new = if add {
-            window::bumped(old, epoch, 1)
-        } else if e == epoch as u32 {
-            window::pack(epoch, c.wrapping_sub(1))
-        } else {
-            return;
-        };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, old, new)
-        };
-        if ok {
-            return;
-        }
-        tries += 1;
-    }
-}
-
-/// Turns a refused SYN into the RST|ACK a closed port would send, in place,
-/// to go back out of the interface (XDP_TX). Anything it cannot answer
-/// exactly (IP options, IPv6 extension headers) is dropped instead.
-#[inline(always)]
-fn reset(c: &XdpContext, meta: &PacketMeta) -> u32 {
-    if parse::rst_reply(c, meta).is_err() {
-        return xdp_action::XDP_DROP;
-    }
-    // Cut the frame after the 20-byte TCP header (the SYN's options go).
-    let want = meta.l4_off as i64 + 20;
-    let have = (c.data_end() - c.data()) as i64;
-    if have > want
-        && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(c.ctx, (want - have) as i32) } != 0
-    {
-        return xdp_action::XDP_DROP;
-    }
-    xdp_action::XDP_TX
 }
 
 #[inline(always)]
