@@ -22,17 +22,14 @@ mod sampler;
 use accounting::{counters, flowctl_account};
 use decision::{outcome_code, packed, Decision, Outcome};
 use maps::{
-    packet, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_PACKET,
-    FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS,
-    FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE, FLOWCTL_ZERO_RING,
+    packet, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_PORT_BITS,
+    FLOWCTL_PROTO_BITS, FLOWCTL_QUOTAS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE,
+    FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE, FLOWCTL_ZERO_RING,
 };
 use parse::class;
 
 use aya_ebpf::{
-    bindings::{xdp_action, xdp_md},
-    helpers::bpf_ktime_get_ns,
-    macros::xdp,
-    maps::lpm_trie::Key,
+    bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, maps::lpm_trie::Key,
     programs::XdpContext,
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
@@ -75,7 +72,7 @@ pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
 /// global functions in it too).
 #[inline(always)]
 fn entry(ctx: &XdpContext, len: u64) -> u32 {
-    let parsed = flowctl_parse(ctx.ctx, len);
+    let parsed = parse::flowctl_parse(ctx.ctx, len);
     let v = flowctl_decide(parsed, len);
     if v & packed::SAMPLE != 0 {
         sampler::flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
@@ -94,36 +91,6 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
         }
     }
     packed::action(v)
-}
-
-/// Parses the frame into this CPU's `FLOWCTL_PACKET` entry (`len`: the
-/// frame's bytes on the wire, all buffers) and returns its `parse::class`.
-/// XDP runs one packet at a time per CPU (NAPI, softirq), so the entry is
-/// this packet's until the program returns.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
-    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
-    parse::parse(&XdpContext::new(ctx), len as usize, unsafe { &mut *slot })
-}
-
-/// The IP layer of `flowctl_parse` (see `parse::parse`).
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u64) -> u32 {
-    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
-    parse::parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe {
-        &mut *slot
-    })
-}
-
-/// The L4 header of `flowctl_parse` (see `parse::parse`), at `off` in a
-/// packet that ends at `end`.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 {
-    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
-    parse::parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
 }
 
 #[no_mangle]

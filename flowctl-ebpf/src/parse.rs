@@ -7,8 +7,15 @@
 //! evasive. Lengths come from the IP headers (the packet's end), never from
 //! what follows them: a stack trims padding, so ports read out of padding
 //! would classify bytes the stack never delivers.
+//!
+//! The parser is three global functions, `flowctl_parse` (Ethernet and VLAN
+//! tags), `flowctl_parse_ip` and `flowctl_parse_l4`, that leave the headers
+//! in this CPU's `FLOWCTL_PACKET` entry for the rest of the program
+//! (docs/design.md, "Verifier budget"). [`rst_reply`] is the reverse: it
+//! rewrites a parsed SYN, in place, into the RST that answers it.
 
-use aya_ebpf::programs::XdpContext;
+use crate::maps::FLOWCTL_PACKET;
+use aya_ebpf::{bindings::xdp_md, programs::XdpContext};
 use flowctl_common::{
     frag, unparsed, PacketMeta, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, PARSE_WINDOW,
 };
@@ -72,10 +79,38 @@ fn be32(b: &[u8], i: usize) -> u32 {
     u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
+/// Parses the frame into this CPU's `FLOWCTL_PACKET` entry (`len`: the
+/// frame's bytes on the wire, all buffers) and returns its [`class`].
+/// XDP runs one packet at a time per CPU (NAPI, softirq), so the entry is
+/// this packet's until the program returns.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse(&XdpContext::new(ctx), len as usize, unsafe { &mut *slot })
+}
+
+/// The IP layer of `flowctl_parse` (see [`parse`]).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe { &mut *slot })
+}
+
+/// The L4 header of `flowctl_parse` (see [`parse`]), at `off` in a
+/// packet that ends at `end`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
+}
+
 /// Parses the frame into `meta` (`len`: its bytes, all buffers) and returns
 /// its [`class`].
 #[inline(always)]
-pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
+fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
     *meta = PacketMeta { len: len as u32, ..PacketMeta::default() };
     let Ok(eth) = bytes::<{ EthHdr::LEN }>(ctx, 0) else { return class::MALFORMED };
     let mut ether_type = be16(&eth, 12);
@@ -101,19 +136,13 @@ pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
     // with unknown offsets: inline, every VLAN depth (a distinct constant
     // offset) and every exit of the IPv6 chain walk multiplied the
     // verifier's work on everything after it.
-    crate::flowctl_parse_ip(ctx.ctx, off as u64, len as u64, (ether_type == ETH_P_IPV6) as u64)
+    flowctl_parse_ip(ctx.ctx, off as u64, len as u64, (ether_type == ETH_P_IPV6) as u64)
 }
 
 /// The IP header at `off` and what follows (`ipv6`: which version the
 /// EtherType announced).
 #[inline(always)]
-pub fn parse_ip(
-    ctx: &XdpContext,
-    off: usize,
-    len: usize,
-    ipv6: bool,
-    meta: &mut PacketMeta,
-) -> u32 {
+fn parse_ip(ctx: &XdpContext, off: usize, len: usize, ipv6: bool, meta: &mut PacketMeta) -> u32 {
     if ipv6 {
         parse_ipv6(ctx, off, len, meta)
     } else {
@@ -250,7 +279,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
         return unparsed_at(meta, next, unparsed::PROTO);
     }
     meta.proto = next;
-    crate::flowctl_parse_l4(ctx.ctx, off as u64, end as u64)
+    flowctl_parse_l4(ctx.ctx, off as u64, end as u64)
 }
 
 /// Marks a packet whose L4 the parser cannot reach (docs/classification.md,
@@ -264,7 +293,7 @@ fn unparsed_at(meta: &mut PacketMeta, next: u8, how: u8) -> u32 {
 
 /// The L4 header at `off`, in a packet that ends at `end`.
 #[inline(always)]
-pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta) -> u32 {
+fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta) -> u32 {
     meta.l4_off = off as u16;
     let need = match meta.proto {
         IPPROTO_TCP => TcpHdr::LEN,
