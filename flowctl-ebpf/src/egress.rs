@@ -2,19 +2,9 @@
 //! downstream endpoints of KLimiter's `egress` baselines (the level of a
 //! protected database, say). Never changes a verdict: every packet passes.
 
-use aya_ebpf::{
-    macros::classifier,
-    macros::map,
-    maps::{Array, PerCpuArray},
-    programs::TcContext,
-};
-use flowctl_common::{tcp_flags, EgressTarget, EGRESS_COUNTERS_PER_TARGET, MAX_EGRESS_TARGETS};
-
-#[map]
-static FLOWCTL_EGRESS_TARGETS: Array<EgressTarget> = Array::pinned(MAX_EGRESS_TARGETS as u32, 0);
-#[map]
-static FLOWCTL_EGRESS_COUNTS: PerCpuArray<u64> =
-    PerCpuArray::pinned((MAX_EGRESS_TARGETS * EGRESS_COUNTERS_PER_TARGET) as u32, 0);
+use crate::maps::{FLOWCTL_EGRESS_COUNTS, FLOWCTL_EGRESS_TARGETS};
+use aya_ebpf::{macros::classifier, programs::TcContext};
+use flowctl_common::{tcp_flags, EGRESS_COUNTERS_PER_TARGET, MAX_EGRESS_TARGETS};
 
 /// TC_ACT_OK: the packet goes on.
 const TC_ACT_OK: i32 = 0;

@@ -7,8 +7,15 @@
 //! evasive. Lengths come from the IP headers (the packet's end), never from
 //! what follows them: a stack trims padding, so ports read out of padding
 //! would classify bytes the stack never delivers.
+//!
+//! The parser is three global functions, `flowctl_parse` (Ethernet and VLAN
+//! tags), `flowctl_parse_ip` and `flowctl_parse_l4`, that leave the headers
+//! in this CPU's `FLOWCTL_PACKET` entry for the rest of the program
+//! (docs/design.md, "Verifier budget"). [`rst_reply`] is the reverse: it
+//! rewrites a parsed SYN, in place, into the RST that answers it.
 
-use aya_ebpf::programs::XdpContext;
+use crate::maps::FLOWCTL_PACKET;
+use aya_ebpf::{bindings::xdp_md, programs::XdpContext};
 use flowctl_common::{
     frag, unparsed, PacketMeta, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, PARSE_WINDOW,
 };
@@ -47,9 +54,7 @@ pub mod class {
 fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
     let start = ctx.data();
     let end = ctx.data_end();
-    if off > PARSE_WINDOW - core::mem::size_of::<T>()
-        || start + off + core::mem::size_of::<T>() > end
-    {
+    if off > PARSE_WINDOW - size_of::<T>() || start + off + size_of::<T>() > end {
         return Err(());
     }
     Ok((start + off) as *const T)
@@ -74,10 +79,38 @@ fn be32(b: &[u8], i: usize) -> u32 {
     u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
+/// Parses the frame into this CPU's `FLOWCTL_PACKET` entry (`len`: the
+/// frame's bytes on the wire, all buffers) and returns its [`class`].
+/// XDP runs one packet at a time per CPU (NAPI, softirq), so the entry is
+/// this packet's until the program returns.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse(ctx: *mut xdp_md, len: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse(&XdpContext::new(ctx), len as usize, unsafe { &mut *slot })
+}
+
+/// The IP layer of `flowctl_parse` (see [`parse`]).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_ip(ctx: *mut xdp_md, off: u64, len: u64, ipv6: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse_ip(&XdpContext::new(ctx), off as usize, len as usize, ipv6 != 0, unsafe { &mut *slot })
+}
+
+/// The L4 header of `flowctl_parse` (see [`parse`]), at `off` in a
+/// packet that ends at `end`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 {
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return class::MALFORMED };
+    parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
+}
+
 /// Parses the frame into `meta` (`len`: its bytes, all buffers) and returns
 /// its [`class`].
 #[inline(always)]
-pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
+fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
     *meta = PacketMeta { len: len as u32, ..PacketMeta::default() };
     let Ok(eth) = bytes::<{ EthHdr::LEN }>(ctx, 0) else { return class::MALFORMED };
     let mut ether_type = be16(&eth, 12);
@@ -103,19 +136,13 @@ pub fn parse(ctx: &XdpContext, len: usize, meta: &mut PacketMeta) -> u32 {
     // with unknown offsets: inline, every VLAN depth (a distinct constant
     // offset) and every exit of the IPv6 chain walk multiplied the
     // verifier's work on everything after it.
-    crate::flowctl_parse_ip(ctx.ctx, off as u64, len as u64, (ether_type == ETH_P_IPV6) as u64)
+    flowctl_parse_ip(ctx.ctx, off as u64, len as u64, (ether_type == ETH_P_IPV6) as u64)
 }
 
 /// The IP header at `off` and what follows (`ipv6`: which version the
 /// EtherType announced).
 #[inline(always)]
-pub fn parse_ip(
-    ctx: &XdpContext,
-    off: usize,
-    len: usize,
-    ipv6: bool,
-    meta: &mut PacketMeta,
-) -> u32 {
+fn parse_ip(ctx: &XdpContext, off: usize, len: usize, ipv6: bool, meta: &mut PacketMeta) -> u32 {
     if ipv6 {
         parse_ipv6(ctx, off, len, meta)
     } else {
@@ -252,7 +279,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize, len: usize, meta: &mut PacketMeta) -
         return unparsed_at(meta, next, unparsed::PROTO);
     }
     meta.proto = next;
-    crate::flowctl_parse_l4(ctx.ctx, off as u64, end as u64)
+    flowctl_parse_l4(ctx.ctx, off as u64, end as u64)
 }
 
 /// Marks a packet whose L4 the parser cannot reach (docs/classification.md,
@@ -266,7 +293,7 @@ fn unparsed_at(meta: &mut PacketMeta, next: u8, how: u8) -> u32 {
 
 /// The L4 header at `off`, in a packet that ends at `end`.
 #[inline(always)]
-pub fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta) -> u32 {
+fn parse_l4(ctx: &XdpContext, off: usize, end: usize, meta: &mut PacketMeta) -> u32 {
     meta.l4_off = off as u16;
     let need = match meta.proto {
         IPPROTO_TCP => TcpHdr::LEN,
@@ -340,6 +367,11 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
     let eth = ptr_at::<[u8; 12]>(ctx, 0)? as *mut u8;
     // The pseudo header's protocol (6) and TCP length (20) words.
     let proto_len = (6u16.to_be() as u32) + (20u16.to_be() as u32);
+    // SAFETY: `eth` is the frame's first 12 bytes (the MACs) and `h` the
+    // 40 (IPv4) or 60 (IPv6) bytes of the IP and TCP headers at `l3`, each
+    // checked against the packet's end by `ptr_at`; every access below is
+    // inside one of them: IPv4 bytes 0-19 and TCP at 20-39, IPv6 bytes
+    // 4-39 and TCP at 40-59, the MACs at 0-11.
     unsafe {
         if meta.family == 4 {
             if l4 != l3 + 20 {
@@ -381,40 +413,77 @@ pub fn rst_reply(ctx: &XdpContext, meta: &PacketMeta) -> Result<(), ()> {
     Ok(())
 }
 
+/// The 16 bits at `p + at`, unaligned.
+///
+/// # Safety
+///
+/// `p + at .. p + at + 2` must be readable: inside a header `ptr_at` checked.
 #[inline(always)]
 unsafe fn rd16(p: *const u8, at: usize) -> u16 {
-    core::ptr::read_unaligned(p.add(at) as *const u16)
+    // SAFETY: the caller's bounds; `read_unaligned` needs no alignment.
+    unsafe { core::ptr::read_unaligned(p.add(at) as *const u16) }
 }
 
+/// Stores 16 bits at `p + at`, unaligned.
+///
+/// # Safety
+///
+/// `p + at .. p + at + 2` must be writable: inside a header `ptr_at` checked.
 #[inline(always)]
 unsafe fn wr16(p: *mut u8, at: usize, v: u16) {
-    core::ptr::write_unaligned(p.add(at) as *mut u16, v)
+    // SAFETY: the caller's bounds; `write_unaligned` needs no alignment.
+    unsafe { core::ptr::write_unaligned(p.add(at) as *mut u16, v) }
 }
 
+/// The 32 bits at `p + at`, unaligned.
+///
+/// # Safety
+///
+/// `p + at .. p + at + 4` must be readable: inside a header `ptr_at` checked.
 #[inline(always)]
 unsafe fn rd32(p: *const u8, at: usize) -> u32 {
-    core::ptr::read_unaligned(p.add(at) as *const u32)
+    // SAFETY: the caller's bounds; `read_unaligned` needs no alignment.
+    unsafe { core::ptr::read_unaligned(p.add(at) as *const u32) }
 }
 
+/// Stores 32 bits at `p + at`, unaligned.
+///
+/// # Safety
+///
+/// `p + at .. p + at + 4` must be writable: inside a header `ptr_at` checked.
 #[inline(always)]
 unsafe fn wr32(p: *mut u8, at: usize, v: u32) {
-    core::ptr::write_unaligned(p.add(at) as *mut u32, v)
+    // SAFETY: the caller's bounds; `write_unaligned` needs no alignment.
+    unsafe { core::ptr::write_unaligned(p.add(at) as *mut u32, v) }
 }
 
 /// Swaps the 4 bytes at `a` with the 4 at `b`.
+///
+/// # Safety
+///
+/// `p + a .. p + a + 4` and `p + b .. p + b + 4` must be readable and
+/// writable.
 #[inline(always)]
 unsafe fn swap32(p: *mut u8, a: usize, b: usize) {
-    let (x, y) = (rd32(p, a), rd32(p, b));
-    wr32(p, a, y);
-    wr32(p, b, x);
+    // SAFETY: exactly the two ranges the caller vouches for.
+    unsafe {
+        let (x, y) = (rd32(p, a), rd32(p, b));
+        wr32(p, a, y);
+        wr32(p, b, x);
+    }
 }
 
 /// Adds the 16-bit words of `p[from..to]` (machine order) to a one's-complement sum.
+///
+/// # Safety
+///
+/// `p + from .. p + to` must be readable.
 #[inline(always)]
 unsafe fn sum16(p: *const u8, from: usize, to: usize, mut sum: u32) -> u32 {
     let mut i = from;
     while i + 1 < to {
-        sum += rd16(p, i) as u32;
+        // SAFETY: `i + 2 <= to`, so the word is inside the caller's range.
+        sum += unsafe { rd16(p, i) } as u32;
         i += 2;
     }
     sum
@@ -422,16 +491,24 @@ unsafe fn sum16(p: *const u8, from: usize, to: usize, mut sum: u32) -> u32 {
 
 /// Replaces the SYN's 20-byte TCP header at `t` by the RST|ACK's, with its
 /// checksum over `pseudo` (the pseudo header's sum).
+///
+/// # Safety
+///
+/// `t .. t + 20` must be readable and writable.
 #[inline(always)]
 unsafe fn rst_tcp(t: *mut u8, pseudo: u32) {
-    let ack = u32::from_be(rd32(t, 4)).wrapping_add(1).to_be();
-    let (sport, dport) = (rd16(t, 0), rd16(t, 2));
-    wr16(t, 0, dport);
-    wr16(t, 2, sport);
-    wr32(t, 4, 0); // SEQ
-    wr32(t, 8, ack);
-    wr16(t, 12, u16::from_ne_bytes([5 << 4, 0x14])); // data offset 5; RST | ACK
-    wr16(t, 14, 0); // window
-    wr32(t, 16, 0); // checksum, urgent pointer
-    wr16(t, 16, fold(sum16(t, 0, 20, pseudo)));
+    // SAFETY: every access is within bytes 0-19 of `t`, which the caller
+    // vouches for.
+    unsafe {
+        let ack = u32::from_be(rd32(t, 4)).wrapping_add(1).to_be();
+        let (sport, dport) = (rd16(t, 0), rd16(t, 2));
+        wr16(t, 0, dport);
+        wr16(t, 2, sport);
+        wr32(t, 4, 0); // SEQ
+        wr32(t, 8, ack);
+        wr16(t, 12, u16::from_ne_bytes([5 << 4, 0x14])); // data offset 5; RST | ACK
+        wr16(t, 14, 0); // window
+        wr32(t, 16, 0); // checksum, urgent pointer
+        wr16(t, 16, fold(sum16(t, 0, 20, pseudo)));
+    }
 }

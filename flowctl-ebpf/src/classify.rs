@@ -1,0 +1,150 @@
+//! Classification: the first rule of the profile, in file order, that
+//! matches a parsed packet (docs/classification.md). The source's class
+//! comes from the per-source cache when it was computed for the live
+//! profile's generation, else from the LPM trie (and is cached); the class,
+//! protocol and port bitmaps ANDed give the candidates, whatever the rule
+//! count.
+
+use crate::{
+    accounting::counters,
+    decision::{Decision, Outcome},
+    maps::{
+        FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE,
+        FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE,
+    },
+};
+use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
+use flowctl_common::{
+    frag, matcher, reason, rule_set, unparsed, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
+    SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS,
+    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
+};
+
+/// What classification found for a packet.
+pub enum Match {
+    /// The deciding rule, the source's cache entry (null when the cache
+    /// holds none) and the rule's counter record.
+    Rule(&'static RuleConfig, *mut SrcEntry, u32),
+    /// No rule applies: the decision on the unmatched packet.
+    Unmatched(Decision),
+}
+
+/// The rule that applies to `meta` in the live slot of the profile, with
+/// the source's cache entry refreshed when it was stale or missing.
+#[inline(always)]
+pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
+    let slot = global.active_slot & 1;
+    let generation = global.generation as u32;
+
+    // 1. The source's class: from the per-source cache when it was computed
+    // for this generation, else from the LPM trie.
+    let src_key = SrcKey::of(meta);
+    let mut entry_ptr: *mut SrcEntry = match FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key) {
+        Some(p) => p,
+        None => core::ptr::null_mut(),
+    };
+    let cached = !entry_ptr.is_null() && unsafe { (*entry_ptr).generation } == generation;
+    let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta) };
+    let Some(src_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + class) else {
+        // NO_CLASS (no profile applied yet): nothing matches.
+        return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+
+    let proto_idx = slot * PROTO_INDICES as u32 + meta.proto as u32;
+    let Some(proto_bits) = FLOWCTL_PROTO_BITS.get(proto_idx) else {
+        return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+    let port = if meta.frag == frag::LATER
+        || meta.unparsed != unparsed::NO
+        || (meta.proto != 6 && meta.proto != 17)
+    {
+        PORT_NONE
+    } else {
+        meta.dport as u32
+    };
+    let Some(port_bits) = FLOWCTL_PORT_BITS.get(slot * PORT_INDICES as u32 + port) else {
+        return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+    let matched = if meta.unparsed == unparsed::NO {
+        matcher::first_match(src_bits, proto_bits, port_bits)
+    } else {
+        unparsed_match(slot, meta, src_bits, proto_bits, port_bits)
+    };
+    let Some(rule_idx) = matched else {
+        // A non-first fragment that a port rule might have matched gets the
+        // fragment verdict; anything else without a rule passes.
+        if meta.frag == frag::LATER && matcher::intersects(src_bits, proto_bits) {
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.fragment_pkts += 1;
+            }
+            if global.fragment_verdict == xdp_action::XDP_DROP {
+                return Match::Unmatched(Decision::unmatched(Outcome::Drop(reason::FRAGMENT)));
+            }
+        }
+        return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+    let Some(rule) = FLOWCTL_RULES.get(slot * MAX_RULES as u32 + rule_idx) else {
+        return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+    let record = rule.record;
+
+    // Refresh the cache entry when it was stale or missing.
+    if entry_ptr.is_null() {
+        let e = SrcEntry { tat: 0, generation, owner_state: 0, class, _pad: 0 };
+        if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
+            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                c.source_inserts += 1;
+            }
+            entry_ptr = FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
+        }
+    } else if !cached {
+        unsafe {
+            (*entry_ptr).class = class;
+            (*entry_ptr).generation = generation;
+        }
+    }
+    Match::Rule(rule, entry_ptr, record)
+}
+
+/// The rule for a packet whose ports the parser could not reach: every
+/// rule that could apply is a candidate (docs/classification.md). Counted
+/// in the global `unparsed_pkts`.
+#[inline(always)]
+fn unparsed_match(
+    slot: u32,
+    meta: &PacketMeta,
+    src: &RuleBitmap,
+    proto: &RuleBitmap,
+    no_port: &RuleBitmap,
+) -> Option<u32> {
+    if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+        c.unparsed_pkts += 1;
+    }
+    let base = slot * RULE_SETS as u32;
+    let enforcing = FLOWCTL_RULE_SETS.get(base + rule_set::ENFORCING as u32)?;
+    let any_proto = FLOWCTL_RULE_SETS.get(base + rule_set::ANY_PROTO as u32)?;
+    let proto = if meta.unparsed == unparsed::PORTS { Some(proto) } else { None };
+    matcher::first_unparsed(src, proto, no_port, any_proto, enforcing)
+}
+
+/// The source's class from the LPM trie of `slot`.
+#[inline(always)]
+fn trie_class(slot: u32, meta: &PacketMeta) -> u32 {
+    let mut data: TrieData = [0; 17];
+    data[0] = ((slot as u8) << 1) | (meta.family == 6) as u8;
+    let words = if meta.family == 6 { 4 } else { 1 };
+    let mut i = 0;
+    while i < words {
+        let b = meta.src[i].to_be_bytes();
+        data[1 + i * 4] = b[0];
+        data[2 + i * 4] = b[1];
+        data[3 + i * 4] = b[2];
+        data[4 + i * 4] = b[3];
+        i += 1;
+    }
+    let key = Key::new(8 + 128, data);
+    match FLOWCTL_SRC_TRIE.get(&key) {
+        Some(c) => *c,
+        None => NO_CLASS,
+    }
+}

@@ -1,0 +1,127 @@
+//! Every map of the `flowctl-xdp` object, and its load-time constants, in
+//! one place. The names are the interface: user space pins, opens and
+//! fills the maps by these names (`flowctl_common::map_names`, and the
+//! table in docs/design.md), and sets the constants by theirs before
+//! loading. Renaming one here breaks the loader, and a pinned map of an
+//! attachment made by the previous build.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    Global,
+};
+use flowctl_common::{
+    stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
+    GlobalRecord, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey,
+    StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES,
+    DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
+    EGRESS_COUNTERS_PER_TARGET, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS, MAX_RULES,
+    MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, SLOTS,
+};
+
+// The profile, as the agent applied it: two slots of everything it reads
+// per packet (`GlobalRecord::active_slot` says which is live).
+
+#[map]
+pub static FLOWCTL_GLOBAL: Array<GlobalRecord> = Array::pinned(1, 0);
+#[map]
+pub static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned((MAX_RULES * SLOTS) as u32, 0);
+#[map]
+pub static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SLOTS) as u32, 0);
+#[map]
+pub static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * SLOTS) as u32, 0);
+/// Rules by property per slot (`rule_set::*`), for packets whose ports the
+/// parser could not reach.
+#[map]
+pub static FLOWCTL_RULE_SETS: Array<RuleBitmap> = Array::pinned((RULE_SETS * SLOTS) as u32, 0);
+#[map]
+pub static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> =
+    LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
+#[map]
+pub static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> =
+    Array::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
+
+// Per-key state of the stages.
+
+/// Sources' classes, and a source-keyed rule's bucket (see
+/// `stages::bucket`).
+#[map]
+pub static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
+    LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
+/// Every other key's bucket (its TAT).
+#[map]
+pub static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
+/// Quota window rings, one per key of every quota rule.
+#[map]
+pub static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
+    LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
+/// A zeroed ring to insert from (136 bytes are too many for the stack).
+#[map]
+pub static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
+/// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
+#[map]
+pub static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
+
+// What the agent's control loops set per rule record, and what they read.
+
+#[map]
+pub static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
+/// Agent-computed state for other readers (user space only; see AgentRecord).
+#[map]
+pub static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);
+/// Tracked TCP connections of BBR rules (key: 5-tuple, `state_id` = record).
+#[map]
+pub static FLOWCTL_CONNS: LruHashMap<BucketKey, ConnEntry> =
+    LruHashMap::pinned(DEFAULT_CONN_ENTRIES, 0);
+/// BBR rules' open-connection rings: per record, `OPEN_BUCKETS` words of
+/// (epoch << 32 | established-and-not-completed), updated by compare-and-swap.
+#[map]
+pub static FLOWCTL_OPEN: Array<u64> = Array::pinned((MAX_RULE_RECORDS * OPEN_BUCKETS) as u32, 0);
+
+// Counting (see `accounting`) and sampling (see `sampler`).
+
+#[map]
+pub static FLOWCTL_COUNTERS: PerCpuArray<RuleCounters> =
+    PerCpuArray::pinned(COUNTER_RECORDS as u32, 0);
+/// Per-rule statistics rings: `FLOWCTL_STATS_BUCKETS` entries per counter
+/// record, sized by the loader (see `flowctl_common::stats`).
+#[map]
+pub static FLOWCTL_STATS: PerCpuArray<StatsBucket> =
+    PerCpuArray::pinned(COUNTER_RECORDS as u32 * DEFAULT_STATS_BUCKETS, 0);
+/// Each CPU's current statistics bucket (see `accounting::current_stats`).
+#[map]
+pub static FLOWCTL_STATS_CLOCK: PerCpuArray<StatsClock> = PerCpuArray::with_max_entries(1, 0);
+/// Sampled keys for `top --keys`, read by the agent.
+#[map]
+pub static FLOWCTL_KEY_SAMPLES: RingBuf = RingBuf::pinned(KEY_SAMPLE_RING_BYTES, 0);
+
+/// The packet in flight on this CPU, as `flowctl_parse` read it (see
+/// `packet`).
+#[map]
+pub static FLOWCTL_PACKET: PerCpuArray<PacketMeta> = PerCpuArray::with_max_entries(1, 0);
+
+// The TC egress counter's (`egress`, a separate program in this object).
+
+#[map]
+pub static FLOWCTL_EGRESS_TARGETS: Array<EgressTarget> =
+    Array::pinned(MAX_EGRESS_TARGETS as u32, 0);
+#[map]
+pub static FLOWCTL_EGRESS_COUNTS: PerCpuArray<u64> =
+    PerCpuArray::pinned((MAX_EGRESS_TARGETS * EGRESS_COUNTERS_PER_TARGET) as u32, 0);
+
+// Load-time constants (set by the loader; the verifier prunes by them).
+
+#[no_mangle]
+pub static FLOWCTL_STATS_LEVEL: Global<u8> = Global::new(stats::level::FULL);
+#[no_mangle]
+pub static FLOWCTL_STATS_BUCKET_NS: Global<u64> = Global::new(DEFAULT_STATS_BUCKET_NS);
+#[no_mangle]
+pub static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
+
+/// The headers `flowctl_parse` left for the packet in flight. XDP runs one
+/// packet at a time per CPU (NAPI, softirq), so this CPU's entry is this
+/// packet's until the program returns.
+#[inline(always)]
+pub fn packet() -> Option<&'static PacketMeta> {
+    FLOWCTL_PACKET.get(0)
+}

@@ -1,0 +1,210 @@
+//! Stage 4: the key's token bucket (GCRA, algorithms.md section 1),
+//! one TAT per key: in the source's cache entry for a source-keyed rule
+//! that owns it, else in the shared key table (`FLOWCTL_KEYS`). A refused
+//! key's debt is remembered (`FLOWCTL_DEBT`), so eviction never hands it a
+//! fresh burst (docs/design.md, "Where bucket state lives").
+
+use super::{
+    quota::{QuotaCommit, QuotaStage},
+    verdict,
+};
+use crate::{
+    accounting::counters,
+    decision::{Decision, Outcome},
+    maps::{FLOWCTL_DEBT, FLOWCTL_KEYS},
+};
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+use flowctl_common::{
+    gcra, key_kind,
+    keys::{bucket_key, debt_slot},
+    reason, BucketKey, PacketMeta, RuleConfig, SrcEntry, CAS_RETRIES,
+};
+
+/// Stage 4 (and the commit of stage 3): look at the bucket, commit the
+/// quota, then create or swap the bucket.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn admit<Q: QuotaStage>(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    entry_ptr: *mut SrcEntry,
+    record: u32,
+    cost: u64,
+    now: u64,
+    quota: &mut Q,
+) -> Decision {
+    // Stage 4, look: the bucket's verdict on a read, before anything commits.
+    let inc = gcra::increment_ns(rule.interval_fp, cost);
+    let mut tat_ptr: *mut u64 = core::ptr::null_mut();
+    let mut create: Option<u64> = None;
+    if rule.has_bucket != 0 {
+        match bucket_tat(rule, meta, entry_ptr, now) {
+            BucketRef::Ptr(p) => {
+                let old = unsafe { core::ptr::read_volatile(p) };
+                if gcra::admit(old, now, inc, rule.burst_ns).is_none() {
+                    return refuse_rate(rule, meta, record, p, old);
+                }
+                tat_ptr = p;
+            }
+            BucketRef::Missing => {
+                let key = bucket_key(meta, rule);
+                let Some(first) =
+                    gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns)
+                else {
+                    // Costlier than the whole bucket, or still in debt:
+                    // refused without creating state.
+                    return verdict(rule, reason::RATE);
+                };
+                create = Some(unmarked(first));
+            }
+        }
+    }
+
+    // Stage 3, commit: the quota (one compare-and-swap, exact).
+    match quota.commit(cost) {
+        QuotaCommit::Done => {}
+        QuotaCommit::Full => return verdict(rule, reason::QUOTA),
+        QuotaCommit::Contended => return verdict(rule, reason::CONTENDED),
+    }
+
+    // Stage 4, commit: create the bucket charged, or swap its TAT.
+    if let Some(first) = create {
+        let key = bucket_key(meta, rule);
+        // BPF_NOEXIST: if another CPU created the key first, use its bucket.
+        if FLOWCTL_KEYS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_ok() {
+            if let Some(c) = counters(record) {
+                c.key_inserts += 1;
+            }
+            return Decision::of(rule, Outcome::Pass);
+        }
+        match FLOWCTL_KEYS.get_ptr_mut(&key) {
+            Some(p) => tat_ptr = p,
+            None => {
+                // The table refused the insert: admit (the quota has counted
+                // it) and say so.
+                if let Some(c) = counters(record) {
+                    c.insert_failures += 1;
+                }
+            }
+        }
+    }
+    if tat_ptr.is_null() {
+        return Decision::of(rule, Outcome::Pass);
+    }
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
+            // Another CPU took the last token between the look and the swap.
+            quota.rollback(cost);
+            return refuse_rate(rule, meta, record, tat_ptr, old);
+        };
+        // Admitting moves the TAT: clear the mark by rounding up to even.
+        let new = unmarked(new);
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr, old, new,
+            )
+        };
+        if ok {
+            return Decision::of(rule, Outcome::Pass);
+        }
+        tries += 1;
+    }
+    quota.rollback(cost);
+    verdict(rule, reason::CONTENDED)
+}
+
+/// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
+/// key that keeps being refused pays for the debt slot once, not per packet.
+/// The mark makes the TAT 1 ns later, never earlier.
+#[inline(always)]
+fn refuse_rate(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    record: u32,
+    tat_ptr: *mut u64,
+    old: u64,
+) -> Decision {
+    if old & DEBT_MARK == 0 {
+        remember_debt(rule, meta, record, old);
+        unsafe {
+            let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr,
+                old,
+                old | DEBT_MARK,
+            );
+        }
+    }
+    verdict(rule, reason::RATE)
+}
+
+enum BucketRef {
+    Ptr(*mut u64),
+    /// No bucket yet for this key: the caller creates it, charged. (The key
+    /// is rebuilt there: moving it through the enum makes LLVM call memcpy.)
+    Missing,
+}
+
+/// Where the rule's bucket for this packet lives. A source-keyed rule keeps its
+/// bucket in the source's cache entry when it owns it (one map touch per
+/// packet); every other bucket lives in the shared key table.
+#[inline(always)]
+fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u64) -> BucketRef {
+    if rule.key_kind == key_kind::SRC && !entry.is_null() {
+        let owner = unsafe { (*entry).owner_state };
+        if owner == rule.state_id {
+            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+        }
+        if owner == 0 {
+            // Claim the entry, starting from the key's remembered debt (a full
+            // bucket when there is none). Two CPUs may race here; both store
+            // the same values.
+            let start = initial_tat(rule.record, &bucket_key(meta, rule), now);
+            unsafe {
+                (*entry).tat = start;
+                (*entry).owner_state = rule.state_id;
+            }
+            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+        }
+    }
+    let key = bucket_key(meta, rule);
+    match FLOWCTL_KEYS.get_ptr_mut(&key) {
+        Some(p) => BucketRef::Ptr(p),
+        None => BucketRef::Missing,
+    }
+}
+
+/// Bit 0 of a stored TAT: this bucket's current debt is in `FLOWCTL_DEBT`.
+const DEBT_MARK: u64 = 1;
+
+/// A TAT with the debt mark clear, rounded up (later, so never more lenient).
+#[inline(always)]
+fn unmarked(tat: u64) -> u64 {
+    tat.saturating_add(1) & !DEBT_MARK
+}
+
+/// Where a bucket starts: the debt remembered for its key's slot when that is
+/// still in the future, else 0 (a full bucket).
+#[inline(always)]
+fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
+    match FLOWCTL_DEBT.get(debt_slot(record, key)) {
+        Some(d) if *d > now => *d,
+        _ => 0,
+    }
+}
+
+/// Remember a refused bucket's TAT, so the key cannot shed its debt by being
+/// evicted. Racing CPUs may lose a larger value; the slot then holds a debt
+/// that ends sooner, never one that was not owed.
+#[inline(always)]
+fn remember_debt(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat: u64) {
+    let slot = debt_slot(record, &bucket_key(meta, rule));
+    if let Some(d) = FLOWCTL_DEBT.get_ptr_mut(slot) {
+        unsafe {
+            if tat > *d {
+                *d = tat;
+            }
+        }
+    }
+}
