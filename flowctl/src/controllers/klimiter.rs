@@ -494,6 +494,18 @@ mod tests {
         }
     }
 
+    /// Entries (name, floor) under one baseline `b` over all of them.
+    fn one_baseline(entries: &[(&str, f64)], threshold: f64) -> Controller {
+        let specs =
+            entries.iter().map(|&(name, floor)| EntrySpec { name: name.into(), floor }).collect();
+        let baselines = vec![BaselineSpec {
+            name: "b".into(),
+            threshold,
+            entries: (0..entries.len()).collect(),
+        }];
+        Controller::new(Config::default(), specs, baselines)
+    }
+
     fn article() -> (Controller, Plant) {
         let entries = vec![
             EntrySpec { name: "e1".into(), floor: 0.0 },
@@ -565,10 +577,7 @@ mod tests {
 
     #[test]
     fn a_cut_of_twenty_points_takes_four_periods() {
-        let entries = vec![EntrySpec { name: "e".into(), floor: 0.0 }];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 80.0 / 0.985, entries: vec![0] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("e", 0.0)], 80.0 / 0.985);
         let plant = Plant { offered: vec![100.0], a: vec![1.0] };
         let mut n = 0;
         while c.ratios()[0] > 0.8 + 1e-9 {
@@ -631,13 +640,7 @@ mod tests {
     #[test]
     fn eligibility_uses_offered_load() {
         // Entry 1 offers 4/s (never cut), entry 2 carries the cut alone.
-        let entries = vec![
-            EntrySpec { name: "small".into(), floor: 0.0 },
-            EntrySpec { name: "big".into(), floor: 0.0 },
-        ];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 50.0, entries: vec![0, 1] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("small", 0.0), ("big", 0.0)], 50.0);
         let plant = Plant { offered: vec![4.0, 100.0], a: vec![1.0, 1.0] };
         for _ in 0..5 {
             c.step(&plant.period(c.ratios(), 0.0));
@@ -650,13 +653,7 @@ mod tests {
     fn round_one_respects_floors_and_redistributes() {
         // Entry 1 sits near its floor: what it cannot shed goes to entry 2
         // in the same period (both within the cap).
-        let entries = vec![
-            EntrySpec { name: "high".into(), floor: 0.9 },
-            EntrySpec { name: "low".into(), floor: 0.0 },
-        ];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 190.0, entries: vec![0, 1] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("high", 0.9), ("low", 0.0)], 190.0);
         c.set_ratios(&[0.91, 1.0]);
         let plant = Plant { offered: vec![100.0, 100.0], a: vec![1.0, 1.0] };
         // Level 191 > 190: d is small; entry 1 can only lose 0.01.
@@ -687,13 +684,7 @@ mod tests {
 
     #[test]
     fn nnls_recovers_coefficients_under_noise() {
-        let entries = vec![
-            EntrySpec { name: "a".into(), floor: 0.0 },
-            EntrySpec { name: "b".into(), floor: 0.0 },
-        ];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("a", 0.0), ("b", 0.0)], 1e9);
         let mut seed = 7u64;
         let mut rnd = || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -715,13 +706,7 @@ mod tests {
 
     #[test]
     fn lockstep_history_keeps_the_previous_estimate() {
-        let entries = vec![
-            EntrySpec { name: "a".into(), floor: 0.0 },
-            EntrySpec { name: "b".into(), floor: 0.0 },
-        ];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("a", 0.0), ("b", 0.0)], 1e9);
         let mut v = None;
         for k in 0..12 {
             let q = 100.0 - k as f64 * 5.0; // both entries move together
@@ -738,13 +723,7 @@ mod tests {
 
     #[test]
     fn negative_truths_stay_non_negative() {
-        let entries = vec![
-            EntrySpec { name: "a".into(), floor: 0.0 },
-            EntrySpec { name: "b".into(), floor: 0.0 },
-        ];
-        let baselines =
-            vec![BaselineSpec { name: "b".into(), threshold: 1e9, entries: vec![0, 1] }];
-        let mut c = Controller::new(Config::default(), entries, baselines);
+        let mut c = one_baseline(&[("a", 0.0), ("b", 0.0)], 1e9);
         let mut v = None;
         for k in 0..12 {
             let q = [100.0 + 10.0 * (k % 3) as f64, 50.0 + 20.0 * (k % 4) as f64];
