@@ -71,7 +71,7 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Live per-rule rates of every attachment (read-only; keys: s sort, p pause, q quit).
+    /// Live per-rule rates of every attachment (read-only; keys: s sort, p pause, ? legend, q quit).
     ///
     /// Example: sudo flowctl top --once --json
     Top {
@@ -93,6 +93,10 @@ enum Cmd {
         /// With --keys: how many keys.
         #[arg(long, default_value_t = 20, requires = "keys")]
         count: usize,
+        /// With --once (text): fit the table to N columns (default: the
+        /// terminal's width; every column when not writing to a terminal).
+        #[arg(long, value_name = "N", requires = "once")]
+        width: Option<usize>,
     },
     /// Run the KLimiter controller against a described plant on a virtual
     /// clock; writes timeseries.csv and chart.svg.
@@ -159,7 +163,7 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Simulate { scenario, out } => cli::simulate::command(&scenario, &out),
-        Cmd::Top { iface, interval, once, json, keys, count } => {
+        Cmd::Top { iface, interval, once, json, keys, count, width } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
             if let Some(rule) = keys {
                 if once {
@@ -168,7 +172,7 @@ fn main() {
                     cli::top::keys::run(interval, iface.as_deref(), &rule, count)
                 }
             } else if once {
-                cli::top::once(interval, iface.as_deref(), json)
+                cli::top::once(interval, iface.as_deref(), json, width)
             } else {
                 cli::top::run(interval, iface.as_deref())
             }

@@ -43,6 +43,7 @@ fn main() {
         top_once_json_agrees_with_traffic: [Root],
         top_keys_finds_the_heaviest_sources: [Root],
         top_runs_in_a_terminal_and_restores_it: [Root, Command("tmux")],
+        top_fits_small_terminals_and_agrees_with_json: [Root, Command("tmux")],
         bbr_refuses_connections_beyond_the_limit_and_fails_open: [Root],
         klimiter_cuts_low_priority_first_and_holds_on_garbage: [Root],
         klimiter_holds_an_egress_level_by_cutting_low_priority_first: [Root],

@@ -265,7 +265,208 @@ pub fn top_runs_in_a_terminal_and_restores_it() {
         assert!(Instant::now() < deadline, "top did not quit: {dead}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(!screen().contains("keys: s sort"), "the TUI is gone from the screen");
+    assert!(!screen().contains("s sort, p pause"), "the TUI is gone from the screen");
     tmux(&["kill-session", "-t", &session]);
     agent.stop();
+}
+
+/// Every header of `top`'s rule table, and the JSON field of each numeric
+/// one (docs/top.md).
+const TOP_HEADERS: &[(&str, Option<&str>)] = &[
+    ("rule", None),
+    ("match", None),
+    ("key", None),
+    ("limit", None),
+    ("offered pps", Some("offered_pps")),
+    ("offered bit/s", Some("offered_bps")),
+    ("passed pps", Some("passed_pps")),
+    ("passed bit/s", Some("passed_bps")),
+    ("dropped pps", Some("dropped_pps")),
+    ("drop %", Some("drop_pct")),
+    ("offered pkts", Some("offered_total")),
+    ("dropped pkts", Some("dropped_total")),
+    ("ratio", Some("admission_ratio")),
+    ("SYN/s", Some("syn_offered_ps")),
+    ("BBR in/max", None),
+    ("KLimiter", None),
+    ("top reason", None),
+];
+
+/// Cells of a table line: runs separated by two or more spaces.
+fn top_cells(line: &str) -> Vec<String> {
+    line.trim()
+        .trim_matches('│')
+        .split("  ")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Checks a table (header line, the rule's line) against the JSON reading
+/// of the same idle state: no header cut, the priority columns there,
+/// every number parses (units k/M/G) and agrees with the JSON within its
+/// rounding. Returns the headers shown.
+fn check_top_table(header: &str, row: &str, json_rule: &Value, what: &str) -> Vec<String> {
+    let headers = top_cells(header);
+    for h in &headers {
+        assert!(TOP_HEADERS.iter().any(|(k, _)| k == h), "{what}: header `{h}` cut:\n{header}");
+    }
+    for must in ["rule", "offered pps", "dropped pps", "drop %"] {
+        assert!(headers.iter().any(|h| h == must), "{what}: no `{must}` in\n{header}");
+    }
+    let cells = top_cells(row);
+    assert_eq!(cells.len(), headers.len(), "{what}: cells of\n{header}\n{row}");
+    for (h, c) in headers.iter().zip(&cells) {
+        let Some(field) = TOP_HEADERS.iter().find(|(k, _)| k == h).unwrap().1 else { continue };
+        let (num, mult) = match c.chars().last() {
+            Some('k') => (&c[..c.len() - 1], 1e3),
+            Some('M') => (&c[..c.len() - 1], 1e6),
+            Some('G') => (&c[..c.len() - 1], 1e9),
+            _ => (c.as_str(), 1.0),
+        };
+        let v: f64 =
+            num.parse().unwrap_or_else(|_| panic!("{what}: `{c}` under `{h}` is not a number"));
+        let decimals = num.split_once('.').map_or(0, |(_, d)| d.len()) as i32;
+        let tol = 0.5 * 10f64.powi(-decimals) * mult + 1e-9;
+        let want = json_rule[field].as_f64().unwrap_or_else(|| panic!("{field} in {json_rule}"));
+        assert!(
+            (v * mult - want).abs() <= tol,
+            "{what}: `{h}` shows {c}, the JSON {field} is {want}"
+        );
+    }
+    headers
+}
+
+/// `top` at 80x24 and 120x40 in tmux against a kept, idle data plane: no
+/// header or number is cut, every number agrees with `top --once --json`,
+/// `?` opens the legend, quitting restores the terminal; `--once` text
+/// fits `--width` and prints every column into a pipe.
+pub fn top_fits_small_terminals_and_agrees_with_json() {
+    let lab = Lab::new("ftfit", 226);
+    let prof = TempFile::profile(UDP_RULE);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    blast(&lab, 7000, 2000, 1.0, 1500);
+    agent.stop();
+    // Kept and idle: the counters no longer move.
+    let v = top_once(&lab.veth_srv, "0.2");
+    let rule = v["attachments"][0]["rules"][0].clone();
+    assert_eq!(rule["rule"], "udp", "{v}");
+    assert!(rule["dropped_total"].as_u64().unwrap() > 1000, "{rule}");
+    let is_header = |l: &str| l.trim_matches(['│', ' ']).starts_with("rule  ");
+    let is_row = |l: &str| l.trim_matches(['│', ' ']).starts_with("udp  ");
+
+    // --once as text: fitted to --width, everything into a pipe.
+    for width in [80usize, 120] {
+        let out = flowctl(&[
+            "top",
+            &lab.veth_srv,
+            "--once",
+            "--interval",
+            "0.2",
+            "--width",
+            &width.to_string(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(text.lines().all(|l| l.chars().count() <= width), "{width}:\n{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        let header = lines.iter().find(|l| is_header(l)).expect("a header");
+        let row = lines.iter().find(|l| is_row(l)).expect("the rule's line");
+        check_top_table(header, row, &rule, &format!("--once --width {width}"));
+    }
+    let out = flowctl(&["top", &lab.veth_srv, "--once", "--interval", "0.2"]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let shown = check_top_table(
+        lines.iter().find(|l| is_header(l)).unwrap(),
+        lines.iter().find(|l| is_row(l)).unwrap(),
+        &rule,
+        "--once into a pipe",
+    );
+    assert_eq!(shown.len(), TOP_HEADERS.len(), "every column into a pipe:\n{text}");
+
+    let tmux = |args: &[&str]| Command::new("tmux").args(args).output().expect("tmux");
+    for (w, h) in [(80u16, 24u16), (120, 40)] {
+        let session = flowctl_tests::unique("flowctl-fit-");
+        let status_file = std::env::temp_dir().join(format!("{session}.status"));
+        let _ = std::fs::remove_file(&status_file);
+        let cmd = format!(
+            "sh -c '{} top {} --interval 0.3; echo $? > {}'",
+            bin().display(),
+            lab.veth_srv,
+            status_file.display()
+        );
+        let (ws, hs) = (w.to_string(), h.to_string());
+        let out = tmux(&["new-session", "-d", "-s", &session, "-x", &ws, "-y", &hs, &cmd]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
+        let screen = || {
+            String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout)
+                .to_string()
+        };
+        let wait_for = |ok: &dyn Fn(&str) -> bool, what: &str| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let s = screen();
+                if ok(&s) {
+                    return s;
+                }
+                assert!(Instant::now() < deadline, "{w}x{h}: {what} never appeared:\n{s}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
+        // Past the first (short-interval) picture, so rates are over 0.3 s.
+        std::thread::sleep(Duration::from_millis(800));
+        let s = wait_for(&|s| s.lines().any(is_row), "the rule's row");
+        println!("top at {w}x{h}:\n{s}");
+        let lines: Vec<&str> = s.lines().collect();
+        assert!(lines.iter().all(|l| l.chars().count() <= w as usize));
+        assert!(lines[0].contains("? legend"), "{w}x{h}: the key hint:\n{s}");
+        let title = lines.iter().find(|l| l.starts_with('┌')).expect("the block");
+        assert!(
+            title.contains(&format!("┌ {} (netns {}) | ", lab.veth_srv, lab.ns_srv))
+                && title.trim_end().ends_with("─┐"),
+            "{w}x{h}: the title is whole: {title}"
+        );
+        let header = lines.iter().find(|l| is_header(l)).expect("a header");
+        let row = lines.iter().find(|l| is_row(l)).unwrap();
+        let shown = check_top_table(header, row, &rule, &format!("{w}x{h}"));
+        if w >= 120 {
+            for more in ["offered pkts", "dropped pkts", "match"] {
+                assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
+            }
+        }
+        tmux(&["send-keys", "-t", &session, "?"]);
+        let l = wait_for(&|s| s.contains("legend (? or Esc closes)"), "the legend");
+        println!("legend at {w}x{h}:\n{l}");
+        for (hd, _) in TOP_HEADERS {
+            assert!(l.lines().any(|x| x.contains(&format!("{hd}  "))), "{w}x{h}: {hd}:\n{l}");
+        }
+        tmux(&["send-keys", "-t", &session, "Escape"]);
+        wait_for(&|s| !s.contains("legend (?"), "the legend closing");
+        tmux(&["send-keys", "-t", &session, "q"]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let dead = String::from_utf8_lossy(
+                &tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{alternate_on}"])
+                    .stdout,
+            )
+            .trim()
+            .to_string();
+            if dead.starts_with('1') {
+                assert_eq!(dead, "1 0", "the alternate screen is off");
+                let status = std::fs::read_to_string(&status_file).unwrap_or_default();
+                assert_eq!(status.trim(), "0", "top exited with status 0");
+                let _ = std::fs::remove_file(&status_file);
+                break;
+            }
+            assert!(Instant::now() < deadline, "top did not quit: {dead}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(!screen().contains("? legend"), "the TUI is gone from the screen");
+        tmux(&["kill-session", "-t", &session]);
+    }
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

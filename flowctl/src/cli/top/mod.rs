@@ -1,6 +1,7 @@
 //! `flowctl top`: a live view of every attachment's rules, read-only, from
 //! the pinned maps (works against a running agent and a kept data plane).
 
+pub mod columns;
 pub mod keys;
 pub mod state;
 pub mod view;
@@ -21,7 +22,14 @@ impl Drop for TerminalGuard {
 }
 
 /// `--once`: two reads `interval` apart, printed as JSON or as text.
-pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
+/// `width`: the text's width (`None`: the terminal's, or every column when
+/// stdout is not a terminal).
+pub fn once(
+    interval: Duration,
+    iface: Option<&str>,
+    json: bool,
+    width: Option<usize>,
+) -> Result<()> {
     let a = state::sample();
     std::thread::sleep(interval);
     let b = state::sample();
@@ -30,29 +38,21 @@ pub fn once(interval: Duration, iface: Option<&str>, json: bool) -> Result<()> {
         out!("{}", serde_json::to_string_pretty(&top)?);
         return Ok(());
     }
+    let width = width.unwrap_or_else(|| {
+        use std::io::IsTerminal;
+        if std::io::stdout().is_terminal() {
+            ratatui::crossterm::terminal::size().map(|(w, _)| w as usize).unwrap_or(usize::MAX)
+        } else {
+            // A pipe or a file: every column.
+            usize::MAX
+        }
+    });
     for a in &top.attachments {
-        out!("{} ({} mode, up {}s, CPU {})", a.iface, a.mode, a.uptime_s, a.cpu);
-        out!(
-            "  {:<20} {:>12} {:>12} {:>12} {:>7} {:>7}  {}",
-            "rule",
-            "offered pps",
-            "passed pps",
-            "dropped pps",
-            "drop %",
-            "ratio",
-            "top reason"
-        );
-        for r in &a.rules {
-            out!(
-                "  {:<20} {:>12} {:>12} {:>12} {:>7.1} {:>7.3}  {}",
-                r.rule,
-                crate::cli::format::si(r.offered_pps),
-                crate::cli::format::si(r.passed_pps),
-                crate::cli::format::si(r.dropped_pps),
-                r.drop_pct,
-                r.admission_ratio,
-                r.top_reason
-            );
+        out!("{}", columns::fit_parts(&view::attachment_title_parts(a), width));
+        let cells: Vec<Vec<String>> =
+            a.rules.iter().map(|r| columns::rule_cells(r, a.klimiter.as_ref())).collect();
+        for line in columns::text_table(columns::RULE_COLUMNS, &cells, width.saturating_sub(2)) {
+            out!("  {line}");
         }
     }
     for c in &top.breakers {
@@ -69,6 +69,7 @@ pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
     let _guard = TerminalGuard;
     let mut sort = SortBy::Profile;
     let mut paused = false;
+    let mut legend = false;
     let mut prev = state::sample();
     // A first picture at once, from a short interval.
     std::thread::sleep(Duration::from_millis(200));
@@ -76,7 +77,7 @@ pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
     let mut top = state::compute(&prev, &cur, iface)?;
     let mut next = Instant::now() + interval;
     loop {
-        terminal.draw(|f| view::draw(f, &top, sort, paused))?;
+        terminal.draw(|f| view::draw(f, &top, sort, paused, legend))?;
         let wait = next.saturating_duration_since(Instant::now());
         if event::poll(wait)? {
             if let Event::Key(k) = event::read()? {
@@ -84,7 +85,10 @@ pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
                     continue;
                 }
                 match k.code {
-                    KeyCode::Char('q') | KeyCode::Esc => break,
+                    KeyCode::Char('q') => break,
+                    KeyCode::Esc if legend => legend = false,
+                    KeyCode::Esc => break,
+                    KeyCode::Char('?') => legend = !legend,
                     KeyCode::Char('c') if k.modifiers.contains(KeyModifiers::CONTROL) => break,
                     KeyCode::Char('s') => sort = sort.next(),
                     KeyCode::Char('p') | KeyCode::Char(' ') => paused = !paused,

@@ -1,6 +1,9 @@
 //! Draws a [`Top`] state: one block per attachment, one row per rule.
 
-use super::state::{SortBy, Top};
+use super::{
+    columns,
+    state::{SortBy, Top},
+};
 use crate::cli::format::{breaker_state_text, si, transition_text};
 use ratatui::{
     layout::{Constraint, Layout},
@@ -10,18 +13,19 @@ use ratatui::{
     Frame,
 };
 
-pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
+pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) {
     let area = f.area();
     let n = (top.attachments.len() + top.breakers.len()).max(1);
     let mut constraints = vec![Constraint::Length(1)];
     constraints.extend(std::iter::repeat_n(Constraint::Fill(1), n));
     let chunks = Layout::vertical(constraints).split(area);
-    let status = format!(
-        " flowctl top | sort: {} | {}every {:.1}s | keys: s sort, p pause, q quit",
-        sort.name(),
-        if paused { "PAUSED | " } else { "" },
-        top.interval_s
-    );
+    let mut parts = vec![" flowctl top".to_string(), format!("sort: {}", sort.name())];
+    if paused {
+        parts.push("PAUSED".into());
+    }
+    parts.push("keys: s sort, p pause, ? legend, q quit".into());
+    parts.push(format!("every {:.1}s", top.interval_s));
+    let status = columns::fit_parts(&parts, area.width as usize);
     f.render_widget(
         Paragraph::new(Line::from(status)).style(Style::default().add_modifier(Modifier::REVERSED)),
         chunks[0],
@@ -33,6 +37,9 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
             ),
             chunks[1],
         );
+        if legend {
+            draw_legend(f);
+        }
         return;
     }
     for (i, c) in top.breakers.iter().enumerate() {
@@ -91,75 +98,81 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool) {
         f.render_widget(table, chunks[top.attachments.len() + i + 1]);
     }
     for (i, a) in top.attachments.iter().enumerate() {
-        let title = format!(
-            " {}{} | {} mode | up {}s | CPU {} | agent {} | {}{} ",
-            a.iface,
-            a.netns.as_ref().map(|n| format!(" (netns {n})")).unwrap_or_default(),
-            a.mode,
-            a.uptime_s,
-            a.cpu,
-            if a.agent_running { "running" } else { "not running" },
-            key_tables_text(a),
-            klimiter_text(a)
-        );
-        let header = Row::new([
-            "rule",
-            "match",
-            "key",
-            "limit",
-            "offered pps",
-            "offered bps",
-            "passed pps",
-            "passed bps",
-            "dropped pps",
-            "drop %",
-            "ratio",
-            "SYN/s",
-            "BBR in/max",
-            "top reason",
-        ])
-        .style(Style::default().add_modifier(Modifier::BOLD));
+        let area = chunks[i + 1];
+        // Inside the borders, less a space either side of the title.
+        let inner = area.width.saturating_sub(2) as usize;
+        let title = columns::fit_parts(&attachment_title_parts(a), inner.saturating_sub(2));
         let mut rows = a.rules.clone();
         sort.apply(&mut rows);
-        let rows = rows.iter().map(|r| {
-            Row::new(vec![
-                Cell::from(r.rule.clone()),
-                Cell::from(r.match_.clone()),
-                Cell::from(r.key.clone()),
-                Cell::from(r.limit.clone()),
-                Cell::from(si(r.offered_pps)),
-                Cell::from(si(r.offered_bps)),
-                Cell::from(si(r.passed_pps)),
-                Cell::from(si(r.passed_bps)),
-                Cell::from(si(r.dropped_pps)),
-                Cell::from(format!("{:.1}", r.drop_pct)),
-                Cell::from(format!("{:.3}", r.admission_ratio)),
-                Cell::from(si(r.syn_offered_ps)),
-                Cell::from(bbr_text(r)),
-                Cell::from(r.top_reason.clone()),
-            ])
-        });
-        let widths = [
-            Constraint::Length(16),
-            Constraint::Min(20),
-            Constraint::Length(10),
-            Constraint::Min(16),
-            Constraint::Length(11),
-            Constraint::Length(11),
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(11),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(7),
-            Constraint::Length(12),
-            Constraint::Length(10),
-        ];
-        let table = Table::new(rows, widths)
+        let cells: Vec<Vec<String>> =
+            rows.iter().map(|r| columns::rule_cells(r, a.klimiter.as_ref())).collect();
+        let cols = columns::RULE_COLUMNS;
+        let lay = columns::layout(cols, &cells, inner);
+        let cell = |s: &str, i: usize, w: usize| {
+            let line = Line::from(columns::ellipsize(s, w));
+            Cell::from(match cols[i].align {
+                columns::Align::Left => line,
+                columns::Align::Right => line.right_aligned(),
+            })
+        };
+        let header = Row::new(lay.iter().map(|&(i, w)| cell(cols[i].header, i, w)))
+            .style(Style::default().add_modifier(Modifier::BOLD));
+        let table_rows =
+            cells.iter().map(|r| Row::new(lay.iter().map(|&(i, w)| cell(&r[i], i, w))));
+        let widths: Vec<Constraint> =
+            lay.iter().map(|&(_, w)| Constraint::Length(w as u16)).collect();
+        let table = Table::new(table_rows, widths)
             .header(header)
-            .block(Block::default().borders(Borders::ALL).title(title));
-        f.render_widget(table, chunks[i + 1]);
+            .column_spacing(columns::SPACING as u16)
+            .flex(ratatui::layout::Flex::Start)
+            .block(Block::default().borders(Borders::ALL).title(format!(" {title} ")));
+        f.render_widget(table, area);
     }
+    if legend {
+        draw_legend(f);
+    }
+}
+
+/// The title of an attachment's block, in parts by importance (the view
+/// keeps as many whole parts as fit).
+pub fn attachment_title_parts(a: &super::state::Attachment) -> Vec<String> {
+    let mut parts = vec![
+        format!(
+            "{}{}",
+            a.iface,
+            a.netns.as_ref().map(|n| format!(" (netns {n})")).unwrap_or_default()
+        ),
+        format!("CPU {}", a.cpu),
+        format!("up {}s", a.uptime_s),
+        format!("{} mode", a.mode),
+        format!("agent {}", if a.agent_running { "running" } else { "not running" }),
+        key_tables_text(a),
+    ];
+    parts.extend(klimiter_text(a).split(" | ").filter(|s| !s.is_empty()).map(String::from));
+    parts
+}
+
+/// The `?` legend: every column of the rule table, over the middle.
+fn draw_legend(f: &mut Frame) {
+    let lines = columns::legend_lines();
+    let area = f.area();
+    let w = (lines.iter().map(|l| l.chars().count()).max().unwrap_or(0) + 2)
+        .min(area.width as usize) as u16;
+    let h = (lines.len() + 2).min(area.height as usize) as u16;
+    let rect = ratatui::layout::Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    };
+    let text: Vec<Line> = lines.into_iter().map(Line::from).collect();
+    f.render_widget(ratatui::widgets::Clear, rect);
+    f.render_widget(
+        Paragraph::new(text)
+            .wrap(ratatui::widgets::Wrap { trim: false })
+            .block(Block::default().borders(Borders::ALL).title(" legend (? or Esc closes) ")),
+        rect,
+    );
 }
 
 /// A BBR rule's in-flight count over its limit, "!" while the in-flight
@@ -265,8 +278,12 @@ mod tests {
     }
 
     fn render(top: &Top, sort: SortBy, paused: bool) -> String {
-        let mut t = Terminal::new(TestBackend::new(240, 12)).unwrap();
-        t.draw(|f| draw(f, top, sort, paused)).unwrap();
+        render_at(top, sort, paused, false, 240, 12)
+    }
+
+    fn render_at(top: &Top, sort: SortBy, paused: bool, legend: bool, w: u16, h: u16) -> String {
+        let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+        t.draw(|f| draw(f, top, sort, paused, legend)).unwrap();
         let buf = t.backend().buffer().clone();
         (0..buf.area.height)
             .map(|y| {
@@ -279,10 +296,31 @@ mod tests {
     #[test]
     fn header_rows_and_units() {
         let s = render(&fixture(true), SortBy::Profile, false);
-        assert!(s.contains("veth0 (netns lab) | native mode | up 42s | CPU n/a | agent running | keys ~12.35k/1.05M (walked 3s ago)"), "{s}");
+        assert!(s.contains("veth0 (netns lab) | CPU n/a | up 42s | native mode | agent running | keys ~12.35k/1.05M (walked 3s ago)"), "{s}");
         assert!(s.contains("offered pps") && s.contains("drop %"));
         assert!(s.contains("5.00k") && s.contains("80.0") && s.contains("rate"), "{s}");
         assert!(s.find("quiet").unwrap() < s.find("noisy").unwrap(), "profile order");
+    }
+
+    #[test]
+    fn small_terminals_cut_nothing_and_the_legend_opens() {
+        for (w, h) in [(80u16, 24u16), (120, 40)] {
+            let s = render_at(&fixture(true), SortBy::Profile, false, false, w, h);
+            let lines: Vec<&str> = s.lines().collect();
+            assert!(lines[0].contains("? legend, q quit"), "{w}: {}", lines[0]);
+            assert!(lines[1].starts_with("┌ veth0 (netns lab) | CPU n/a |"), "{w}: {}", lines[1]);
+            let header = lines[2].trim_matches('│');
+            for h in header.split("  ").map(str::trim).filter(|h| !h.is_empty()) {
+                assert!(
+                    columns::RULE_COLUMNS.iter().any(|c| c.header == h),
+                    "{w}: header `{h}` cut in {header}"
+                );
+            }
+            assert!(header.contains("drop %") && lines[4].contains("5.00k"), "{s}");
+            assert!(!s.contains('…'), "{s}");
+            let l = render_at(&fixture(true), SortBy::Profile, false, true, w, h);
+            assert!(l.contains("legend (? or Esc closes)") && l.contains("drop %  "), "{l}");
+        }
     }
 
     #[test]
