@@ -369,6 +369,7 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
         ]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8_lossy(&out.stdout).to_string();
+        println!("top --once --width {width}:\n{text}");
         assert!(text.lines().all(|l| l.chars().count() <= width), "{width}:\n{text}");
         let lines: Vec<&str> = text.lines().collect();
         let header = lines.iter().find(|l| is_header(l)).expect("a header");
@@ -377,6 +378,7 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
     }
     let out = flowctl(&["top", &lab.veth_srv, "--once", "--interval", "0.2"]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
+    println!("top --once into a pipe:\n{text}");
     let lines: Vec<&str> = text.lines().collect();
     let shown = check_top_table(
         lines.iter().find(|l| is_header(l)).unwrap(),
