@@ -61,6 +61,42 @@ pub const RULE_COLUMNS: &[Column] = &[
     col("top reason", 5, false, "the reason of most drops over the interval (rate, ...)"),
 ];
 
+/// The breakers table's columns, in display order.
+pub const BREAKER_COLUMNS: &[Column] = &[
+    col("breaker", 0, false, "the breaker's name in the profile"),
+    col("target", 4, false, "the addresses and port it guards"),
+    col("mode", 6, false, "sre or state; dry: a dry-run (counts, refuses nothing)"),
+    col("state", 1, false, "closed, throttling, open or half-open (probes ok/allowed)"),
+    col("drop p", 2, true, "probability a new connect is refused locally, 0 to 1"),
+    col("window s", 7, true, "seconds of the outcome window the counts cover"),
+    col("requests", 3, true, "connects that reached the peer in the window"),
+    col("accepts", 5, true, "connects the peer accepted in the window"),
+    col("refused", 8, true, "connects the peer refused in the window"),
+    col("timeouts", 9, true, "connects that timed out in the window"),
+    col("local", 10, true, "connects refused locally (or would be, dry-run), window"),
+    col("last change", 11, false, "when, to what and why the state last changed"),
+];
+
+/// One breaker's cells, in the order of [`BREAKER_COLUMNS`].
+pub fn breaker_cells(b: &crate::agent::breakers::PublishedBreaker) -> Vec<String> {
+    use crate::cli::format::{breaker_state_text, transition_text};
+    let o = &b.window.outcomes;
+    vec![
+        b.name.clone(),
+        b.target.clone(),
+        format!("{}{}", b.mode, if b.dry_run { " dry" } else { "" }),
+        breaker_state_text(b),
+        format!("{:.2}", b.drop_probability),
+        format!("{}", b.window.seconds),
+        si(o.requests as f64),
+        si(o.accepts as f64),
+        si(o.refused_by_peer as f64),
+        si(o.timeouts as f64),
+        si((o.refused_locally + o.would_refuse) as f64),
+        transition_text(b),
+    ]
+}
+
 /// One rule's cells, in the order of [`RULE_COLUMNS`].
 pub fn rule_cells(r: &RuleRow, klimiter: Option<&PublishedStep>) -> Vec<String> {
     let kl = klimiter
@@ -190,9 +226,9 @@ pub fn fit_parts(parts: &[String], width: usize) -> String {
 }
 
 /// The legend the `?` key shows: every column, its unit and meaning.
-pub fn legend_lines() -> Vec<String> {
-    let w = RULE_COLUMNS.iter().map(|c| len(c.header)).max().unwrap_or(0);
-    RULE_COLUMNS.iter().map(|c| format!("{:<w$}  {}", c.header, c.legend)).collect()
+pub fn legend_lines(cols: &[Column]) -> Vec<String> {
+    let w = RULE_COLUMNS.iter().chain(BREAKER_COLUMNS).map(|c| len(c.header)).max().unwrap_or(0);
+    cols.iter().map(|c| format!("{:<w$}  {}", c.header, c.legend)).collect()
 }
 
 #[cfg(test)]
@@ -337,17 +373,19 @@ mod tests {
 
     #[test]
     fn the_legend_names_every_column() {
-        let l = legend_lines();
-        assert_eq!(l.len(), RULE_COLUMNS.len());
-        for c in RULE_COLUMNS {
-            assert!(l.iter().any(|x| x.starts_with(c.header) && x.contains(c.legend)));
+        for cols in [RULE_COLUMNS, BREAKER_COLUMNS] {
+            let l = legend_lines(cols);
+            assert_eq!(l.len(), cols.len());
+            for c in cols {
+                assert!(l.iter().any(|x| x.starts_with(c.header) && x.contains(c.legend)));
+            }
+            // It fits 80x24 inside its border: one line per column.
+            assert!(l.iter().all(|x| x.chars().count() <= 76), "{l:?}");
+            assert!(l.len() + 2 <= 24);
+            // Priorities are distinct, 0..n.
+            let mut p: Vec<u8> = cols.iter().map(|c| c.priority).collect();
+            p.sort();
+            assert_eq!(p, (0..cols.len() as u8).collect::<Vec<_>>());
         }
-        // It fits 80x24 inside its border: one line per column.
-        assert!(l.iter().all(|x| x.chars().count() <= 76), "{l:?}");
-        assert!(l.len() + 2 <= 24);
-        // Priorities are distinct, 0..n.
-        let mut p: Vec<u8> = RULE_COLUMNS.iter().map(|c| c.priority).collect();
-        p.sort();
-        assert_eq!(p, (0..RULE_COLUMNS.len() as u8).collect::<Vec<_>>());
     }
 }

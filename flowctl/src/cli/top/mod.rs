@@ -57,7 +57,8 @@ pub fn once(
     }
     for c in &top.breakers {
         out!("breakers of cgroup {} (agent pid {})", c.cgroup, c.pid);
-        for line in crate::cli::format::breaker_lines(c) {
+        let cells: Vec<Vec<String>> = c.breakers.iter().map(columns::breaker_cells).collect();
+        for line in columns::text_table(columns::BREAKER_COLUMNS, &cells, width.saturating_sub(2)) {
             out!("  {line}");
         }
     }

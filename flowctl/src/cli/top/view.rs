@@ -4,7 +4,7 @@ use super::{
     columns,
     state::{SortBy, Top},
 };
-use crate::cli::format::{breaker_state_text, si, transition_text};
+use crate::cli::format::si;
 use ratatui::{
     layout::{Constraint, Layout},
     style::{Modifier, Style},
@@ -38,64 +38,19 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) 
             chunks[1],
         );
         if legend {
-            draw_legend(f);
+            draw_legend(f, false);
         }
         return;
     }
     for (i, c) in top.breakers.iter().enumerate() {
-        let title = format!(" breakers | cgroup {} | agent pid {} ", c.cgroup, c.pid);
-        let header = Row::new([
-            "breaker",
-            "target",
-            "mode",
-            "state",
-            "drop p",
-            "window",
-            "requests",
-            "accepts",
-            "refused",
-            "timeouts",
-            "local",
-            "last change",
-        ])
-        .style(Style::default().add_modifier(Modifier::BOLD));
-        let rows = c.breakers.iter().map(|b| {
-            Row::new(vec![
-                Cell::from(b.name.clone()),
-                Cell::from(b.target.clone()),
-                Cell::from(format!("{}{}", b.mode, if b.dry_run { " dry" } else { "" })),
-                Cell::from(breaker_state_text(b)),
-                Cell::from(format!("{:.2}", b.drop_probability)),
-                Cell::from(format!("{}s", b.window.seconds)),
-                Cell::from(b.window.outcomes.requests.to_string()),
-                Cell::from(b.window.outcomes.accepts.to_string()),
-                Cell::from(b.window.outcomes.refused_by_peer.to_string()),
-                Cell::from(b.window.outcomes.timeouts.to_string()),
-                Cell::from(
-                    (b.window.outcomes.refused_locally + b.window.outcomes.would_refuse)
-                        .to_string(),
-                ),
-                Cell::from(transition_text(b)),
-            ])
-        });
-        let widths = [
-            Constraint::Length(14),
-            Constraint::Min(18),
-            Constraint::Length(9),
-            Constraint::Length(14),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(7),
-            Constraint::Min(24),
-        ];
-        let table = Table::new(rows, widths)
-            .header(header)
-            .block(Block::default().borders(Borders::ALL).title(title));
-        f.render_widget(table, chunks[top.attachments.len() + i + 1]);
+        let area = chunks[top.attachments.len() + i + 1];
+        let inner = area.width.saturating_sub(2) as usize;
+        let title = columns::fit_parts(
+            &["breakers".into(), format!("cgroup {}", c.cgroup), format!("agent pid {}", c.pid)],
+            inner.saturating_sub(2),
+        );
+        let cells: Vec<Vec<String>> = c.breakers.iter().map(columns::breaker_cells).collect();
+        f.render_widget(table(columns::BREAKER_COLUMNS, &cells, inner, &title), area);
     }
     for (i, a) in top.attachments.iter().enumerate() {
         let area = chunks[i + 1];
@@ -106,31 +61,38 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) 
         sort.apply(&mut rows);
         let cells: Vec<Vec<String>> =
             rows.iter().map(|r| columns::rule_cells(r, a.klimiter.as_ref())).collect();
-        let cols = columns::RULE_COLUMNS;
-        let lay = columns::layout(cols, &cells, inner);
-        let cell = |s: &str, i: usize, w: usize| {
-            let line = Line::from(columns::ellipsize(s, w));
-            Cell::from(match cols[i].align {
-                columns::Align::Left => line,
-                columns::Align::Right => line.right_aligned(),
-            })
-        };
-        let header = Row::new(lay.iter().map(|&(i, w)| cell(cols[i].header, i, w)))
-            .style(Style::default().add_modifier(Modifier::BOLD));
-        let table_rows =
-            cells.iter().map(|r| Row::new(lay.iter().map(|&(i, w)| cell(&r[i], i, w))));
-        let widths: Vec<Constraint> =
-            lay.iter().map(|&(_, w)| Constraint::Length(w as u16)).collect();
-        let table = Table::new(table_rows, widths)
-            .header(header)
-            .column_spacing(columns::SPACING as u16)
-            .flex(ratatui::layout::Flex::Start)
-            .block(Block::default().borders(Borders::ALL).title(format!(" {title} ")));
-        f.render_widget(table, area);
+        f.render_widget(table(columns::RULE_COLUMNS, &cells, inner, &title), area);
     }
     if legend {
-        draw_legend(f);
+        draw_legend(f, !top.breakers.is_empty());
     }
+}
+
+/// A table of the columns of `cols` that fit `width` (columns.rs decides).
+fn table<'a>(
+    cols: &'static [columns::Column],
+    cells: &'a [Vec<String>],
+    width: usize,
+    title: &str,
+) -> Table<'a> {
+    let lay = columns::layout(cols, cells, width);
+    let cell = |s: &str, i: usize, w: usize| {
+        let line = Line::from(columns::ellipsize(s, w));
+        Cell::from(match cols[i].align {
+            columns::Align::Left => line,
+            columns::Align::Right => line.right_aligned(),
+        })
+    };
+    let header = Row::new(lay.iter().map(|&(i, w)| cell(cols[i].header, i, w)))
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows: Vec<Row> =
+        cells.iter().map(|r| Row::new(lay.iter().map(|&(i, w)| cell(&r[i], i, w)))).collect();
+    let widths: Vec<Constraint> = lay.iter().map(|&(_, w)| Constraint::Length(w as u16)).collect();
+    Table::new(rows, widths)
+        .header(header)
+        .column_spacing(columns::SPACING as u16)
+        .flex(ratatui::layout::Flex::Start)
+        .block(Block::default().borders(Borders::ALL).title(format!(" {title} ")))
 }
 
 /// The title of an attachment's block, in parts by importance (the view
@@ -152,9 +114,16 @@ pub fn attachment_title_parts(a: &super::state::Attachment) -> Vec<String> {
     parts
 }
 
-/// The `?` legend: every column of the rule table, over the middle.
-fn draw_legend(f: &mut Frame) {
-    let lines = columns::legend_lines();
+/// The `?` legend: every column of the rule table (and of the breakers',
+/// when there are breakers and room), over the middle.
+fn draw_legend(f: &mut Frame, breakers: bool) {
+    let mut lines = columns::legend_lines(columns::RULE_COLUMNS);
+    // The breakers' part when it fits too (it does from 33 rows).
+    let both = columns::RULE_COLUMNS.len() + 1 + columns::BREAKER_COLUMNS.len() + 2;
+    if breakers && both <= f.area().height as usize {
+        lines.push(String::new());
+        lines.extend(columns::legend_lines(columns::BREAKER_COLUMNS));
+    }
     let area = f.area();
     let w = (lines.iter().map(|l| l.chars().count()).max().unwrap_or(0) + 2)
         .min(area.width as usize) as u16;
@@ -411,5 +380,17 @@ mod tests {
         assert!(s.contains("breakers | cgroup /sys/fs/cgroup/app | agent pid 99"), "{s}");
         assert!(s.contains("half-open 1/3") && s.contains("1.00") && s.contains("900"), "{s}");
         assert!(s.contains("ago -> half-open (sleep elapsed)"), "{s}");
+        // At 80 columns: the first breaker columns, whole.
+        let s = render_at(&top, SortBy::Profile, false, false, 80, 24);
+        let header = s.lines().find(|l| l.starts_with("│breaker")).expect(&s);
+        let shown: Vec<&str> =
+            header.trim_matches('│').split("  ").map(str::trim).filter(|h| !h.is_empty()).collect();
+        for h in &shown {
+            assert!(columns::BREAKER_COLUMNS.iter().any(|c| c.header == *h), "`{h}` cut: {s}");
+        }
+        for h in ["breaker", "state", "drop p", "requests"] {
+            assert!(shown.contains(&h), "{s}");
+        }
+        assert!(s.contains("half-open 1/3") && !s.contains('…'), "{s}");
     }
 }
