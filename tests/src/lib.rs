@@ -19,6 +19,7 @@ pub mod overload;
 pub mod packet;
 pub mod tempfile;
 pub mod testrun;
+pub mod tmux;
 pub mod traffic;
 
 /// A name unique to this process and call, short enough for an interface name.

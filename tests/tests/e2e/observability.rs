@@ -5,16 +5,14 @@
 use crate::UDP_RULE;
 use flowctl_tests::{
     agent::Agent,
-    cli::{bin, flowctl, rule, top_once},
+    cli::{flowctl, rule, top_once},
     lab::Lab,
     tempfile::TempFile,
+    tmux::TopPane,
     traffic::{blast, blast_from, http_get},
 };
 use serde_json::Value;
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
 /// The metrics endpoint serves valid text exposition format whose numbers
 /// are the kernel's (the same as `status --json`).
@@ -214,59 +212,12 @@ pub fn top_runs_in_a_terminal_and_restores_it() {
     let lab = Lab::new("ftui", 220);
     let prof = TempFile::profile(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &[]);
-    let session = flowctl_tests::unique("flowctl-top-");
-    let tmux = |args: &[&str]| Command::new("tmux").args(args).output().expect("tmux");
-    // The exit status goes to a file: tmux's #{pane_dead_status} is not
-    // always filled in by the time the pane is reported dead.
-    let status_file = std::env::temp_dir().join(format!("{session}.status"));
-    let _ = std::fs::remove_file(&status_file);
-    let cmd = format!(
-        "sh -c '{} top --interval 0.3; echo $? > {}'",
-        bin().display(),
-        status_file.display()
-    );
-    let out = tmux(&["new-session", "-d", "-s", &session, "-x", "220", "-y", "30", &cmd]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
-    let screen = || {
-        String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string()
-    };
-    let wait_for = |needle: &str| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let s = screen();
-            if s.contains(needle) {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "`{needle}` never appeared:\n{s}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
-    let s = wait_for("sort: profile order");
+    let pane = TopPane::start("--interval 0.3", 220, 30, "220x30");
+    let s = pane.wait_for(|s| s.contains("sort: profile order"), "`sort: profile order`");
     assert!(s.contains(&lab.veth_srv) && s.contains("udp"), "{s}");
-    tmux(&["send-keys", "-t", &session, "s"]);
-    wait_for("sort: offered pps");
-    tmux(&["send-keys", "-t", &session, "q"]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let dead = String::from_utf8_lossy(
-            &tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{alternate_on}"])
-                .stdout,
-        )
-        .trim()
-        .to_string();
-        if dead.starts_with('1') {
-            assert_eq!(dead, "1 0", "the alternate screen is off");
-            let status = std::fs::read_to_string(&status_file).unwrap_or_default();
-            assert_eq!(status.trim(), "0", "top exited with status 0");
-            let _ = std::fs::remove_file(&status_file);
-            break;
-        }
-        assert!(Instant::now() < deadline, "top did not quit: {dead}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(!screen().contains("s sort, p pause"), "the TUI is gone from the screen");
-    tmux(&["kill-session", "-t", &session]);
+    pane.send_keys("s");
+    pane.wait_for(|s| s.contains("sort: offered pps"), "`sort: offered pps`");
+    pane.quit_and_check_restored("s sort, p pause");
     agent.stop();
 }
 
@@ -388,36 +339,9 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
     );
     assert_eq!(shown.len(), TOP_HEADERS.len(), "every column into a pipe:\n{text}");
 
-    let tmux = |args: &[&str]| Command::new("tmux").args(args).output().expect("tmux");
     for (w, h) in [(80u16, 24u16), (120, 40)] {
-        let session = flowctl_tests::unique("flowctl-fit-");
-        let status_file = std::env::temp_dir().join(format!("{session}.status"));
-        let _ = std::fs::remove_file(&status_file);
-        let cmd = format!(
-            "sh -c '{} top {} --interval 0.3; echo $? > {}'",
-            bin().display(),
-            lab.veth_srv,
-            status_file.display()
-        );
-        let (ws, hs) = (w.to_string(), h.to_string());
-        let out = tmux(&["new-session", "-d", "-s", &session, "-x", &ws, "-y", &hs, &cmd]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
-        let screen = || {
-            String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout)
-                .to_string()
-        };
-        let wait_for = |ok: &dyn Fn(&str) -> bool, what: &str| {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                let s = screen();
-                if ok(&s) {
-                    return s;
-                }
-                assert!(Instant::now() < deadline, "{w}x{h}: {what} never appeared:\n{s}");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        };
+        let pane =
+            TopPane::start(&format!("{} --interval 0.3", lab.veth_srv), w, h, &format!("{w}x{h}"));
         // Past the first (short-interval) picture, so rates are over 0.3 s.
         std::thread::sleep(Duration::from_millis(800));
         // A whole picture (tmux may be caught mid-draw): header, row, bottom.
@@ -427,7 +351,7 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
             header.is_some_and(|h| row.is_some_and(|r| r.len() == h.len()))
                 && s.lines().any(|l| l.starts_with('└'))
         };
-        let s = wait_for(&whole, "the rule's row");
+        let s = pane.wait_for(whole, "the rule's row");
         println!("top at {w}x{h}:\n{s}");
         let lines: Vec<&str> = s.lines().collect();
         assert!(lines.iter().all(|l| l.chars().count() <= w as usize));
@@ -447,9 +371,9 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
                 assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
             }
         }
-        tmux(&["send-keys", "-t", &session, "?"]);
-        let l = wait_for(
-            &|s| {
+        pane.send_keys("?");
+        let l = pane.wait_for(
+            |s| {
                 s.contains("legend (? or Esc closes)")
                     && TOP_HEADERS.iter().all(|(hd, _)| s.contains(&format!("{hd}  ")))
                     && s.lines().filter(|l| l.contains('└')).count() >= 2
@@ -460,29 +384,9 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
         for (hd, _) in TOP_HEADERS {
             assert!(l.lines().any(|x| x.contains(&format!("{hd}  "))), "{w}x{h}: {hd}:\n{l}");
         }
-        tmux(&["send-keys", "-t", &session, "Escape"]);
-        wait_for(&|s| !s.contains("legend (?"), "the legend closing");
-        tmux(&["send-keys", "-t", &session, "q"]);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let dead = String::from_utf8_lossy(
-                &tmux(&["display-message", "-p", "-t", &session, "#{pane_dead} #{alternate_on}"])
-                    .stdout,
-            )
-            .trim()
-            .to_string();
-            if dead.starts_with('1') {
-                assert_eq!(dead, "1 0", "the alternate screen is off");
-                let status = std::fs::read_to_string(&status_file).unwrap_or_default();
-                assert_eq!(status.trim(), "0", "top exited with status 0");
-                let _ = std::fs::remove_file(&status_file);
-                break;
-            }
-            assert!(Instant::now() < deadline, "top did not quit: {dead}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        assert!(!screen().contains("? legend"), "the TUI is gone from the screen");
-        tmux(&["kill-session", "-t", &session]);
+        pane.send_keys("Escape");
+        pane.wait_for(|s| !s.contains("legend (?"), "the legend closing");
+        pane.quit_and_check_restored("? legend");
     }
     let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
