@@ -119,7 +119,7 @@ pub fn rule_cells(r: &RuleRow, klimiter: Option<&PublishedStep>) -> Vec<String> 
         si(r.dropped_total as f64),
         format!("{:.3}", r.admission_ratio),
         si(r.syn_offered_ps),
-        super::view::bbr_text(r),
+        bbr_text(r),
         kl,
         or_dash(&r.top_reason),
     ]
@@ -229,6 +229,20 @@ pub fn fit_parts(parts: &[String], width: usize) -> String {
 pub fn legend_lines(cols: &[Column]) -> Vec<String> {
     let w = RULE_COLUMNS.iter().chain(BREAKER_COLUMNS).map(|c| len(c.header)).max().unwrap_or(0);
     cols.iter().map(|c| format!("{:<w$}  {}", c.header, c.legend)).collect()
+}
+
+/// A BBR rule's in-flight count over its limit, "!" while the in-flight
+/// test is on; "-" for rules without BBR (or without a running agent).
+fn bbr_text(r: &RuleRow) -> String {
+    match &r.bbr {
+        Some(b) => format!(
+            "{}/{}{}",
+            b.in_flight,
+            b.max_in_flight.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
+            if b.overloaded { " !" } else { "" }
+        ),
+        None => "-".into(),
+    }
 }
 
 #[cfg(test)]

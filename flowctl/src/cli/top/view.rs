@@ -144,20 +144,6 @@ fn draw_legend(f: &mut Frame, breakers: bool) {
     );
 }
 
-/// A BBR rule's in-flight count over its limit, "!" while the in-flight
-/// test is on; "-" for rules without BBR (or without a running agent).
-pub fn bbr_text(r: &super::state::RuleRow) -> String {
-    match &r.bbr {
-        Some(b) => format!(
-            "{}/{}{}",
-            b.in_flight,
-            b.max_in_flight.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
-            if b.overloaded { " !" } else { "" }
-        ),
-        None => "-".into(),
-    }
-}
-
 /// KLimiter's baselines for the title: level/threshold and what it does.
 pub fn klimiter_text(a: &super::state::Attachment) -> String {
     let Some(k) = &a.klimiter else { return String::new() };
