@@ -51,6 +51,19 @@ pub fn setup() -> Result<()> {
         ]))?;
         installed.push("rust-src".into());
     }
+    // The lint tier's tools (rust-toolchain.toml lists them; an older
+    // rustup that installed the toolchain before they were listed does not
+    // add them by itself).
+    for (tool, component) in [("fmt", "rustfmt"), ("clippy", "clippy")] {
+        if output_ok(Command::new("cargo").args([tool, "--version"]).current_dir(crate::root()))
+            .is_none()
+        {
+            run(Command::new("rustup")
+                .args(["component", "add", component])
+                .current_dir(crate::root()))?;
+            installed.push(component.into());
+        }
+    }
     let linker_ok = output_ok(Command::new("bpf-linker").arg("--version"))
         .is_some_and(|v| v.contains(BPF_LINKER_VERSION));
     if !linker_ok {
