@@ -1,7 +1,9 @@
 //! `flowctl top` in a real terminal: a detached tmux session of a given
 //! size, its captured screen, and the check that quitting restores the
-//! terminal. The session is killed and its status file removed on drop,
-//! also when a test fails.
+//! terminal. Each pane has its own tmux server (`-L`, a socket of its
+//! own): a new session never meets another test's server, nor one that is
+//! still exiting after its last session ended. The session is killed and
+//! its status file removed on drop, also when a test fails.
 
 use crate::cli::bin;
 use std::{
@@ -17,10 +19,13 @@ pub struct TopPane {
     status_file: PathBuf,
     /// Said in front of every failure (the terminal's size, say).
     label: String,
+    /// The server's socket, removed on drop (tmux leaves it behind).
+    socket_path: Option<PathBuf>,
 }
 
-fn tmux(args: &[&str]) -> Output {
-    Command::new("tmux").args(args).output().expect("tmux")
+/// tmux on the pane's own server (`socket`: its name, the session's).
+fn tmux(socket: &str, args: &[&str]) -> Output {
+    Command::new("tmux").args(["-L", socket]).args(args).output().expect("tmux")
 }
 
 impl TopPane {
@@ -32,19 +37,25 @@ impl TopPane {
         let cmd =
             format!("sh -c '{} top {args}; echo $? > {}'", bin().display(), status_file.display());
         let (w, h) = (width.to_string(), height.to_string());
-        let out = tmux(&["new-session", "-d", "-s", &session, "-x", &w, "-y", &h, &cmd]);
+        let out = tmux(&session, &["new-session", "-d", "-s", &session, "-x", &w, "-y", &h, &cmd]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        tmux(&["set-option", "-t", &session, "remain-on-exit", "on"]);
-        Self { session, status_file, label: label.to_string() }
+        tmux(&session, &["set-option", "-t", &session, "remain-on-exit", "on"]);
+        let socket = tmux(&session, &["display-message", "-p", "#{socket_path}"]);
+        let socket_path = Some(String::from_utf8_lossy(&socket.stdout).trim().to_string())
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from);
+        Self { session, status_file, label: label.to_string(), socket_path }
     }
 
     pub fn screen(&self) -> String {
-        String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &self.session]).stdout)
-            .to_string()
+        String::from_utf8_lossy(
+            &tmux(&self.session, &["capture-pane", "-p", "-t", &self.session]).stdout,
+        )
+        .to_string()
     }
 
     pub fn send_keys(&self, keys: &str) {
-        tmux(&["send-keys", "-t", &self.session, keys]);
+        tmux(&self.session, &["send-keys", "-t", &self.session, keys]);
     }
 
     /// The screen once `ok` holds for it (within 10 s).
@@ -67,13 +78,10 @@ impl TopPane {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let dead = String::from_utf8_lossy(
-                &tmux(&[
-                    "display-message",
-                    "-p",
-                    "-t",
+                &tmux(
                     &self.session,
-                    "#{pane_dead} #{alternate_on}",
-                ])
+                    &["display-message", "-p", "-t", &self.session, "#{pane_dead} #{alternate_on}"],
+                )
                 .stdout,
             )
             .trim()
@@ -93,7 +101,10 @@ impl TopPane {
 
 impl Drop for TopPane {
     fn drop(&mut self) {
-        tmux(&["kill-session", "-t", &self.session]);
+        tmux(&self.session, &["kill-server"]);
+        if let Some(p) = &self.socket_path {
+            let _ = std::fs::remove_file(p);
+        }
         let _ = std::fs::remove_file(&self.status_file);
     }
 }

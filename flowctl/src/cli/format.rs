@@ -143,3 +143,46 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "unparsed_pkts": c.unparsed_pkts,
     })
 }
+
+/// A one-line sparkline of `points` scaled to `max` (their own largest
+/// when `None`), for titles and table cells where a widget cannot go:
+/// `▁` is zero, `▂` to `█` above zero (any traffic shows), `·` a second
+/// nobody saw. One character per point, so `points.len()` wide.
+pub fn spark_text(points: &[Option<f64>], max: Option<f64>) -> String {
+    use ratatui::symbols::bar;
+    const ABOVE_ZERO: [&str; 7] = [
+        bar::ONE_QUARTER,
+        bar::THREE_EIGHTHS,
+        bar::HALF,
+        bar::FIVE_EIGHTHS,
+        bar::THREE_QUARTERS,
+        bar::SEVEN_EIGHTHS,
+        bar::FULL,
+    ];
+    let max = max.unwrap_or_else(|| points.iter().flatten().copied().fold(0.0, f64::max));
+    points
+        .iter()
+        .map(|p| match *p {
+            None => "·",
+            Some(v) if v <= 0.0 || max <= 0.0 => bar::ONE_EIGHTH,
+            Some(v) => {
+                let step = ((v / max).min(1.0) * ABOVE_ZERO.len() as f64).ceil() as usize;
+                ABOVE_ZERO[step.clamp(1, ABOVE_ZERO.len()) - 1]
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spark_text_marks_zero_traffic_and_gaps_apart() {
+        let s = spark_text(&[None, Some(0.0), Some(1.0), Some(50.0), Some(100.0)], None);
+        assert_eq!(s, "·▁▂▅█");
+        // A fixed scale: 50 of 1000 is low but not zero.
+        assert_eq!(spark_text(&[Some(50.0), Some(1000.0), Some(2000.0)], Some(1000.0)), "▂██");
+        assert_eq!(spark_text(&[Some(0.0), Some(0.0)], None), "▁▁");
+    }
+}

@@ -206,8 +206,11 @@ pub fn top_keys_finds_the_heaviest_sources() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// A real run in a terminal (tmux): the view draws, the sort key works, and
-/// quitting restores the terminal (the alternate screen is gone).
+/// A real run in a terminal (tmux) with an agent and live traffic: the
+/// view draws, the sort key works, the arrow keys and Enter open the
+/// selected rule's detail view with its sparklines and the traffic's
+/// source among the heaviest keys, Esc goes back, and quitting restores
+/// the terminal (the alternate screen is gone).
 pub fn top_runs_in_a_terminal_and_restores_it() {
     let lab = Lab::new("ftui", 220);
     let prof = TempFile::profile(UDP_RULE);
@@ -217,6 +220,28 @@ pub fn top_runs_in_a_terminal_and_restores_it() {
     assert!(s.contains(&lab.veth_srv) && s.contains("udp"), "{s}");
     pane.send_keys("s");
     pane.wait_for(|s| s.contains("sort: offered pps"), "`sort: offered pps`");
+    // 600 pps for 6 s against 100/s, while the detail view is open.
+    std::thread::scope(|scope| {
+        let traffic = scope.spawn(|| blast(&lab, 7000, 600, 6.0, 3600));
+        pane.send_keys("Down");
+        pane.send_keys("Enter");
+        let detail = |s: &str| {
+            s.contains("details: udp on")
+                && s.contains("heaviest keys now |")
+                && s.lines().any(|l| l.contains(&format!("│{} ", lab.ip_cli)))
+                && s.lines().any(|l| l.contains("dropped pps") && l.contains('█'))
+        };
+        let s = pane.wait_for(detail, "the detail view with the client among the heaviest keys");
+        println!("the detail view at 220x30, live:\n{s}");
+        for line in ["offered pps", "passed pps", "dropped pps"] {
+            let l = s.lines().find(|l| l.contains(line)).expect(line);
+            assert!(l.chars().any(|c| ('▁'..='█').contains(&c)), "a sparkline for {line}: {l}");
+        }
+        assert!(s.contains("rate ") && s.contains("since attach"), "drops by reason: {s}");
+        pane.send_keys("Escape");
+        pane.wait_for(|s| s.contains("sort: offered pps") && !s.contains("details:"), "back");
+        traffic.join().unwrap();
+    });
     pane.quit_and_check_restored("s sort, p pause");
     agent.stop();
 }
@@ -241,6 +266,7 @@ const TOP_HEADERS: &[(&str, Option<&str>)] = &[
     ("BBR in/max", None),
     ("KLimiter", None),
     ("top reason", None),
+    ("drops 20 s", None),
 ];
 
 /// Cells of a table line: runs separated by two or more spaces.
@@ -289,10 +315,12 @@ fn check_top_table(header: &str, row: &str, json_rule: &Value, what: &str) -> Ve
     headers
 }
 
-/// `top` at 80x24 and 120x40 in tmux against a kept, idle data plane: no
-/// header or number is cut, every number agrees with `top --once --json`,
-/// `?` opens the legend, quitting restores the terminal; `--once` text
-/// fits `--width` and prints every column into a pipe.
+/// `top` at 80x24, 120x40 and 220x50 in tmux against a kept, idle data
+/// plane: no header or number is cut, every number agrees with `top --once
+/// --json`, the history starts from what the statistics ring still holds
+/// (the drops of a moment ago), `?` opens the legend, Enter the detail
+/// view, quitting restores the terminal; `--once` text fits `--width` and
+/// prints every column into a pipe.
 pub fn top_fits_small_terminals_and_agrees_with_json() {
     let lab = Lab::new("ftfit", 226);
     let prof = TempFile::profile(UDP_RULE);
@@ -339,7 +367,7 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
     );
     assert_eq!(shown.len(), TOP_HEADERS.len(), "every column into a pipe:\n{text}");
 
-    for (w, h) in [(80u16, 24u16), (120, 40)] {
+    for (w, h) in [(80u16, 24u16), (120, 40), (220, 50)] {
         let pane =
             TopPane::start(&format!("{} --interval 0.3", lab.veth_srv), w, h, &format!("{w}x{h}"));
         // Past the first (short-interval) picture, so rates are over 0.3 s.
@@ -371,6 +399,23 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
                 assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
             }
         }
+        if w >= 220 {
+            for more in ["key", "limit", "drops 20 s", "offered bit/s"] {
+                assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
+            }
+        }
+        // The history pane of the selected (only) rule. On the first
+        // terminal, seconds after the traffic, it starts from the ring: the
+        // drops show though nothing moves now.
+        let pane_title = s.lines().find(|l| l.contains("┌ udp: last ")).expect(&s);
+        assert!(pane_title.contains("a bar per second"), "{w}x{h}: {pane_title}");
+        if w == 80 {
+            let dropped = s.lines().find(|l| l.contains("│dropped pps ")).expect(&s);
+            assert!(
+                dropped.chars().any(|c| ('▁'..='█').contains(&c)),
+                "{w}x{h}: the ring's drops seed the history:\n{s}"
+            );
+        }
         pane.send_keys("?");
         let l = pane.wait_for(
             |s| {
@@ -386,6 +431,22 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
         }
         pane.send_keys("Escape");
         pane.wait_for(|s| !s.contains("legend (?"), "the legend closing");
+        pane.send_keys("Enter");
+        let d = pane.wait_for(
+            |s| s.contains("details: udp on") && s.lines().any(|l| l.starts_with('└')),
+            "the detail view",
+        );
+        println!("detail at {w}x{h}:\n{d}");
+        assert!(d.lines().all(|l| l.chars().count() <= w as usize) && !d.contains('…'), "{d}");
+        assert!(d.contains("100/s packets burst 20 per src"), "the limit in full: {d}");
+        let total = d.lines().find(|l| l.contains("│dropped ")).expect(&d);
+        assert!(
+            total.contains(&flowctl::cli::format::si(rule["dropped_total"].as_f64().unwrap())),
+            "{w}x{h}: dropped since attach as --json says: {total}"
+        );
+        assert!(d.contains("heaviest keys now"), "{d}");
+        pane.send_keys("Escape");
+        pane.wait_for(|s| s.contains("sort: profile order"), "back from the detail view");
         pane.quit_and_check_restored("? legend");
     }
     let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);

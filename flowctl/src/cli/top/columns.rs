@@ -7,8 +7,14 @@
 //! display order. Only the rule name may be shortened (with `…`), when even
 //! it alone does not fit.
 
-use super::state::RuleRow;
-use crate::{agent::klimiter::PublishedStep, cli::format::si};
+use super::{history::RuleHistory, state::RuleRow};
+use crate::{
+    agent::klimiter::PublishedStep,
+    cli::format::{si, spark_text},
+};
+
+/// Seconds of drops the rule table's sparkline column shows.
+pub const DROPS_POINTS: usize = 20;
 
 /// Spaces between two columns (the view and `--once` alike).
 pub const SPACING: usize = 2;
@@ -47,18 +53,19 @@ pub const RULE_COLUMNS: &[Column] = &[
     col("key", 9, false, "what buckets are kept per (src, src_prefix, dport, ...)"),
     col("limit", 10, false, "rate, burst and quota per key, or pass (exempt)"),
     col("offered pps", 1, true, "packets/s matched by the rule over the interval"),
-    col("offered bit/s", 11, true, "bits/s matched by the rule over the interval"),
+    col("offered bit/s", 12, true, "bits/s matched by the rule over the interval"),
     col("passed pps", 4, true, "packets/s let through over the interval"),
-    col("passed bit/s", 12, true, "bits/s let through over the interval"),
+    col("passed bit/s", 13, true, "bits/s let through over the interval"),
     col("dropped pps", 2, true, "packets/s dropped over the interval (every reason)"),
     col("drop %", 3, true, "dropped / offered over the interval, 0 to 100"),
     col("offered pkts", 6, true, "packets matched since attach"),
     col("dropped pkts", 7, true, "packets dropped since attach"),
-    col("ratio", 13, true, "admission ratio set by the agent (1: all admitted)"),
-    col("SYN/s", 14, true, "TCP SYNs (no ACK) offered per second, last second"),
-    col("BBR in/max", 15, false, "BBR: in flight / its limit (- no data), ! overloaded"),
-    col("KLimiter", 16, false, "why KLimiter last changed the ratio (- not an entry)"),
+    col("ratio", 14, true, "admission ratio set by the agent (1: all admitted)"),
+    col("SYN/s", 15, true, "TCP SYNs (no ACK) offered per second, last second"),
+    col("BBR in/max", 16, false, "BBR: in flight / its limit (- no data), ! overloaded"),
+    col("KLimiter", 17, false, "why KLimiter last changed the ratio (- not an entry)"),
     col("top reason", 5, false, "the reason of most drops over the interval (rate, ...)"),
+    col("drops 20 s", 11, false, "dropped pps, a mark per second, newest right (▁ 0, · unseen)"),
 ];
 
 /// The breakers table's columns, in display order.
@@ -97,8 +104,13 @@ pub fn breaker_cells(b: &crate::agent::breakers::PublishedBreaker) -> Vec<String
     ]
 }
 
-/// One rule's cells, in the order of [`RULE_COLUMNS`].
-pub fn rule_cells(r: &RuleRow, klimiter: Option<&PublishedStep>) -> Vec<String> {
+/// One rule's cells, in the order of [`RULE_COLUMNS`] (`history`: what
+/// `top` has seen of it; `-` in its column without).
+pub fn rule_cells(
+    r: &RuleRow,
+    klimiter: Option<&PublishedStep>,
+    history: Option<&RuleHistory>,
+) -> Vec<String> {
     let kl = klimiter
         .and_then(|k| k.entries.iter().find(|e| e.rule == r.rule))
         .map(|e| e.reason.clone())
@@ -122,6 +134,13 @@ pub fn rule_cells(r: &RuleRow, klimiter: Option<&PublishedStep>) -> Vec<String> 
         bbr_text(r),
         kl,
         or_dash(&r.top_reason),
+        history
+            .map(|h| {
+                let mut points = vec![None; DROPS_POINTS.saturating_sub(h.dropped.len())];
+                points.extend(h.dropped.last(DROPS_POINTS));
+                spark_text(&points, None)
+            })
+            .unwrap_or_else(|| "-".into()),
     ]
 }
 
@@ -231,6 +250,18 @@ pub fn legend_lines(cols: &[Column]) -> Vec<String> {
     cols.iter().map(|c| format!("{:<w$}  {}", c.header, c.legend)).collect()
 }
 
+/// The legend's lines on keys and the history pane, after the columns'.
+pub fn key_legend_lines() -> Vec<String> {
+    let w = RULE_COLUMNS.iter().chain(BREAKER_COLUMNS).map(|c| len(c.header)).max().unwrap_or(0);
+    [
+        ("keys", "up/down select, Enter details, Esc back, s sort, p pause"),
+        ("history", "the selected row's last seconds, a bar each, to its max"),
+    ]
+    .iter()
+    .map(|(k, v)| format!("{k:<w$}  {v}"))
+    .collect()
+}
+
 /// A BBR rule's in-flight count over its limit, "!" while the in-flight
 /// test is on; "-" for rules without BBR (or without a running agent).
 fn bbr_text(r: &RuleRow) -> String {
@@ -252,25 +283,16 @@ mod tests {
 
     fn demo_rows() -> Vec<RuleRow> {
         let mk = |name: &str, offered: f64, dropped: f64, m: &str, limit: &str| RuleRow {
-            rule: name.into(),
             match_: m.into(),
-            key: "src".into(),
             limit: limit.into(),
-            offered_pps: offered,
             offered_bps: offered * 8.0 * 512.0,
-            passed_pps: offered - dropped,
             passed_bps: (offered - dropped) * 8.0 * 512.0,
-            dropped_pps: dropped,
-            drop_pct: if offered > 0.0 { 100.0 * dropped / offered } else { 0.0 },
             admission_ratio: 0.875,
             syn_offered_ps: 1234.0,
-            syn_passed_ps: 0.0,
-            fin_rst_ps: 0.0,
-            bbr: None,
-            top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
             offered_total: 123_456_789,
             passed_total: 1_000,
             dropped_total: 98_765_432,
+            ..RuleRow::example(name, offered, dropped)
         };
         let mut web = mk(
             "web-connections",
@@ -300,7 +322,24 @@ mod tests {
     }
 
     fn cells() -> Vec<Vec<String>> {
-        demo_rows().iter().map(|r| rule_cells(r, None)).collect()
+        demo_rows().iter().map(|r| rule_cells(r, None, Some(&drops_history()))).collect()
+    }
+
+    /// Ten seconds of drops, a flood starting in the middle.
+    fn drops_history() -> RuleHistory {
+        let mut h = RuleHistory::default();
+        for v in [0.0, 0.0, 0.0, 0.0, 0.0, 10.0, 4000.0, 4500.0, 4500.0, 4400.0] {
+            h.dropped.push(Some(v));
+        }
+        h
+    }
+
+    #[test]
+    fn the_drops_column_is_a_sparkline_of_whole_seconds() {
+        let c = rule_cells(&demo_rows()[0], None, Some(&drops_history()));
+        let i = RULE_COLUMNS.iter().position(|c| c.header == "drops 20 s").unwrap();
+        assert_eq!(c[i], "··········▁▁▁▁▁▂████");
+        assert_eq!(rule_cells(&demo_rows()[0], None, None)[i], "-");
     }
 
     fn parses_as_number(s: &str) -> bool {
@@ -396,6 +435,9 @@ mod tests {
             // It fits 80x24 inside its border: one line per column.
             assert!(l.iter().all(|x| x.chars().count() <= 76), "{l:?}");
             assert!(l.len() + 2 <= 24);
+            let keys = key_legend_lines();
+            assert!(keys.iter().all(|x| x.chars().count() <= 76), "{keys:?}");
+            assert!(RULE_COLUMNS.len() + keys.len() + 2 <= 24);
             // Priorities are distinct, 0..n.
             let mut p: Vec<u8> = cols.iter().map(|c| c.priority).collect();
             p.sort();

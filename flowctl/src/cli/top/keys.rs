@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 /// Where the reports come from.
 // One per `top` process, so the size of `Local` does not matter.
 #[allow(clippy::large_enum_variant)]
-enum Source {
+pub enum Source {
     Agent(AttachId),
     /// No agent: sample here. Sampling is switched off again on drop.
     Local {
@@ -55,7 +55,7 @@ impl Source {
                 }
             }
         }
-        let (id, state) = match found.len() {
+        let (id, _) = match found.len() {
             0 => bail!(
                 "no flowctl attachment{}",
                 iface.map(|i| format!(" on {i}")).unwrap_or_default()
@@ -67,16 +67,38 @@ impl Source {
                 found[0].1.iface
             ),
         };
+        Self::for_attachment(id)
+    }
+
+    /// Reports on `id`'s rules: from its agent, or sampled here.
+    pub fn for_attachment(id: AttachId) -> Result<Self> {
         if pins::agent_running(&id) {
             return Ok(Source::Agent(id));
         }
+        let state = AttachState::load(&id)?.ok_or_else(|| anyhow!("the attachment is gone"))?;
         let mut maps = Maps::open(&id)?;
         let mut watcher = KeyWatcher::open(&id)?;
         watcher.ask(&mut maps)?;
         Ok(Source::Local { watcher, maps, state })
     }
 
-    fn report(&mut self, rule: &str, n: usize) -> Result<HeavyKeys> {
+    /// Which attachment this reports on.
+    pub fn attachment(&self) -> AttachId {
+        match self {
+            Source::Agent(id) => *id,
+            Source::Local { state, .. } => state.id,
+        }
+    }
+
+    /// Takes the samples the kernel wrote since (sampling here only).
+    pub fn poll(&mut self) -> Result<()> {
+        if let Source::Local { watcher, maps, .. } = self {
+            watcher.poll(maps)?;
+        }
+        Ok(())
+    }
+
+    pub fn report(&mut self, rule: &str, n: usize) -> Result<HeavyKeys> {
         match self {
             Source::Agent(id) => {
                 let resp = crate::agent::socket::call(
@@ -98,6 +120,16 @@ impl Source {
             }
         }
     }
+}
+
+/// The heaviest keys as the detail view shows them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KeysNow {
+    /// Sampling has started; no report yet.
+    Waiting,
+    Report(HeavyKeys),
+    /// Why there is none (said in the view, never a stale report).
+    Failed(String),
 }
 
 /// `--once`: start sampling, wait `interval`, print one report.

@@ -31,6 +31,13 @@ pub struct Top {
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Attachment {
+    /// Which attachment (the history's key; not in the JSON, which names
+    /// it by `iface` and `netns`).
+    #[serde(skip)]
+    pub id: AttachId,
+    /// The shape of its statistics rings, which the history reads.
+    #[serde(skip)]
+    pub stats: profile::StatsSettings,
     pub iface: String,
     pub netns: Option<String>,
     pub mode: String,
@@ -55,6 +62,9 @@ pub struct Attachment {
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct RuleRow {
+    /// The rule's counter record (its statistics ring's index).
+    #[serde(skip)]
+    pub record: u32,
     pub rule: String,
     #[serde(rename = "match")]
     pub match_: String,
@@ -65,6 +75,8 @@ pub struct RuleRow {
     pub passed_pps: f64,
     pub passed_bps: f64,
     pub dropped_pps: f64,
+    /// Packets a dry-run limit would have dropped, per second (they pass).
+    pub would_drop_pps: f64,
     /// Dropped / offered over the interval, 0 to 100.
     pub drop_pct: f64,
     pub admission_ratio: f64,
@@ -83,6 +95,21 @@ pub struct RuleRow {
     pub offered_total: u64,
     pub passed_total: u64,
     pub dropped_total: u64,
+    pub would_drop_total: u64,
+    pub offered_bytes_total: u64,
+    pub passed_bytes_total: u64,
+    /// Drops by reason: every reason with a drop since attach, by
+    /// `flowctl_common::reason::NAMES` order.
+    pub drops: Vec<ReasonDrops>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ReasonDrops {
+    pub reason: &'static str,
+    /// Over the interval.
+    pub pps: f64,
+    /// Since attach.
+    pub total: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -97,6 +124,41 @@ pub struct BbrRow {
     pub max_in_flight: Option<u32>,
     /// The in-flight test is on (CPU over threshold, or cooling down).
     pub overloaded: bool,
+}
+
+#[cfg(test)]
+impl RuleRow {
+    /// A rule of the views' tests: `offered` and `dropped` pps, the rest
+    /// plain.
+    pub fn example(name: &str, offered: f64, dropped: f64) -> Self {
+        RuleRow {
+            record: 0,
+            rule: name.into(),
+            match_: "udp from any to port 53".into(),
+            key: "src".into(),
+            limit: "100/s".into(),
+            offered_pps: offered,
+            offered_bps: offered * 800.0,
+            passed_pps: offered - dropped,
+            passed_bps: 0.0,
+            dropped_pps: dropped,
+            would_drop_pps: 0.0,
+            drop_pct: if offered > 0.0 { 100.0 * dropped / offered } else { 0.0 },
+            admission_ratio: 1.0,
+            syn_offered_ps: 0.0,
+            syn_passed_ps: 0.0,
+            fin_rst_ps: 0.0,
+            bbr: None,
+            top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
+            offered_total: 0,
+            passed_total: 0,
+            dropped_total: 0,
+            would_drop_total: 0,
+            offered_bytes_total: 0,
+            passed_bytes_total: 0,
+            drops: vec![],
+        }
+    }
 }
 
 /// One read of every attachment's counters.
@@ -186,7 +248,16 @@ fn attachment(
                 max_in_flight: (ctl.bbr_max_inflight != u32::MAX).then_some(ctl.bbr_max_inflight),
                 overloaded: ctl.bbr_overloaded != 0,
             });
+        let drops = (0..reason::COUNT)
+            .filter(|&i| b.dropped_pkts[i] > 0)
+            .map(|i| ReasonDrops {
+                reason: reason::NAMES[i],
+                pps: dropped[i] as f64 / dt,
+                total: b.dropped_pkts[i],
+            })
+            .collect();
         rules.push(RuleRow {
+            record: r.record,
             rule: r.name.clone(),
             match_: rule.map(|x| x.match_text()).unwrap_or_default(),
             key: rule.map(|x| x.key_name()).unwrap_or_default(),
@@ -196,6 +267,7 @@ fn attachment(
             passed_pps: d(|c| c.passed_pkts),
             passed_bps: d(|c| c.passed_bytes) * 8.0,
             dropped_pps: dropped_n as f64 / dt,
+            would_drop_pps: d(|c| c.would_drop_pkts),
             drop_pct: if offered_n == 0 {
                 0.0
             } else {
@@ -210,9 +282,15 @@ fn attachment(
             offered_total: b.offered_pkts,
             passed_total: b.passed_pkts,
             dropped_total: b.dropped_total(),
+            would_drop_total: b.would_drop_pkts,
+            offered_bytes_total: b.offered_bytes,
+            passed_bytes_total: b.passed_bytes,
+            drops,
         });
     }
     Ok(Attachment {
+        id: *id,
+        stats: state.stats,
         iface: state.iface.clone(),
         netns: state.netns.clone(),
         mode: state.mode.clone(),

@@ -1,29 +1,86 @@
-//! Draws a [`Top`] state: one block per attachment, one row per rule.
+//! Draws the main screen: one block per attachment (a row per rule), one
+//! per cgroup's breakers, the selected row's last minutes as sparklines,
+//! and the `?` legend. The selected row's detail view is `detail.rs`.
 
 use super::{
-    columns,
-    state::{SortBy, Top},
+    columns, detail,
+    history::{History, Series, POINTS},
+    keys::KeysNow,
+    screen::{Item, Screen},
+    state::Top,
 };
-use crate::cli::format::si;
+use crate::cli::format::{si, spark_text};
 use ratatui::{
-    layout::{Constraint, Layout},
+    layout::{Constraint, Layout, Rect},
     style::{Modifier, Style},
     text::Line,
-    widgets::{Block, Borders, Cell, Paragraph, Row, Table},
+    widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table, TableState},
     Frame,
 };
 
-pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) {
+/// Rows the selected row's history pane needs at least (three one-row
+/// sparklines and borders), and at most (four rows each).
+const PANE_ROWS: usize = 5;
+const PANE_MAX_ROWS: usize = 14;
+/// The label before a sparkline: name, then "max" and the line's scale.
+pub const SPARK_LABEL: usize = 30;
+/// The widest name a sparkline label has room for ("admission drops/s").
+const SPARK_NAME: usize = 17;
+/// Points of the CPU signal the title shows.
+const CPU_POINTS: usize = 10;
+
+pub fn draw(f: &mut Frame, top: &Top, hist: &History, screen: &Screen, keys: Option<&KeysNow>) {
+    if screen.detail {
+        if let Some(item) = screen.current(top) {
+            detail::draw(f, top, hist, &item, keys);
+            if screen.legend {
+                draw_legend(f, !top.breakers.is_empty());
+            }
+            return;
+        }
+    }
+    draw_main(f, top, hist, screen);
+    if screen.legend {
+        draw_legend(f, !top.breakers.is_empty());
+    }
+}
+
+fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
     let area = f.area();
-    let n = (top.attachments.len() + top.breakers.len()).max(1);
+    let current = screen.current(top);
+    let blocks = top.attachments.len() + top.breakers.len();
+    // A block needs its rows, a header and two borders.
+    let needed: usize = top.attachments.iter().map(|a| a.rules.len() + 3).sum::<usize>()
+        + top.breakers.iter().map(|c| c.breakers.len() + 3).sum::<usize>();
+    // The pane when every table fits beside it: at its tallest (bars four
+    // rows high) when the tables keep room to spare, else the tables take
+    // what they need and the pane the rest; without the room, the tables
+    // share the screen.
+    let spare = (area.height as usize).saturating_sub(1 + needed);
+    let pane = current.is_some() && spare >= PANE_ROWS;
     let mut constraints = vec![Constraint::Length(1)];
-    constraints.extend(std::iter::repeat_n(Constraint::Fill(1), n));
+    if pane && spare < PANE_MAX_ROWS {
+        constraints.extend(
+            top.attachments
+                .iter()
+                .map(|a| a.rules.len())
+                .chain(top.breakers.iter().map(|c| c.breakers.len()))
+                .map(|n| Constraint::Length(n as u16 + 3)),
+        );
+        constraints.push(Constraint::Fill(1));
+    } else {
+        constraints.extend(std::iter::repeat_n(Constraint::Fill(1), blocks.max(1)));
+        if pane {
+            constraints.push(Constraint::Length(PANE_MAX_ROWS as u16));
+        }
+    }
     let chunks = Layout::vertical(constraints).split(area);
-    let mut parts = vec![" flowctl top".to_string(), format!("sort: {}", sort.name())];
-    if paused {
+    let mut parts = vec![" flowctl top".to_string(), format!("sort: {}", screen.sort.name())];
+    if screen.paused {
         parts.push("PAUSED".into());
     }
     parts.push("keys: s sort, p pause, ? legend, q quit".into());
+    parts.push("up/down select, Enter details".into());
     parts.push(format!("every {:.1}s", top.interval_s));
     let status = columns::fit_parts(&parts, area.width as usize);
     f.render_widget(
@@ -37,10 +94,29 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) 
             ),
             chunks[1],
         );
-        if legend {
-            draw_legend(f, false);
-        }
         return;
+    }
+    for (i, a) in top.attachments.iter().enumerate() {
+        let area = chunks[i + 1];
+        // Inside the borders, less a space either side of the title.
+        let inner = area.width.saturating_sub(2) as usize;
+        let title = columns::fit_parts(
+            &attachment_title_parts(a, hist.cpu.get(&a.id)),
+            inner.saturating_sub(2),
+        );
+        let mut rows = a.rules.clone();
+        screen.sort.apply(&mut rows);
+        let cells: Vec<Vec<String>> = rows
+            .iter()
+            .map(|r| columns::rule_cells(r, a.klimiter.as_ref(), hist.rule(a.id, &r.rule)))
+            .collect();
+        let selected = rows.iter().position(|r| current == Some(Item::Rule(a.id, r.rule.clone())));
+        let mut state = TableState::default().with_selected(selected);
+        f.render_stateful_widget(
+            table(columns::RULE_COLUMNS, &cells, inner, &title),
+            area,
+            &mut state,
+        );
     }
     for (i, c) in top.breakers.iter().enumerate() {
         let area = chunks[top.attachments.len() + i + 1];
@@ -50,22 +126,117 @@ pub fn draw(f: &mut Frame, top: &Top, sort: SortBy, paused: bool, legend: bool) 
             inner.saturating_sub(2),
         );
         let cells: Vec<Vec<String>> = c.breakers.iter().map(columns::breaker_cells).collect();
-        f.render_widget(table(columns::BREAKER_COLUMNS, &cells, inner, &title), area);
+        let selected = c
+            .breakers
+            .iter()
+            .position(|b| current == Some(Item::Breaker(c.cgroup_id, b.name.clone())));
+        let mut state = TableState::default().with_selected(selected);
+        f.render_stateful_widget(
+            table(columns::BREAKER_COLUMNS, &cells, inner, &title),
+            area,
+            &mut state,
+        );
     }
-    for (i, a) in top.attachments.iter().enumerate() {
-        let area = chunks[i + 1];
-        // Inside the borders, less a space either side of the title.
-        let inner = area.width.saturating_sub(2) as usize;
-        let title = columns::fit_parts(&attachment_title_parts(a), inner.saturating_sub(2));
-        let mut rows = a.rules.clone();
-        sort.apply(&mut rows);
-        let cells: Vec<Vec<String>> =
-            rows.iter().map(|r| columns::rule_cells(r, a.klimiter.as_ref())).collect();
-        f.render_widget(table(columns::RULE_COLUMNS, &cells, inner, &title), area);
+    if let (true, Some(item)) = (pane, current) {
+        draw_pane(f, chunks[chunks.len() - 1], hist, &item);
     }
-    if legend {
-        draw_legend(f, !top.breakers.is_empty());
+}
+
+/// The selected row's last minutes: offered, passed and dropped for a
+/// rule; drop probability, connects and local refusals for a breaker.
+fn draw_pane(f: &mut Frame, area: Rect, hist: &History, item: &Item) {
+    let bars = (area.width as usize).saturating_sub(2 + SPARK_LABEL).min(POINTS);
+    let (name, lines): (&str, Vec<SparkLine>) = match item {
+        Item::Rule(id, name) => {
+            let Some(h) = hist.rule(*id, name) else { return };
+            (
+                name,
+                vec![
+                    SparkLine::new("offered pps", &h.offered),
+                    SparkLine::new("passed pps", &h.passed),
+                    SparkLine::new("dropped pps", &h.dropped),
+                ],
+            )
+        }
+        Item::Breaker(cg, name) => {
+            let Some(h) = hist.breaker(*cg, name) else { return };
+            (
+                name,
+                vec![
+                    SparkLine::ratio("drop p", &h.drop_probability),
+                    SparkLine::new("requests/s", &h.attempts),
+                    SparkLine::new("local/s", &h.local),
+                ],
+            )
+        }
+    };
+    let title = columns::fit_parts(
+        &[
+            format!("{name}: last {bars} s"),
+            "a bar per second, newest right".into(),
+            "Enter: details".into(),
+        ],
+        (area.width as usize).saturating_sub(4),
+    );
+    let block = Block::default().borders(Borders::ALL).title(format!(" {title} "));
+    let inner = block.inner(area);
+    f.render_widget(block, area);
+    let rows = Layout::vertical(vec![Constraint::Fill(1); lines.len()]).split(inner);
+    for (line, row) in lines.iter().zip(rows.iter()) {
+        spark_row(f, *row, line, bars);
     }
+}
+
+/// A sparkline to draw: its label, its points and its scale (`None`: its
+/// own largest point; a ratio or a probability is drawn on 0 to 1).
+pub struct SparkLine<'a> {
+    pub label: String,
+    pub series: &'a Series,
+    pub scale: Option<f64>,
+}
+
+impl<'a> SparkLine<'a> {
+    pub fn new(label: impl Into<String>, series: &'a Series) -> Self {
+        Self { label: label.into(), series, scale: None }
+    }
+
+    /// On a fixed 0 to 1 scale.
+    pub fn ratio(label: impl Into<String>, series: &'a Series) -> Self {
+        Self { label: label.into(), series, scale: Some(1.0) }
+    }
+}
+
+/// One labelled sparkline (as tall as `area`): the label with the line's
+/// scale on its first row, then the newest `bars` points with the newest at
+/// the right.
+pub fn spark_row(f: &mut Frame, area: Rect, line: &SparkLine, bars: usize) {
+    let SparkLine { label, series, scale } = line;
+    let max = scale.unwrap_or_else(|| series.max_last(bars));
+    let cols = Layout::horizontal([Constraint::Length(SPARK_LABEL as u16), Constraint::Fill(1)])
+        .split(area);
+    f.render_widget(Paragraph::new(spark_label(label, max)), Rect { height: 1, ..cols[0] });
+    f.render_widget(sparkline(series, bars, max), cols[1]);
+}
+
+/// "name   max   4.74k ", [`SPARK_LABEL`] wide: numbers at or under 1 (a
+/// ratio, a probability) keep two decimals.
+pub fn spark_label(label: &str, max: f64) -> String {
+    let scale = if max > 0.0 && max <= 1.0 { format!("{max:.2}") } else { si(max) };
+    format!("{:<SPARK_NAME$} max {scale:>7} ", columns::ellipsize(label, SPARK_NAME))
+}
+
+/// A sparkline widget of the newest `bars` points (newest at the right),
+/// scaled to `max`; gaps and zeros are blank.
+pub fn sparkline(series: &Series, bars: usize, max: f64) -> Sparkline<'static> {
+    // The widget takes integers: thousandths keep ratios and small rates.
+    let scaled = |v: f64| (v * 1000.0).round().max(0.0) as u64;
+    let mut points: Vec<Option<u64>> =
+        series.last(bars).into_iter().map(|p| p.map(scaled)).collect();
+    points.reverse();
+    Sparkline::default()
+        .data(points)
+        .max(scaled(max).max(1))
+        .direction(ratatui::widgets::RenderDirection::RightToLeft)
 }
 
 /// A table of the columns of `cols` that fit `width` (columns.rs decides).
@@ -92,12 +263,13 @@ fn table<'a>(
         .header(header)
         .column_spacing(columns::SPACING as u16)
         .flex(ratatui::layout::Flex::Start)
+        .row_highlight_style(Style::default().add_modifier(Modifier::REVERSED))
         .block(Block::default().borders(Borders::ALL).title(format!(" {title} ")))
 }
 
 /// The title of an attachment's block, in parts by importance (the view
 /// keeps as many whole parts as fit).
-pub fn attachment_title_parts(a: &super::state::Attachment) -> Vec<String> {
+pub fn attachment_title_parts(a: &super::state::Attachment, cpu: Option<&Series>) -> Vec<String> {
     let iface = format!(
         "{}{}",
         a.iface,
@@ -108,8 +280,19 @@ pub fn attachment_title_parts(a: &super::state::Attachment) -> Vec<String> {
         // Everything agent-computed (CPU, key tables, KLimiter) says so once.
         return vec![iface, "agent not running".into(), up, mode];
     }
-    let mut parts =
-        vec![iface, format!("CPU {}", a.cpu), up, mode, "agent running".into(), key_tables_text(a)];
+    // The CPU signal's last seconds on a fixed 0-100 % scale.
+    let trend = cpu
+        .filter(|s| !s.is_empty())
+        .map(|s| format!(" {}", spark_text(&s.last(CPU_POINTS), Some(1000.0))))
+        .unwrap_or_default();
+    let mut parts = vec![
+        iface,
+        format!("CPU {}{trend}", a.cpu),
+        up,
+        mode,
+        "agent running".into(),
+        key_tables_text(a),
+    ];
     parts.extend(klimiter_text(a).split(" | ").filter(|s| !s.is_empty()).map(String::from));
     parts
 }
@@ -118,8 +301,9 @@ pub fn attachment_title_parts(a: &super::state::Attachment) -> Vec<String> {
 /// when there are breakers and room), over the middle.
 fn draw_legend(f: &mut Frame, breakers: bool) {
     let mut lines = columns::legend_lines(columns::RULE_COLUMNS);
-    // The breakers' part when it fits too (it does from 33 rows).
-    let both = columns::RULE_COLUMNS.len() + 1 + columns::BREAKER_COLUMNS.len() + 2;
+    lines.extend(columns::key_legend_lines());
+    // The breakers' part when it fits too (it does from 36 rows).
+    let both = lines.len() + 1 + columns::BREAKER_COLUMNS.len() + 2;
     if breakers && both <= f.area().height as usize {
         lines.push(String::new());
         lines.extend(columns::legend_lines(columns::BREAKER_COLUMNS));
@@ -128,7 +312,7 @@ fn draw_legend(f: &mut Frame, breakers: bool) {
     let w = (lines.iter().map(|l| l.chars().count()).max().unwrap_or(0) + 2)
         .min(area.width as usize) as u16;
     let h = (lines.len() + 2).min(area.height as usize) as u16;
-    let rect = ratatui::layout::Rect {
+    let rect = Rect {
         x: area.x + (area.width - w) / 2,
         y: area.y + (area.height - h) / 2,
         width: w,
@@ -177,30 +361,59 @@ pub fn key_tables_text(a: &super::state::Attachment) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::top::state::{Attachment, RuleRow};
+    use crate::{
+        cli::top::state::{Attachment, RuleRow, SortBy},
+        dataplane::pins::AttachId,
+    };
     use ratatui::{backend::TestBackend, Terminal};
 
     fn row(name: &str, offered: f64, dropped: f64) -> RuleRow {
-        RuleRow {
-            rule: name.into(),
-            match_: "udp from any to port 53".into(),
-            key: "src".into(),
-            limit: "100/s".into(),
-            offered_pps: offered,
-            offered_bps: offered * 800.0,
-            passed_pps: offered - dropped,
-            passed_bps: 0.0,
-            dropped_pps: dropped,
-            drop_pct: if offered > 0.0 { 100.0 * dropped / offered } else { 0.0 },
-            admission_ratio: 1.0,
-            syn_offered_ps: 0.0,
-            syn_passed_ps: 0.0,
-            fin_rst_ps: 0.0,
-            bbr: None,
-            top_reason: if dropped > 0.0 { "rate".into() } else { String::new() },
-            offered_total: 0,
-            passed_total: 0,
-            dropped_total: 0,
+        RuleRow::example(name, offered, dropped)
+    }
+
+    fn breaker_fixture() -> crate::agent::breakers::Published {
+        use crate::agent::breakers::{
+            Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition,
+        };
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
+                as u64;
+        let b = PublishedBreaker {
+            name: "db".into(),
+            target: "10.0.0.5:5432".into(),
+            cgroup: None,
+            mode: "state".into(),
+            dry_run: false,
+            errno: "ECONNREFUSED".into(),
+            state: "half-open".into(),
+            drop_probability: 1.0,
+            window: PublishedWindow {
+                seconds: 10.0,
+                outcomes: flowctl_common::breaker::Outcomes {
+                    requests: 40,
+                    accepts: 3,
+                    refused_by_peer: 37,
+                    timeouts: 0,
+                    refused_locally: 900,
+                    would_refuse: 0,
+                },
+            },
+            totals: Default::default(),
+            probes: Some(PublishedProbes { allowed: 3, admitted: 2, succeeded: 1, failed: 0 }),
+            last_transition: Some(Transition {
+                from: "open".into(),
+                to: "half-open".into(),
+                unix_ms: now - 2_000,
+                reason: "sleep elapsed".into(),
+            }),
+        };
+        Published {
+            cgroup: "/sys/fs/cgroup/app".into(),
+            cgroup_id: 7,
+            pid: 99,
+            profile: "p.toml".into(),
+            updated_unix_ms: now,
+            breakers: vec![b],
         }
     }
 
@@ -209,6 +422,8 @@ mod tests {
             schema: 1,
             interval_s: 1.0,
             attachments: vec![Attachment {
+                id: AttachId { netns_ino: 1, ifindex: 2 },
+                stats: Default::default(),
                 iface: "veth0".into(),
                 netns: Some("lab".into()),
                 mode: "native".into(),
@@ -237,8 +452,20 @@ mod tests {
     }
 
     fn render_at(top: &Top, sort: SortBy, paused: bool, legend: bool, w: u16, h: u16) -> String {
+        let screen = Screen { sort, paused, legend, ..Default::default() };
+        render_screen(top, &History::default(), &screen, None, w, h)
+    }
+
+    fn render_screen(
+        top: &Top,
+        hist: &History,
+        screen: &Screen,
+        keys: Option<&KeysNow>,
+        w: u16,
+        h: u16,
+    ) -> String {
         let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-        t.draw(|f| draw(f, top, sort, paused, legend)).unwrap();
+        t.draw(|f| draw(f, top, hist, screen, keys)).unwrap();
         let buf = t.backend().buffer().clone();
         (0..buf.area.height)
             .map(|y| {
@@ -318,50 +545,8 @@ mod tests {
 
     #[test]
     fn breakers_show_state_probability_window_and_last_change() {
-        use crate::agent::breakers::{
-            Published, PublishedBreaker, PublishedProbes, PublishedWindow, Transition,
-        };
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()
-                as u64;
-        let b = PublishedBreaker {
-            name: "db".into(),
-            target: "10.0.0.5:5432".into(),
-            cgroup: None,
-            mode: "state".into(),
-            dry_run: false,
-            errno: "ECONNREFUSED".into(),
-            state: "half-open".into(),
-            drop_probability: 1.0,
-            window: PublishedWindow {
-                seconds: 10.0,
-                outcomes: flowctl_common::breaker::Outcomes {
-                    requests: 40,
-                    accepts: 3,
-                    refused_by_peer: 37,
-                    timeouts: 0,
-                    refused_locally: 900,
-                    would_refuse: 0,
-                },
-            },
-            totals: Default::default(),
-            probes: Some(PublishedProbes { allowed: 3, admitted: 2, succeeded: 1, failed: 0 }),
-            last_transition: Some(Transition {
-                from: "open".into(),
-                to: "half-open".into(),
-                unix_ms: now - 2_000,
-                reason: "sleep elapsed".into(),
-            }),
-        };
         let mut top = fixture(true);
-        top.breakers = vec![Published {
-            cgroup: "/sys/fs/cgroup/app".into(),
-            cgroup_id: 7,
-            pid: 99,
-            profile: "p.toml".into(),
-            updated_unix_ms: now,
-            breakers: vec![b],
-        }];
+        top.breakers = vec![breaker_fixture()];
         let s = render(&top, SortBy::Profile, false);
         assert!(s.contains("breakers | cgroup /sys/fs/cgroup/app | agent pid 99"), "{s}");
         assert!(s.contains("half-open 1/3") && s.contains("1.00") && s.contains("900"), "{s}");
@@ -378,5 +563,209 @@ mod tests {
             assert!(shown.contains(&h), "{s}");
         }
         assert!(s.contains("half-open 1/3") && !s.contains('…'), "{s}");
+    }
+
+    /// A history of `n` seconds for every rule of `top`: a flood that
+    /// starts halfway, and a ratio and CPU signal that move.
+    fn history_of(top: &Top, n: usize) -> History {
+        let mut hist = History::default();
+        for a in &top.attachments {
+            for r in &a.rules {
+                let h = hist.rules.entry((a.id, r.rule.clone())).or_default();
+                h.slice_s = 1.0;
+                h.by_reason = true;
+                for i in 0..n {
+                    let flood = if i >= n / 2 { r.dropped_pps } else { 0.0 };
+                    h.offered.push(Some(r.offered_pps - r.dropped_pps + flood));
+                    h.passed.push(Some(r.passed_pps));
+                    h.dropped.push(Some(flood));
+                    h.reasons[flowctl_common::reason::RATE].push(Some(flood));
+                    h.would_drop.push(Some(0.0));
+                    h.ratio.push(Some(1.0 - 0.5 * (i as f64 / n as f64)));
+                }
+            }
+            let cpu = hist.cpu.entry(a.id).or_default();
+            for i in 0..n {
+                cpu.push(Some((i * 1000 / n) as f64));
+            }
+        }
+        hist
+    }
+
+    fn keys_report() -> KeysNow {
+        KeysNow::Report(crate::agent::heavy::HeavyKeys {
+            rule: "noisy".into(),
+            sample_every: 16,
+            samples: 4200.0,
+            bound_pps: 40.0,
+            keys: vec![crate::agent::heavy::HeavyKey {
+                key: "10.9.8.7".into(),
+                pps: 4100.0,
+                share_pct: 82.0,
+                dropped_pps: 3900.0,
+                error_pps: 12.0,
+            }],
+        })
+    }
+
+    #[test]
+    fn the_selected_rule_gets_a_history_pane_and_the_title_the_cpu_trend() {
+        let mut top = fixture(true);
+        top.attachments[0].cpu = "45.0% (host)".into();
+        let hist = history_of(&top, 60);
+        let mut screen = Screen::default();
+        screen.step(&top, 1);
+        assert_eq!(screen.current(&top), Some(Item::Rule(top.attachments[0].id, "noisy".into())));
+        let s = render_screen(&top, &hist, &screen, None, 80, 24);
+        assert!(s.contains("noisy: last 48 s"), "{s}");
+        let label = spark_label("dropped pps", 4000.0);
+        let dropped = s.lines().find(|l| l.contains(&label)).expect(&s);
+        assert!(dropped.contains('█') && dropped.contains("    "), "a flood halfway: {dropped}");
+        // The CPU signal's last ten seconds, on a 0-100 % scale.
+        assert!(s.contains("CPU 45.0% (host) ▇▇████████"), "{s}");
+        // Moving past the last row stays on it.
+        screen.step(&top, 5);
+        assert_eq!(screen.current(&top), Some(Item::Rule(top.attachments[0].id, "noisy".into())));
+        screen.step(&top, -5);
+        assert_eq!(screen.current(&top), Some(Item::Rule(top.attachments[0].id, "quiet".into())));
+    }
+
+    #[test]
+    fn the_detail_view_shows_the_rule_whole_its_history_and_its_heaviest_keys() {
+        let mut top = fixture(true);
+        top.attachments[0].rules[1].drops = vec![crate::cli::top::state::ReasonDrops {
+            reason: "rate",
+            pps: 4000.0,
+            total: 123_456,
+        }];
+        top.attachments[0].rules[1].limit =
+            "100/s packets burst 20 per src, quota 1000 per 60s per src".into();
+        let hist = history_of(&top, 180);
+        let screen = Screen {
+            selected: Some(Item::Rule(top.attachments[0].id, "noisy".into())),
+            detail: true,
+            ..Default::default()
+        };
+        for (w, h) in [(80u16, 24u16), (120, 40), (220, 50)] {
+            let s = render_screen(&top, &hist, &screen, Some(&keys_report()), w, h);
+            println!("detail at {w}x{h}:\n{s}");
+            assert!(s.lines().next().unwrap().contains("details: noisy on veth0"), "{s}");
+            assert!(
+                s.contains("100/s packets burst 20 per src, quota 1000 per 60s per src"),
+                "{s}"
+            );
+            assert!(s.contains("rate 4.00k pps (123.46k since attach)"), "{s}");
+            for (name, max) in
+                [("offered pps", 5000.0), ("passed pps", 1000.0), ("dropped pps", 4000.0)]
+            {
+                let label = spark_label(name, max);
+                assert!(s.contains(label.trim_end()), "{w}x{h}: {label}:\n{s}");
+            }
+            assert!(s.contains("heaviest keys now | 1 in 16 sampled"), "{w}x{h}:\n{s}");
+            assert!(s.contains("10.9.8.7") && s.contains("82.0"), "{w}x{h}:\n{s}");
+            assert!(!s.contains('…'), "{w}x{h}: nothing cut:\n{s}");
+            if h >= 40 {
+                assert!(s.contains(spark_label("rate drops/s", 4000.0).trim_end()), "{s}");
+                assert!(s.contains(spark_label("admission ratio", 1.0).trim_end()), "{s}");
+            }
+        }
+        // Before the first report, and when there is none.
+        let s = render_screen(&top, &hist, &screen, Some(&KeysNow::Waiting), 80, 24);
+        assert!(s.contains("heaviest keys now: sampling started"), "{s}");
+        let failed = KeysNow::Failed("the agent stopped answering".into());
+        let s = render_screen(&top, &hist, &screen, Some(&failed), 80, 24);
+        assert!(s.contains("heaviest keys now: the agent stopped answering"), "{s}");
+    }
+
+    #[test]
+    fn bbr_and_klimiter_get_charts_where_the_rows_allow() {
+        use crate::agent::klimiter::{
+            PublishedBaseline, PublishedEntry, PublishedShare, PublishedStep,
+        };
+        let mut top = fixture(true);
+        let id = top.attachments[0].id;
+        top.attachments[0].rules[1].bbr = Some(crate::cli::top::state::BbrRow {
+            max_pass: 25,
+            min_rt_ms: 3,
+            in_flight: 7,
+            max_in_flight: Some(5),
+            overloaded: true,
+        });
+        top.attachments[0].klimiter = Some(PublishedStep {
+            baselines: vec![PublishedBaseline {
+                name: "db".into(),
+                level: Some(80.0),
+                threshold: 70.0,
+                band: "cutting".into(),
+                entries: vec![PublishedShare {
+                    rule: "noisy".into(),
+                    coefficient: Some(0.5),
+                    share: Some(1.0),
+                }],
+            }],
+            entries: vec![PublishedEntry {
+                rule: "noisy".into(),
+                ratio: 0.5,
+                reason: "cut: db over threshold".into(),
+            }],
+        });
+        let mut hist = history_of(&top, 120);
+        let h = hist.rules.get_mut(&(id, "noisy".into())).unwrap();
+        for i in 0..120 {
+            h.bbr_in_flight.push(Some((i % 10) as f64));
+            h.bbr_limit.push(Some(5.0));
+        }
+        let b = hist.baselines.entry((id, "db".into())).or_default();
+        for i in 0..120 {
+            b.level.push(Some(60.0 + (i % 30) as f64));
+            b.threshold.push(Some(70.0));
+        }
+        let screen = Screen {
+            selected: Some(Item::Rule(id, "noisy".into())),
+            detail: true,
+            ..Default::default()
+        };
+        let s = render_screen(&top, &hist, &screen, Some(&keys_report()), 220, 50);
+        println!("{s}");
+        assert!(s.contains("BBR: in flight (line) against its limit (dots)"), "{s}");
+        assert!(s.contains("KLimiter db: level (line) against its threshold (dots)"), "{s}");
+        assert!(s.contains("BBR in flight 7 / limit 5 (overloaded)"), "{s}");
+        assert!(s.contains("KLimiter ratio 0.500: cut: db over threshold"), "{s}");
+        assert!(s.contains("10.9.8.7"), "the keys still show: {s}");
+        // At 80x24 no chart fits; the keys keep their rows.
+        let s = render_screen(&top, &hist, &screen, Some(&keys_report()), 80, 24);
+        assert!(!s.contains("against its limit") && s.contains("10.9.8.7"), "{s}");
+    }
+
+    #[test]
+    fn a_breakers_detail_shows_its_state_over_time() {
+        let mut top = fixture(true);
+        top.breakers = vec![breaker_fixture()];
+        let mut hist = History::default();
+        let bh = hist.breakers.entry((7, "db".into())).or_default();
+        for i in 0..60 {
+            bh.state.push_back(Some(if i < 30 { 'c' } else { 'o' }));
+            bh.drop_probability.push(Some(if i < 30 { 0.0 } else { 1.0 }));
+            bh.attempts.push(Some(10.0));
+            bh.successes.push(Some(if i < 30 { 10.0 } else { 0.0 }));
+            bh.refused_by_peer.push(Some(0.0));
+            bh.timeouts.push(Some(if i < 30 { 0.0 } else { 10.0 }));
+            bh.local.push(Some(if i < 30 { 0.0 } else { 90.0 }));
+        }
+        let mut screen = Screen::default();
+        screen.step(&top, 2);
+        assert_eq!(screen.current(&top), Some(Item::Breaker(7, "db".into())));
+        let s = render_screen(&top, &hist, &screen, None, 80, 24);
+        println!("{s}");
+        assert!(s.contains("db: last 48 s"), "the pane: {s}");
+        screen.detail = true;
+        let s = render_screen(&top, &hist, &screen, None, 80, 24);
+        println!("{s}");
+        assert!(s.contains("details: breaker db"), "{s}");
+        assert!(s.contains("half-open 1/3 · drop p 1.00"), "{s}");
+        let state = s.lines().find(|l| l.contains("state c t h o")).expect(&s);
+        assert!(state.contains("cccooo"), "{state}");
+        assert!(s.contains(spark_label("local/s", 90.0).trim_end()), "{s}");
+        assert!(!s.contains('…'), "{s}");
     }
 }
