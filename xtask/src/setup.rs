@@ -25,6 +25,12 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "util-linux",
     "tmux",
     "python3",
+    // The fleet's stores, started by the tests themselves (docs/fleet.md),
+    // and protoc for etcd-client's generated gRPC code.
+    "redis-server",
+    "etcd-server",
+    "etcd-client",
+    "protobuf-compiler",
 ];
 /// The kernel matrix's Debian packages: QEMU for the VMs, and a statically
 /// linked busybox ("a statically linked busybox could not be found" without).
