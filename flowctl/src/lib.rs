@@ -21,6 +21,8 @@ pub mod cli;
 pub mod controllers;
 /// The kernel side: the embedded object, pins, loading, attaching, applying.
 pub mod dataplane;
+/// The fleet: profiles shared through etcd, global limits through Redis.
+pub mod fleet;
 /// What this kernel supports, and the TC attachment without TCX.
 pub mod kernel;
 /// Profiles: parsed, validated, with file:line errors.

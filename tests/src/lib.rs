@@ -17,6 +17,7 @@ pub mod lab;
 pub mod need;
 pub mod overload;
 pub mod packet;
+pub mod server;
 pub mod tempfile;
 pub mod testrun;
 pub mod tmux;

@@ -1,0 +1,1 @@
+//! Profiles from etcd (docs/fleet.md, "Profiles from etcd").
