@@ -52,14 +52,13 @@ fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
     // A block needs its rows, a header and two borders.
     let needed: usize = top.attachments.iter().map(|a| a.rules.len() + 3).sum::<usize>()
         + top.breakers.iter().map(|c| c.breakers.len() + 3).sum::<usize>();
-    // The pane when every table fits beside it: at its tallest (bars four
-    // rows high) when the tables keep room to spare, else the tables take
-    // what they need and the pane the rest; without the room, the tables
-    // share the screen.
+    // The pane when every table fits beside it: the tables take what they
+    // need and the pane the rest, up to bars four rows high (what is left
+    // stays blank); without the room, the tables share the screen.
     let spare = (area.height as usize).saturating_sub(1 + needed);
     let pane = current.is_some() && spare >= PANE_ROWS;
     let mut constraints = vec![Constraint::Length(1)];
-    if pane && spare < PANE_MAX_ROWS {
+    if pane {
         constraints.extend(
             top.attachments
                 .iter()
@@ -67,12 +66,10 @@ fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
                 .chain(top.breakers.iter().map(|c| c.breakers.len()))
                 .map(|n| Constraint::Length(n as u16 + 3)),
         );
+        constraints.push(Constraint::Length(spare.min(PANE_MAX_ROWS) as u16));
         constraints.push(Constraint::Fill(1));
     } else {
         constraints.extend(std::iter::repeat_n(Constraint::Fill(1), blocks.max(1)));
-        if pane {
-            constraints.push(Constraint::Length(PANE_MAX_ROWS as u16));
-        }
     }
     let chunks = Layout::vertical(constraints).split(area);
     let mut parts = vec![" flowctl top".to_string(), format!("sort: {}", screen.sort.name())];
@@ -138,7 +135,7 @@ fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
         );
     }
     if let (true, Some(item)) = (pane, current) {
-        draw_pane(f, chunks[chunks.len() - 1], hist, &item);
+        draw_pane(f, chunks[chunks.len() - 2], hist, &item);
     }
 }
 
