@@ -94,13 +94,6 @@ fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
         return;
     }
     for (i, a) in top.attachments.iter().enumerate() {
-        let area = chunks[i + 1];
-        // Inside the borders, less a space either side of the title.
-        let inner = area.width.saturating_sub(2) as usize;
-        let title = columns::fit_parts(
-            &attachment_title_parts(a, hist.cpu.get(&a.id)),
-            inner.saturating_sub(2),
-        );
         let mut rows = a.rules.clone();
         screen.sort.apply(&mut rows);
         let cells: Vec<Vec<String>> = rows
@@ -108,35 +101,40 @@ fn draw_main(f: &mut Frame, top: &Top, hist: &History, screen: &Screen) {
             .map(|r| columns::rule_cells(r, a.klimiter.as_ref(), hist.rule(a.id, &r.rule)))
             .collect();
         let selected = rows.iter().position(|r| current == Some(Item::Rule(a.id, r.rule.clone())));
-        let mut state = TableState::default().with_selected(selected);
-        f.render_stateful_widget(
-            table(columns::RULE_COLUMNS, &cells, inner, &title),
-            area,
-            &mut state,
-        );
+        let title = attachment_title_parts(a, hist.cpu.get(&a.id));
+        table_block(f, chunks[i + 1], columns::RULE_COLUMNS, &cells, &title, selected);
     }
     for (i, c) in top.breakers.iter().enumerate() {
-        let area = chunks[top.attachments.len() + i + 1];
-        let inner = area.width.saturating_sub(2) as usize;
-        let title = columns::fit_parts(
-            &["breakers".into(), format!("cgroup {}", c.cgroup), format!("agent pid {}", c.pid)],
-            inner.saturating_sub(2),
-        );
         let cells: Vec<Vec<String>> = c.breakers.iter().map(columns::breaker_cells).collect();
         let selected = c
             .breakers
             .iter()
             .position(|b| current == Some(Item::Breaker(c.cgroup_id, b.name.clone())));
-        let mut state = TableState::default().with_selected(selected);
-        f.render_stateful_widget(
-            table(columns::BREAKER_COLUMNS, &cells, inner, &title),
-            area,
-            &mut state,
-        );
+        let title =
+            ["breakers".into(), format!("cgroup {}", c.cgroup), format!("agent pid {}", c.pid)];
+        let area = chunks[top.attachments.len() + i + 1];
+        table_block(f, area, columns::BREAKER_COLUMNS, &cells, &title, selected);
     }
     if let (true, Some(item)) = (pane, current) {
         draw_pane(f, chunks[chunks.len() - 2], hist, &item);
     }
+}
+
+/// A block with a table of the columns that fit, its title from `title`'s
+/// parts that fit, the `selected` row highlighted.
+fn table_block(
+    f: &mut Frame,
+    area: Rect,
+    cols: &'static [columns::Column],
+    cells: &[Vec<String>],
+    title: &[String],
+    selected: Option<usize>,
+) {
+    // Inside the borders, less a space either side of the title.
+    let inner = area.width.saturating_sub(2) as usize;
+    let title = columns::fit_parts(title, inner.saturating_sub(2));
+    let mut state = TableState::default().with_selected(selected);
+    f.render_stateful_widget(table(cols, cells, inner, &title), area, &mut state);
 }
 
 /// The selected row's last minutes: offered, passed and dropped for a
