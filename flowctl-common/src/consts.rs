@@ -76,6 +76,14 @@ pub const MAX_EGRESS_TARGETS: usize = 16;
 /// Per target, two per-CPU counters: packets, and new TCP connections (SYN).
 pub const EGRESS_COUNTERS_PER_TARGET: usize = 2;
 
+/// Default entries of the global rules' key table (`FLOWCTL_GLOBAL_KEYS`),
+/// and most leased keys (`FLOWCTL_GRANTS`) an agent holds at once.
+pub const DEFAULT_GLOBAL_KEY_ENTRIES: u32 = 1 << 16;
+pub const MAX_GRANTS: u32 = 1 << 16;
+/// Bytes of the hot-key ring buffer (52-byte reports, at most 10 per key
+/// per second: `grant::HOT_EVERY_NS`).
+pub const HOT_KEY_RING_BYTES: u32 = 1 << 18;
+
 /// Bytes of the key-sampling ring buffer (`top --keys`); a power of two
 /// multiple of the page size, as the kernel requires.
 pub const KEY_SAMPLE_RING_BYTES: u32 = 1 << 20;
@@ -104,7 +112,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -132,13 +140,16 @@ pub mod map_names {
     pub const OPEN: &str = "FLOWCTL_OPEN";
     pub const EGRESS_TARGETS: &str = "FLOWCTL_EGRESS_TARGETS";
     pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
+    pub const GLOBAL_KEYS: &str = "FLOWCTL_GLOBAL_KEYS";
+    pub const GRANTS: &str = "FLOWCTL_GRANTS";
+    pub const HOT_KEYS: &str = "FLOWCTL_HOT_KEYS";
     /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
     pub const BREAKER_TARGETS: &str = "FLOWCTL_BREAKER_TARGETS";
     pub const BREAKER_CONTROL: &str = "FLOWCTL_BREAKER_CONTROL";
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 23] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -159,6 +170,9 @@ pub mod map_names {
         OPEN,
         EGRESS_TARGETS,
         EGRESS_COUNTS,
+        GLOBAL_KEYS,
+        GRANTS,
+        HOT_KEYS,
     ];
 }
 

@@ -77,6 +77,25 @@ pub fn burst_ns(interval_fp: u64, burst: u64) -> u64 {
     }
 }
 
+/// The TAT of a bucket whose emission interval changes from `old` to `new`
+/// (fixed point) at `now`: the debt it carries (`tat - now`) is kept in
+/// units, not in nanoseconds, so a key that spent half its burst still has
+/// half of it at the new rate. Units round up (the key owes at least what it
+/// owed); a bucket with no debt stays as it is.
+#[inline(always)]
+pub fn rescale(tat: u64, now: u64, old: u64, new: u64) -> u64 {
+    if tat <= now || old == 0 {
+        return tat;
+    }
+    let debt_ns = tat - now;
+    // Units owed: debt / interval, the debt scaled to the interval's fixed
+    // point, rounded up. The shift saturates rather than wrap for debts
+    // past 2^56 ns (two years).
+    let scaled = if debt_ns >> (64 - FRAC_BITS) != 0 { u64::MAX } else { debt_ns << FRAC_BITS };
+    let units = scaled / old + (scaled % old != 0) as u64;
+    now.saturating_add(increment_ns(new, units))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,5 +202,22 @@ mod tests {
                 now += step;
             }
         }
+    }
+
+    #[test]
+    fn rescaling_keeps_the_debt_in_units() {
+        let (slow, fast) = (interval_fp(1, 60), interval_fp(1000, 1));
+        let now = 1_000_000_000_000;
+        // One unit owed at 1/min (60 s of debt) is one unit at 1000/s (1 ms).
+        assert_eq!(rescale(now + 60_000_000_000, now, slow, fast), now + 1_000_000);
+        // Half a unit rounds up to a whole one.
+        assert_eq!(rescale(now + 30_000_000_000, now, slow, fast), now + 1_000_000);
+        // No debt: unchanged, whatever the rates.
+        assert_eq!(rescale(now - 5, now, slow, fast), now - 5);
+        // And back: 3 units at 1000/s are 3 minutes at 1/min.
+        assert_eq!(rescale(now + 3_000_000, now, fast, slow), now + 180_000_000_000);
+        // Any debt under a refuse-everything share (u64::MAX) is at most a
+        // unit, rounded up to one.
+        assert_eq!(rescale(now + 10, now, u64::MAX, fast), now + 1_000_000);
     }
 }

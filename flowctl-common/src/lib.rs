@@ -12,6 +12,7 @@ pub mod bbr;
 pub mod breaker;
 pub mod consts;
 pub mod gcra;
+pub mod grant;
 pub mod keys;
 pub mod matcher;
 pub mod stats;

@@ -135,6 +135,12 @@ pub struct RuleConfig {
     pub bbr: u8,
     /// This rule's own index in the rules array (slot * MAX_RULES + index).
     pub at: u32,
+    /// 1: a global rule (docs/fleet.md): its keys' buckets live in
+    /// `FLOWCTL_GLOBAL_KEYS` and run at the rate of this host's lease; a
+    /// key without one runs at `interval_fp` and `burst_ns`, the rule's
+    /// default share (refusing everything with `default_share = "none"`).
+    pub global: u8,
+    pub _pad: [u8; 3],
     /// Quota bucket length L in ns (0: no quota).
     pub quota_bucket_ns: u64,
     /// Quota: at most this many units per window.
@@ -470,6 +476,37 @@ pub struct BucketKey {
     pub dst: [u32; 4],
 }
 
+/// A key of a global rule (`FLOWCTL_GLOBAL_KEYS`, key: `BucketKey`): its
+/// bucket, its copy of this host's grant, and what the agent reads to size
+/// the next lease.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlobalBucket {
+    /// GCRA theoretical arrival time (ns), as in the key table; first, for
+    /// the compare-and-swap's alignment.
+    pub tat: u64,
+    /// The grant word (`grant::encode`) as last read from `FLOWCTL_GRANTS`.
+    pub grant: u64,
+    /// When it was read (`grant::REFRESH_NS`).
+    pub grant_read_ns: u64,
+    /// Units offered by this key here since the bucket was made: the agent
+    /// reads its growth as the key's demand.
+    pub offered: u64,
+    /// When the key was last reported hot (`grant::HOT_EVERY_NS`).
+    pub hot_ns: u64,
+}
+
+/// A hot key of a global rule, as the kernel reports it to the agent
+/// (`FLOWCTL_HOT_KEYS`, a ring buffer): ask for a lease, or a larger one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HotKey {
+    pub record: u32,
+    /// `grant::hot::*`.
+    pub why: u32,
+    pub key: BucketKey,
+}
+
 /// A tracked TCP connection of a BBR rule (key: `BucketKey` with the 5-tuple
 /// and `state_id` = the rule's record).
 #[repr(C)]
@@ -587,6 +624,8 @@ mod pod {
     use super::*;
     unsafe impl aya::Pod for RuleBitmap {}
     unsafe impl aya::Pod for RuleConfig {}
+    unsafe impl aya::Pod for GlobalBucket {}
+    unsafe impl aya::Pod for HotKey {}
     unsafe impl aya::Pod for GlobalRecord {}
     unsafe impl aya::Pod for ControlRecord {}
     unsafe impl aya::Pod for RuleCounters {}

@@ -7,16 +7,17 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     Global,
 };
 use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
-    GlobalRecord, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters, SrcEntry, SrcKey,
-    StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES,
-    DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
-    EGRESS_COUNTERS_PER_TARGET, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS, MAX_RULES,
-    MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, SLOTS,
+    GlobalBucket, GlobalRecord, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters,
+    SrcEntry, SrcKey, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES,
+    DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
+    DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES,
+    KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS, MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS,
+    MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, SLOTS,
 };
 
 // The profile, as the agent applied it: two slots of everything it reads
@@ -58,6 +59,16 @@ pub static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
 /// A zeroed ring to insert from (136 bytes are too many for the stack).
 #[map]
 pub static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
+/// Global rules' keys (see `stages::global`), sized by the loader.
+#[map]
+pub static FLOWCTL_GLOBAL_KEYS: LruHashMap<BucketKey, GlobalBucket> =
+    LruHashMap::pinned(DEFAULT_GLOBAL_KEY_ENTRIES, 0);
+/// This host's grants for leased keys (`grant::encode`), written by the agent.
+#[map]
+pub static FLOWCTL_GRANTS: HashMap<BucketKey, u64> = HashMap::pinned(MAX_GRANTS, 0);
+/// Hot keys of global rules, for the agent (`HotKey`).
+#[map]
+pub static FLOWCTL_HOT_KEYS: RingBuf = RingBuf::pinned(HOT_KEY_RING_BYTES, 0);
 /// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
 #[map]
 pub static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);

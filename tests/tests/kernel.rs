@@ -942,6 +942,86 @@ fn profile_admission_ratio_reaches_the_kernel() {
 
 /// The tests and what each needs (flowctl_tests::need): run as root, each
 /// loads the XDP program for BPF_PROG_TEST_RUN.
+/// A global rule (docs/fleet.md): 1000/s fleet-wide per source, and this
+/// host's default share before a lease, `share`.
+fn global_profile(share: &str) -> String {
+    profile(&format!("[fleet]\nredis = \"redis://127.0.0.1:6379\"\n[[rule]]\nname = \"g\"\nproto = \"udp\"\nrate = \"1000/s\"\nburst = 500\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"{share}\"\n"))
+}
+
+fn global_key(p: &TestPlane, src: [u8; 4]) -> flowctl_common::BucketKey {
+    let mut k = flowctl_common::BucketKey {
+        state_id: p.state.rules[0].state_id,
+        family: 4,
+        ..Default::default()
+    };
+    k.src[0] = u32::from_be_bytes(src);
+    k
+}
+
+/// Before its lease a key admits the default share (here 1/min, burst 3)
+/// and is reported hot; a grant then raises its rate without resetting its
+/// bucket, within the kernel's re-read interval; a cleared grant goes back
+/// to the share. Every offered packet is counted for the agent.
+fn global_rule_runs_at_its_grant_and_reports_hot_keys() {
+    let p = TestPlane::new(&global_profile("1/min"));
+    let f = V4::new([10, 7, 0, 1]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    let key = global_key(&p, [10, 7, 0, 1]);
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    // 1/min has a one-unit burst: the share admits one packet, then refuses.
+    let v: Vec<u32> = (0..3).map(|_| p.run(&f)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_DROP, XDP_DROP]);
+    // Reported once: the first packet used more than half the share's
+    // burst; the refusals right after fall in the same 100 ms.
+    let hot = gk.hot(16);
+    assert_eq!(hot.len(), 1, "{hot:?}");
+    assert_eq!((hot[0].key, hot[0].record), (key, p.state.rules[0].record));
+    assert_eq!(hot[0].why, flowctl_common::grant::hot::HALF_SHARE, "{hot:?}");
+    // At most one report per key per HOT_EVERY_NS, whatever the refusals.
+    for _ in 0..20 {
+        p.run(&f);
+    }
+    assert!(gk.hot(16).is_empty(), "no second report within 100 ms");
+    let b = gk.bucket(&key).expect("the key's bucket");
+    assert_eq!(b.offered, 23, "every packet counted as demand");
+    let tat = b.tat;
+    // A grant of 1000/s, burst 5: from the kernel's next re-read.
+    let interval = flowctl_common::gcra::interval_fp(1000, 1);
+    gk.set_grant(&key, interval, 5).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // Not reset: the unit the share spent is still owed, now at 1 ms, so
+    // the burst of 5 has 4 left (one more for the time the test takes).
+    assert!(tat > flowctl::system::clock::monotonic_ns(), "the share's unit is owed");
+    let v: Vec<u32> = (0..8).map(|_| p.run(&f)).collect();
+    let passed = v.iter().filter(|x| **x == XDP_PASS).count();
+    assert!((4..=5).contains(&passed), "the grant's burst of 5 less the unit owed: {v:?}");
+    let b = gk.bucket(&key).unwrap();
+    assert_eq!(b.grant, flowctl_common::grant::encode(interval, 5), "the bucket cached the grant");
+    // Cleared: back to the share. 60 ms at 1000/s refilled the bucket, so
+    // the share's one unit is there, and then spent.
+    gk.clear_grant(&key).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    assert_eq!([p.run(&f), p.run(&f)], [XDP_PASS, XDP_DROP]);
+    let c = p.counters("g");
+    assert_eq!(c.offered_pkts, 33);
+    assert_eq!(c.passed_pkts as usize, 2 + passed);
+}
+
+/// `default_share = "none"`: a key admits nothing before its lease, and
+/// says so at once.
+fn global_rule_without_a_share_waits_for_its_lease() {
+    let p = TestPlane::new(&global_profile("none"));
+    let f = V4::new([10, 7, 0, 2]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    assert_eq!(p.run(&f), XDP_DROP);
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    let hot = gk.hot(4);
+    assert_eq!(hot.len(), 1, "{hot:?}");
+    assert_eq!(hot[0].key, global_key(&p, [10, 7, 0, 2]));
+    gk.set_grant(&hot[0].key, flowctl_common::gcra::interval_fp(100, 1), 2).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    assert_eq!(p.run(&f), XDP_PASS, "the lease arrived");
+    assert_eq!(p.counters("g").dropped_pkts[reason::RATE], 1);
+}
+
 fn main() {
     use flowctl_tests::need::Need::*;
     flowctl_tests::need::run(flowctl_tests::trials![
@@ -974,5 +1054,7 @@ fn main() {
         connections_are_tracked_from_syn_to_fin: [Root],
         admission_ratio_is_per_flow_and_spares_established_tcp: [Root],
         profile_admission_ratio_reaches_the_kernel: [Root],
+        global_rule_runs_at_its_grant_and_reports_hot_keys: [Root],
+        global_rule_without_a_share_waits_for_its_lease: [Root],
     ]);
 }

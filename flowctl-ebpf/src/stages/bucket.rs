@@ -126,6 +126,20 @@ fn refuse_rate(
     tat_ptr: *mut u64,
     old: u64,
 ) -> Decision {
+    refuse_rate_at(rule, meta, record, tat_ptr, old);
+    verdict(rule, reason::RATE)
+}
+
+/// Remembers a refused bucket's debt once (see [`refuse_rate`]); the
+/// global stage's refusals too.
+#[inline(always)]
+pub(super) fn refuse_rate_at(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    record: u32,
+    tat_ptr: *mut u64,
+    old: u64,
+) {
     if old & DEBT_MARK == 0 {
         remember_debt(rule, meta, record, old);
         unsafe {
@@ -136,7 +150,6 @@ fn refuse_rate(
             );
         }
     }
-    verdict(rule, reason::RATE)
 }
 
 enum BucketRef {
@@ -180,14 +193,14 @@ const DEBT_MARK: u64 = 1;
 
 /// A TAT with the debt mark clear, rounded up (later, so never more lenient).
 #[inline(always)]
-fn unmarked(tat: u64) -> u64 {
+pub(super) fn unmarked(tat: u64) -> u64 {
     tat.saturating_add(1) & !DEBT_MARK
 }
 
 /// Where a bucket starts: the debt remembered for its key's slot when that is
 /// still in the future, else 0 (a full bucket).
 #[inline(always)]
-fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
+pub(super) fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
     match FLOWCTL_DEBT.get(debt_slot(record, key)) {
         Some(d) if *d > now => *d,
         _ => 0,

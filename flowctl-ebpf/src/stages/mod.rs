@@ -5,7 +5,8 @@
 //! 2. BBR ([`bbr`]): new connections beyond what the service carries while
 //!    it is overloaded;
 //! 3. quota ([`quota`]): the key's sliding window;
-//! 4. token bucket ([`bucket`]): the key's rate.
+//! 4. token bucket ([`bucket`]): the key's rate; for a global rule
+//!    ([`global`]), at the rate of this host's lease.
 //!
 //! The first stage that refuses decides, and the drop is charged to its
 //! reason. The quota and the bucket commit only when every stage has
@@ -17,6 +18,7 @@
 mod admission;
 pub mod bbr;
 mod bucket;
+pub mod global;
 mod quota;
 
 use crate::{
@@ -61,6 +63,15 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // multiplied the verifier's work on every later stage by a third.
     if rule.bbr != 0 && bbr::flowctl_bbr_refuses(record, agent_alive(global, now) as u32) != 0 {
         return verdict(rule, reason::BBR);
+    }
+
+    // A global rule's bucket runs at its lease's rate (no quota: the profile
+    // refuses one on a global rule).
+    if rule.global != 0 {
+        return match global::flowctl_global_admit(rule.at, record, cost, now) {
+            global::code::PASS => Decision::of(rule, Outcome::Pass),
+            c => verdict(rule, global::reason_of(c)),
+        };
     }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)

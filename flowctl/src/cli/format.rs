@@ -36,8 +36,15 @@ pub fn limit_text(r: &profile::Rule) -> String {
     if let Some(q) = r.quota_text() {
         parts.push(format!("quota {q}"));
     }
+    let scope = match &r.global {
+        None => String::new(),
+        Some(g) => format!(
+            ", fleet-wide (before a lease: {})",
+            g.share.as_ref().map(|s| s.text.as_str()).unwrap_or("nothing")
+        ),
+    };
     format!(
-        "{} per {}{}",
+        "{} per {}{scope}{}",
         parts.join(", "),
         r.key_name(),
         if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" }

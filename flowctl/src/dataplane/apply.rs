@@ -83,8 +83,19 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         .zip(&planned)
         .enumerate()
         .map(|(i, (r, s))| RuleConfig {
-            interval_fp: r.interval_fp,
-            burst_ns: r.burst_ns,
+            // A global rule's kernel bucket is its default share (a lease
+            // replaces it per key); without one, a bucket that refuses all.
+            interval_fp: match &r.global {
+                None => r.interval_fp,
+                Some(g) => g.share.as_ref().map_or(u64::MAX, |d| d.interval_fp),
+            },
+            burst_ns: match &r.global {
+                None => r.burst_ns,
+                Some(g) => g
+                    .share
+                    .as_ref()
+                    .map_or(0, |d| flowctl_common::gcra::burst_ns(d.interval_fp, d.burst)),
+            },
             state_id: s.state_id,
             record: s.record,
             action: r.action,
@@ -96,6 +107,8 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             has_bucket: (r.interval_fp != 0) as u8,
             bbr: r.bbr.as_ref().map(|b| b.kernel_flags()).unwrap_or(0),
             at: slot * MAX_RULES as u32 + i as u32,
+            global: r.global.is_some() as u8,
+            _pad: [0; 3],
             quota_bucket_ns: r.quota_bucket_ns,
             quota_limit: r.quota_limit,
             quota_buckets: r.quota_buckets,

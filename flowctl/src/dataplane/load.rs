@@ -80,6 +80,7 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .map_max_entries(names::KEYS, settings.key_table_entries)
         .map_max_entries(names::QUOTAS, settings.quota_table_entries)
         .map_max_entries(names::CONNS, settings.connection_table_entries)
+        .map_max_entries(names::GLOBAL_KEYS, settings.global_key_entries)
         .map_max_entries(names::STATS, COUNTER_RECORDS as u32 * settings.stats.buckets)
         .override_global(globals::STATS_LEVEL, &settings.stats.level, true)
         .override_global(globals::STATS_BUCKET_NS, &settings.stats.bucket_ns, true)

@@ -23,7 +23,8 @@
 //! pinned link, detach and their errors), `maps` (the pinned maps opened
 //! by path, typed reads), `apply` (rule sets), `control` (the control
 //! records' write path), `egress` (KLimiter's TC egress counter),
-//! `samples` (the `top --keys` ring), `inspect` (what pins say without
+//! `samples` (the `top --keys` ring), `global_keys` (global rules' buckets,
+//! grants and hot keys), `inspect` (what pins say without
 //! `Maps`: layout, sizes, entries, kernel memory); `pins` and `state` say
 //! where an attachment lives and what is recorded about it, `object`
 //! embeds the programs.
@@ -32,6 +33,7 @@ mod apply;
 mod attach;
 mod control;
 mod egress;
+mod global_keys;
 mod inspect;
 mod load;
 mod maps;
@@ -43,6 +45,7 @@ pub mod state;
 pub use apply::{apply, plan_states};
 pub use attach::{attach, detach, Mode, SeveredLink};
 pub use egress::{set_egress, Egress};
+pub use global_keys::GlobalKeys;
 pub use inspect::{count_entries, map_memlock, pinned_layout, pinned_max_entries, pinned_memlock};
 pub use load::{load, load_error, load_variant, loaded_xdp, XdpVariant};
 pub use maps::{heartbeat, Maps};

@@ -24,15 +24,20 @@ impl KeySamples {
 
     /// Takes up to `max` samples the kernel has written.
     pub fn drain(&mut self, max: usize) -> Vec<KeySample> {
-        let mut out = Vec::new();
-        while out.len() < max {
-            let Some(item) = self.ring.next() else { break };
-            if item.len() >= size_of::<KeySample>() {
-                // The record is written by the kernel as a KeySample; read it
-                // unaligned, as the ring gives no alignment guarantee to Rust.
-                out.push(unsafe { core::ptr::read_unaligned(item.as_ptr() as *const KeySample) });
-            }
-        }
-        out
+        drain_ring(&mut self.ring, max)
     }
+}
+
+/// Takes up to `max` records of type `T` the kernel wrote into `ring`.
+pub(super) fn drain_ring<T: Copy>(ring: &mut RingBuf<MapData>, max: usize) -> Vec<T> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        let Some(item) = ring.next() else { break };
+        if item.len() >= size_of::<T>() {
+            // The kernel wrote a T; read it unaligned, as the ring gives no
+            // alignment guarantee to Rust.
+            out.push(unsafe { core::ptr::read_unaligned(item.as_ptr() as *const T) });
+        }
+    }
+    out
 }

@@ -23,10 +23,12 @@ pub fn fixed_table_bytes() -> u64 {
         + SLOTS * MAX_RULES * size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * size_of::<ControlRecord>()
         + DEBT_SLOTS * size_of::<u64>()
-        + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>();
+        + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
+        + HOT_KEY_RING_BYTES as usize;
+    let grants = MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let counters = COUNTER_RECORDS * size_of::<RuleCounters>() * ncpu;
-    (arrays + counters) as u64
+    (arrays + counters) as u64 + grants
 }
 
 impl StatsSettings {
@@ -48,7 +50,12 @@ impl Settings {
             * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<QuotaRing>());
         let conns = self.connection_table_entries as u64
             * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<flowctl_common::ConnEntry>());
-        cache + keys + quotas + conns + fixed_table_bytes() + self.stats.kernel_bytes()
+        let global = self.global_key_entries as u64
+            * lru_bytes_per_entry(
+                size_of::<BucketKey>(),
+                size_of::<flowctl_common::GlobalBucket>(),
+            );
+        cache + keys + quotas + conns + global + fixed_table_bytes() + self.stats.kernel_bytes()
     }
 }
 

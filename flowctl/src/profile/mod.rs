@@ -20,6 +20,7 @@
 
 pub mod breaker;
 mod error;
+mod fleet;
 pub mod klimiter;
 mod memory;
 mod model;
@@ -33,8 +34,8 @@ pub use memory::{fixed_table_bytes, human_bytes, lru_bytes_per_entry};
 // The model's types where callers name them; the breaker and KLimiter
 // ones are named from `breaker` and `klimiter`.
 pub use model::{
-    proto_name, BbrRule, Rule, RuleSet, Settings, StatsSettings, DEFAULT_MEMORY_BUDGET,
-    DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST,
+    proto_name, BbrRule, DefaultShare, Fleet, GlobalScope, Rule, RuleSet, Settings, StatsSettings,
+    DEFAULT_MEMORY_BUDGET, DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST,
 };
 
 use error::{Ctx, Span};
@@ -110,8 +111,15 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     }
     breaker::check_all(&cx, &breakers)?;
     let breakers = breakers.into_iter().map(|(b, _)| b).collect();
+    let fleet = raw.fleet.as_ref().map(|f| fleet::fleet(&cx, f)).transpose()?;
+    if fleet.is_none() {
+        if let Some((r, _)) = raw.rule.iter().zip(&rules).find(|(_, r)| r.global.is_some()) {
+            let span = r.get_ref().scope.as_ref().map(|s| s.span()).unwrap_or(r.span());
+            return Err(cx.err(span, "scope = \"global\" needs a [fleet] section with redis = \"redis://HOST:6379\": the store the hosts share the limit through"));
+        }
+    }
     memory::check_budget(&cx, &settings, budget_span)?;
-    Ok(RuleSet { settings, rules, klimiter, baselines, breakers })
+    Ok(RuleSet { settings, rules, klimiter, baselines, breakers, fleet })
 }
 
 /// BBR reads its window from the statistics ring: one BBR bucket per ring

@@ -9,8 +9,8 @@ use flowctl_common::{
     breaker::StateConfig,
     key_kind, stats,
     tables::{Cidr, MatchSpec},
-    unit, DEFAULT_CONN_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
-    DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, XDP_PASS,
+    unit, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES,
+    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, XDP_PASS,
 };
 
 /// A validated profile.
@@ -21,6 +21,48 @@ pub struct RuleSet {
     pub klimiter: KlimiterSettings,
     pub baselines: Vec<Baseline>,
     pub breakers: Vec<Breaker>,
+    /// The store global rules share (required when there is one).
+    pub fleet: Option<Fleet>,
+}
+
+// ---- [fleet] ----
+
+/// Default lease length and refresh interval of global rules' leases.
+pub const DEFAULT_LEASE_NS: u64 = 5_000_000_000;
+pub const DEFAULT_REFRESH_NS: u64 = 1_000_000_000;
+
+/// `[fleet]`, validated: where the leases of global rules are kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fleet {
+    /// `redis://HOST:PORT[/DB]`, `rediss://` for TLS.
+    pub redis: String,
+    pub redis_user: Option<String>,
+    /// The password, read from this file when the agent connects (kept out
+    /// of the profile).
+    pub redis_password_file: Option<std::path::PathBuf>,
+    /// The CA that signs the server's certificate (`rediss://` only).
+    pub redis_ca: Option<std::path::PathBuf>,
+    pub lease_ns: u64,
+    pub refresh_ns: u64,
+    /// This host's name in the store (default: the host name).
+    pub host: Option<String>,
+}
+
+/// A global rule: `interval_fp`, `burst` and `burst_ns` of the rule are the
+/// fleet-wide limit L and burst B; a key without a lease admits `share`
+/// here (nothing when `None`, `default_share = "none"`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GlobalScope {
+    pub share: Option<DefaultShare>,
+}
+
+/// What one host admits of a key it holds no lease for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DefaultShare {
+    pub interval_fp: u64,
+    pub burst: u64,
+    /// As written, or how the default was derived, for display.
+    pub text: String,
 }
 
 // ---- [settings] ----
@@ -38,6 +80,8 @@ pub struct Settings {
     pub quota_table_entries: u32,
     /// Tracked TCP connections of BBR rules.
     pub connection_table_entries: u32,
+    /// Keys of global rules (`FLOWCTL_GLOBAL_KEYS`).
+    pub global_key_entries: u32,
     pub memory_budget: u64,
     pub grace_ns: u64,
     pub stats: StatsSettings,
@@ -54,6 +98,7 @@ impl Default for Settings {
             source_cache_entries: DEFAULT_TABLE_ENTRIES,
             quota_table_entries: DEFAULT_QUOTA_ENTRIES,
             connection_table_entries: DEFAULT_CONN_ENTRIES,
+            global_key_entries: DEFAULT_GLOBAL_KEY_ENTRIES,
             memory_budget: DEFAULT_MEMORY_BUDGET,
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
@@ -131,14 +176,17 @@ pub struct Rule {
     /// KLimiter: the lowest ratio round 1 may cut this rule to (0 to 1).
     pub priority: f64,
     pub priority_span: Option<std::ops::Range<usize>>,
+    /// `scope = "global"`: one limit across the fleet (`None`: this host's).
+    pub global: Option<GlobalScope>,
 }
 
 impl Rule {
     /// What must be equal for `apply` to keep this rule's bucket state.
     pub fn state_fingerprint(&self) -> String {
         format!(
-            "{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
+            "{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
             self.spec,
+            self.global,
             self.action,
             self.unit,
             self.key_kind,

@@ -16,6 +16,20 @@ pub struct RawProfile {
     pub baseline: Vec<Spanned<RawBaseline>>,
     #[serde(default)]
     pub breaker: Vec<Spanned<RawBreaker>>,
+    pub fleet: Option<Spanned<RawFleet>>,
+}
+
+/// `[fleet]`: the store the global rules share (docs/fleet.md).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawFleet {
+    pub redis: Spanned<String>,
+    pub redis_user: Option<Spanned<String>>,
+    pub redis_password_file: Option<Spanned<String>>,
+    pub redis_ca: Option<Spanned<String>>,
+    pub lease: Option<Spanned<String>>,
+    pub refresh: Option<Spanned<String>>,
+    pub host: Option<Spanned<String>>,
 }
 
 /// `[settings]`.
@@ -28,6 +42,7 @@ pub struct RawSettings {
     pub source_cache_entries: Option<Spanned<i64>>,
     pub quota_table_entries: Option<Spanned<i64>>,
     pub connection_table_entries: Option<Spanned<i64>>,
+    pub global_key_entries: Option<Spanned<i64>>,
     pub memory_budget: Option<Spanned<String>>,
     pub grace_period: Option<Spanned<String>>,
     pub statistics: Option<Spanned<String>>,
@@ -74,6 +89,8 @@ pub struct RawRule {
     pub admission: Option<Spanned<String>>,
     pub admission_ratio: Option<Spanned<f64>>,
     pub priority: Option<Spanned<f64>>,
+    pub scope: Option<Spanned<String>>,
+    pub default_share: Option<Spanned<String>>,
 }
 
 /// A rule's `bbr = { ... }`.

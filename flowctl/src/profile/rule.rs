@@ -7,7 +7,10 @@
 
 use super::{
     error::{Ctx, ProfileError},
-    model::{proto_name, BbrRule, Rule, DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST, TCP, UDP},
+    model::{
+        proto_name, BbrRule, DefaultShare, GlobalScope, Rule, DEFAULT_QUOTA_BUCKETS,
+        MIN_BYTE_BURST, TCP, UDP,
+    },
     primitives::{amount, cidr, duration, keyword, name, ports, protocol, rate},
     raw::{RawBbr, RawRule},
 };
@@ -53,6 +56,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         admission_ppm: None,
         priority: 0.0,
         priority_span: None,
+        global: None,
     };
     if action == action::PASS {
         nothing_to_limit(cx, r)?;
@@ -78,7 +82,75 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         rule.bbr_span = Some(b.span());
     }
     (rule.key_kind, rule.prefix_v4, rule.prefix_v6) = key(cx, r)?;
+    rule.global = scope(cx, r, &rule)?;
     Ok(rule)
+}
+
+/// `scope`: `"local"` (the default: the limit is this host's) or
+/// `"global"` (one limit across every host sharing the `[fleet]` store),
+/// with its `default_share`: what a key admits here before its first lease
+/// (a rate no higher than the rule's, `"none"`, or by default 1% of the rate
+/// with 1% of the burst, at least one unit).
+fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, ProfileError> {
+    let global = match &r.scope {
+        None => false,
+        Some(v) => keyword(
+            cx,
+            v,
+            "scope",
+            &[("local", false), ("global", true)],
+            "use \"local\" (this host's limit) or \"global\" (one limit across the fleet)",
+        )?,
+    };
+    if !global {
+        if let Some(d) = &r.default_share {
+            return Err(cx.err(d.span(), "`default_share` belongs to scope = \"global\""));
+        }
+        return Ok(None);
+    }
+    let scope_span = r.scope.as_ref().expect("global was written").span();
+    if let Some(q) = &r.quota {
+        return Err(cx.err(q.span(), "a quota on a global rule is not supported yet: the leases split the rate and burst; give the rule a local quota in a separate rule, or drop scope = \"global\""));
+    }
+    let Some(rate_s) = &r.rate else {
+        return Err(cx.err(scope_span, "a global rule needs a `rate`: the fleet-wide limit"));
+    };
+    let min_burst = if rule.unit == unit::BYTES { MIN_BYTE_BURST } else { 1 };
+    let share = match &r.default_share {
+        Some(d) if d.get_ref() == "none" => None,
+        Some(d) => {
+            let s = rate(cx, d)?;
+            let limit = rate(cx, rate_s)?;
+            if s.dim != limit.dim {
+                return Err(cx.err(d.span(), "default_share must be in the rule's unit"));
+            }
+            // s.num / s.den <= limit.num / limit.den, compared exactly.
+            if s.num * limit.den > limit.num * s.den {
+                return Err(cx.err(d.span(), format!("default_share `{}` is above the rule's rate `{}`: it is what one host admits before its lease", d.get_ref(), rate_s.get_ref())));
+            }
+            if s.num == 0 || s.num > u64::MAX as u128 || s.den > u64::MAX as u128 {
+                return Err(
+                    cx.err(d.span(), "default_share out of range (use \"none\" for nothing)")
+                );
+            }
+            let per_s = (s.num / s.den) as u64;
+            Some(DefaultShare {
+                interval_fp: gcra::interval_fp(s.num as u64, s.den as u64),
+                burst: per_s.clamp(min_burst, rule.burst.max(min_burst)),
+                text: d.get_ref().clone(),
+            })
+        }
+        None => {
+            // 1% of the rate: the interval a hundred times longer.
+            let interval_fp = rule.interval_fp.saturating_mul(100);
+            Some(DefaultShare {
+                interval_fp,
+                burst: (rule.burst / 100).max(min_burst),
+                text: format!("1% of {}", rule.rate_text),
+            })
+        }
+    };
+    Ok(Some(GlobalScope { share }))
 }
 
 /// What a packet must be to match: `proto`, `src` and `dport` (which needs

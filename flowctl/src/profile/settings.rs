@@ -29,6 +29,7 @@ pub fn settings(cx: &Ctx, s: &RawSettings) -> Result<Settings, ProfileError> {
         (&s.source_cache_entries, &mut out.source_cache_entries),
         (&s.quota_table_entries, &mut out.quota_table_entries),
         (&s.connection_table_entries, &mut out.connection_table_entries),
+        (&s.global_key_entries, &mut out.global_key_entries),
     ] {
         if let Some(v) = raw {
             *size = table_size(cx, v)?;

@@ -1,0 +1,163 @@
+//! Stage 4 of a global rule (docs/fleet.md, "Global limits"): the key's
+//! token bucket at the rate and burst this host's lease grants it, or at
+//! the rule's default share while it has none. The grant word lives in
+//! `FLOWCTL_GRANTS`, written by the agent; the bucket keeps a copy it
+//! re-reads at most every `grant::REFRESH_NS`, so a hot key costs one map
+//! lookup per packet like a local rule's. A new grant changes the rate and
+//! depth, never the TAT: the bucket is not reset. Keys that are refused, or
+//! that use more than half their default burst, are reported to the agent
+//! (`FLOWCTL_HOT_KEYS`), at most every `grant::HOT_EVERY_NS` each, so it
+//! asks for their leases; and every key counts what it offers, which the
+//! agent reads as its demand.
+
+use super::bucket::{initial_tat, refuse_rate_at, unmarked};
+use crate::{
+    accounting::counters,
+    maps::{packet, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GRANTS, FLOWCTL_HOT_KEYS, FLOWCTL_RULES},
+};
+use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
+use flowctl_common::{
+    gcra, grant, keys::bucket_key, reason, BucketKey, GlobalBucket, HotKey, CAS_RETRIES,
+};
+
+/// What [`flowctl_global_admit`] returns.
+pub mod code {
+    pub const PASS: u32 = 0;
+    pub const RATE: u32 = 1;
+    pub const CONTENDED: u32 = 2;
+}
+
+/// The reason of a refusing code.
+#[inline(always)]
+pub fn reason_of(code: u32) -> usize {
+    if code == code::CONTENDED {
+        reason::CONTENDED
+    } else {
+        reason::RATE
+    }
+}
+
+/// The bucket decision for a global rule's packet of `cost` units. A
+/// global function taking scalars only (the rule by its index, the headers
+/// from `FLOWCTL_PACKET`), verified once on its own like the sampler.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
+    let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return code::PASS };
+    let Some(meta) = packet() else { return code::PASS };
+    let key = bucket_key(meta, rule);
+    let Some(b) = bucket(&key, record, now) else {
+        // The table refused the insert: admit, and say so (as local rules).
+        if let Some(c) = counters(record) {
+            c.insert_failures += 1;
+        }
+        return code::PASS;
+    };
+    let b = unsafe { &mut *b };
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
+    let word = current_grant(b, &key, rule.interval_fp, now);
+    let (interval_fp, burst_ns, leased) = match grant::decode(word) {
+        Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
+        None => (rule.interval_fp, rule.burst_ns, false),
+    };
+    let inc = gcra::increment_ns(interval_fp, cost);
+    let tat_ptr = &mut b.tat as *mut u64;
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let Some(new) = gcra::admit(old, now, inc, burst_ns) else {
+            report_hot(b, record, &key, grant::hot::REFUSED, now);
+            refuse_rate_at(rule, meta, record, tat_ptr, old);
+            return code::RATE;
+        };
+        let new = unmarked(new);
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr, old, new,
+            )
+        };
+        if ok {
+            if !leased && new.saturating_sub(now) > burst_ns / 2 {
+                report_hot(b, record, &key, grant::hot::HALF_SHARE, now);
+            }
+            return code::PASS;
+        }
+        tries += 1;
+    }
+    code::CONTENDED
+}
+
+/// The key's bucket, made (from its remembered debt) if it has none.
+#[inline(always)]
+fn bucket(key: &BucketKey, record: u32, now: u64) -> Option<*mut GlobalBucket> {
+    if let Some(p) = FLOWCTL_GLOBAL_KEYS.get_ptr_mut(key) {
+        return Some(p);
+    }
+    let fresh = GlobalBucket { tat: initial_tat(record, key, now), ..Default::default() };
+    // BPF_NOEXIST: if another CPU made it first, use that one.
+    if FLOWCTL_GLOBAL_KEYS.insert(key, &fresh, 1).is_ok() {
+        if let Some(c) = counters(record) {
+            c.key_inserts += 1;
+        }
+    }
+    FLOWCTL_GLOBAL_KEYS.get_ptr_mut(key)
+}
+
+/// The key's grant word: the bucket's copy, re-read from the map when it is
+/// older than `grant::REFRESH_NS`. Racing CPUs store the same word or a
+/// newer one, each a single 8-byte store. When the word changed, the
+/// bucket's debt is carried over in units (`gcra::rescale`), so a new rate
+/// neither refills the key nor charges it for time at the old one.
+#[inline(always)]
+fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64) -> u64 {
+    let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
+    let cached = unsafe { core::ptr::read_volatile(&b.grant) };
+    if read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS {
+        return cached;
+    }
+    let word = match unsafe { FLOWCTL_GRANTS.get(key) } {
+        Some(w) => *w,
+        None => grant::NO_LEASE,
+    };
+    if word != cached {
+        let interval = |w: u64| grant::decode(w).map_or(share_fp, |(i, _)| i);
+        let tat = unsafe { core::ptr::read_volatile(&b.tat) };
+        let moved = gcra::rescale(tat, now, interval(cached), interval(word));
+        if moved != tat {
+            // One try: a CPU that moved the TAT meanwhile charged it at the
+            // old rate, which the next change of word does not repeat.
+            unsafe {
+                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                    &mut b.tat,
+                    tat,
+                    unmarked(moved),
+                );
+            }
+        }
+    }
+    unsafe {
+        core::ptr::write_volatile(&mut b.grant, word);
+        core::ptr::write_volatile(&mut b.grant_read_ns, now);
+    }
+    word
+}
+
+/// Tells the agent about a hot key, at most every `grant::HOT_EVERY_NS`
+/// per key (a full ring drops the report; the next one comes later).
+#[inline(always)]
+fn report_hot(b: &mut GlobalBucket, record: u32, key: &BucketKey, why: u32, now: u64) {
+    let last = unsafe { core::ptr::read_volatile(&b.hot_ns) };
+    if last != 0 && now.saturating_sub(last) < grant::HOT_EVERY_NS {
+        return;
+    }
+    unsafe { core::ptr::write_volatile(&mut b.hot_ns, now) };
+    if let Some(mut entry) = FLOWCTL_HOT_KEYS.reserve::<HotKey>(0) {
+        let h = entry.as_mut_ptr();
+        unsafe {
+            (*h).record = record;
+            (*h).why = why;
+            (*h).key = *key;
+        }
+        entry.submit(0);
+    }
+}

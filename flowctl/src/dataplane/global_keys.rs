@@ -1,0 +1,59 @@
+//! Global rules' per-key state in the kernel (docs/fleet.md): the keys'
+//! buckets (`FLOWCTL_GLOBAL_KEYS`, read for their offered counts), this
+//! host's grants (`FLOWCTL_GRANTS`, the one writer of which is the agent's
+//! lease loop) and the hot-key reports (`FLOWCTL_HOT_KEYS`, one consumer).
+
+use super::{maps::open_pinned, pins::AttachId, samples::drain_ring};
+use anyhow::{Context, Result};
+use aya::maps::{HashMap, Map, MapData, RingBuf};
+use flowctl_common::{grant, map_names as names, BucketKey, GlobalBucket, HotKey};
+
+pub struct GlobalKeys {
+    buckets: HashMap<MapData, BucketKey, GlobalBucket>,
+    grants: HashMap<MapData, BucketKey, u64>,
+    hot: RingBuf<MapData>,
+}
+
+impl GlobalKeys {
+    pub fn open(id: &AttachId) -> Result<Self> {
+        let d = id.pin_dir();
+        Ok(Self {
+            buckets: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::GLOBAL_KEYS)?))?,
+            grants: HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?,
+            hot: RingBuf::try_from(Map::RingBuf(open_pinned(&d, names::HOT_KEYS)?))?,
+        })
+    }
+
+    /// Up to `max` hot-key reports the kernel has written since.
+    pub fn hot(&mut self, max: usize) -> Vec<HotKey> {
+        drain_ring(&mut self.hot, max)
+    }
+
+    /// A key's bucket (`None`: the kernel has none, or evicted it).
+    pub fn bucket(&self, key: &BucketKey) -> Option<GlobalBucket> {
+        self.buckets.get(key, 0).ok()
+    }
+
+    /// Grants `key` one unit per `interval_fp` with `burst_units` here, from
+    /// the kernel's next re-read (within `grant::REFRESH_NS`). The bucket's
+    /// TAT is left alone: the key keeps what it has spent.
+    pub fn set_grant(&mut self, key: &BucketKey, interval_fp: u64, burst_units: u64) -> Result<()> {
+        let word = grant::encode(interval_fp, burst_units);
+        self.grants.insert(key, word, 0).context("writing a grant into FLOWCTL_GRANTS")
+    }
+
+    /// Ends `key`'s lease here: back to the rule's default share.
+    pub fn clear_grant(&mut self, key: &BucketKey) -> Result<()> {
+        match self.grants.remove(key) {
+            Ok(()) => Ok(()),
+            // Not there: nothing to end.
+            Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(e).context("removing a grant from FLOWCTL_GRANTS"),
+        }
+    }
+
+    /// The grant word stored for `key` (`None`: no lease).
+    pub fn grant(&self, key: &BucketKey) -> Option<u64> {
+        self.grants.get(key, 0).ok()
+    }
+}
