@@ -65,7 +65,8 @@ pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
 
 /// Global functions, each verified once on its own: the parser (every
 /// header layout is walked there and nowhere else), the decision (classify,
-/// stages, counting), then, while `top --keys` watches, the sampler, and
+/// stages, counting), a global rule's bucket (which decides and counts for
+/// the decision, beside it rather than inside it), then, while `top --keys` watches, the sampler, and
 /// for BBR rules the connection work. The parsed headers travel in a
 /// per-CPU map (`FLOWCTL_PACKET`), not on the stack: the later functions
 /// see them as plain memory, so the parser's paths never multiply theirs,
@@ -75,7 +76,10 @@ pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
 #[inline(always)]
 fn entry(ctx: &XdpContext, len: u64) -> u32 {
     let parsed = parse::flowctl_parse(ctx.ctx, len);
-    let v = flowctl_decide(parsed, len);
+    let mut v = flowctl_decide(parsed, len);
+    if v & packed::GLOBAL != 0 {
+        v = stages::global::flowctl_global_decide(v);
+    }
     if v & packed::SAMPLE != 0 {
         sampler::flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
     }
@@ -145,13 +149,18 @@ fn decide(parsed: u32, wire_len: u64) -> u64 {
         }
     };
     let d = stages::enforce(global, meta, now);
+    let sample = global.key_sample_every != 0;
+    if let Outcome::Global = d.outcome {
+        return packed::pack(0, 0, d.record, d.rule_at, sample)
+            | packed::GLOBAL
+            | (d.bbr as u64 & 3) << 61;
+    }
     let code = outcome_code(d.outcome);
     let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
     let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);
     // The rule's BBR flags go along as they are (no branch here: every
     // branch at the end of the decision is walked once per path into it).
-    packed::pack(action, code, d.record, d.rule_at, global.key_sample_every != 0)
-        | (d.bbr as u64 & 3) << 61
+    packed::pack(action, code, d.record, d.rule_at, sample) | (d.bbr as u64 & 3) << 61
 }
 
 flowctl_common::bpf_object_boilerplate!();

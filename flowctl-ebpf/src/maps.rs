@@ -63,6 +63,17 @@ pub static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_ent
 #[map]
 pub static FLOWCTL_GLOBAL_KEYS: LruHashMap<BucketKey, GlobalBucket> =
     LruHashMap::pinned(DEFAULT_GLOBAL_KEY_ENTRIES, 0);
+/// The global stage's working memory: the packet's key and a new bucket,
+/// per CPU, not on the stack (6.1 counts that stage's frame with its
+/// callers' against 512 bytes, docs/design.md "Verifier budget").
+#[repr(C)]
+pub struct GlobalScratch {
+    pub key: BucketKey,
+    pub _pad: u32,
+    pub fresh: GlobalBucket,
+}
+#[map]
+pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::with_max_entries(1, 0);
 /// This host's grants for leased keys (`grant::encode`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, u64> = HashMap::pinned(MAX_GRANTS, 0);

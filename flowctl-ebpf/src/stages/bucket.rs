@@ -130,18 +130,24 @@ fn refuse_rate(
     verdict(rule, reason::RATE)
 }
 
-/// Remembers a refused bucket's debt once (see [`refuse_rate`]); the
-/// global stage's refusals too.
+/// Remembers a refused bucket's debt once (see [`refuse_rate`]).
 #[inline(always)]
-pub(super) fn refuse_rate_at(
-    rule: &RuleConfig,
-    meta: &PacketMeta,
-    record: u32,
-    tat_ptr: *mut u64,
-    old: u64,
-) {
+fn refuse_rate_at(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat_ptr: *mut u64, old: u64) {
+    note_debt(|| debt_slot(record, &bucket_key(meta, rule)), tat_ptr, old);
+}
+
+/// The same for a bucket whose key is at hand (the global stage's).
+#[inline(always)]
+pub(super) fn refuse_key_at(record: u32, key: &BucketKey, tat_ptr: *mut u64, old: u64) {
+    note_debt(|| debt_slot(record, key), tat_ptr, old);
+}
+
+/// On a bucket's first refusal of an episode: its debt into its slot, and
+/// the mark (`slot` is computed only then).
+#[inline(always)]
+fn note_debt(slot: impl FnOnce() -> u32, tat_ptr: *mut u64, old: u64) {
     if old & DEBT_MARK == 0 {
-        remember_debt(rule, meta, record, old);
+        remember_debt(slot(), old);
         unsafe {
             let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
                 tat_ptr,
@@ -211,8 +217,7 @@ pub(super) fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
 /// evicted. Racing CPUs may lose a larger value; the slot then holds a debt
 /// that ends sooner, never one that was not owed.
 #[inline(always)]
-fn remember_debt(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat: u64) {
-    let slot = debt_slot(record, &bucket_key(meta, rule));
+fn remember_debt(slot: u32, tat: u64) {
     if let Some(d) = FLOWCTL_DEBT.get_ptr_mut(slot) {
         unsafe {
             if tat > *d {

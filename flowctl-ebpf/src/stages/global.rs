@@ -10,43 +10,67 @@
 //! asks for their leases; and every key counts what it offers, which the
 //! agent reads as its demand.
 
-use super::bucket::{initial_tat, refuse_rate_at, unmarked};
+use super::bucket::{initial_tat, refuse_key_at, unmarked};
 use crate::{
-    accounting::counters,
-    maps::{packet, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GRANTS, FLOWCTL_HOT_KEYS, FLOWCTL_RULES},
+    accounting::{counters, flowctl_account},
+    decision::{outcome_code, packed, Outcome},
+    maps::{
+        packet, GlobalScratch, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GLOBAL_SCRATCH, FLOWCTL_GRANTS,
+        FLOWCTL_HOT_KEYS, FLOWCTL_RULES,
+    },
 };
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 use flowctl_common::{
-    gcra, grant, keys::bucket_key, reason, BucketKey, GlobalBucket, HotKey, CAS_RETRIES,
+    action, gcra, grant, keys::bucket_key, reason, unit, BucketKey, GlobalBucket, HotKey,
+    CAS_RETRIES,
 };
 
-/// What [`flowctl_global_admit`] returns.
-pub mod code {
+/// What [`admit`] decides.
+mod code {
     pub const PASS: u32 = 0;
     pub const RATE: u32 = 1;
     pub const CONTENDED: u32 = 2;
 }
 
-/// The reason of a refusing code.
-#[inline(always)]
-pub fn reason_of(code: u32) -> usize {
-    if code == code::CONTENDED {
-        reason::CONTENDED
-    } else {
-        reason::RATE
-    }
-}
-
-/// The bucket decision for a global rule's packet of `cost` units. A
-/// global function taking scalars only (the rule by its index, the headers
-/// from `FLOWCTL_PACKET`), verified once on its own like the sampler.
+/// Finishes the decision `flowctl_decide` left to a global rule's bucket
+/// (`v`, packed with `packed::GLOBAL`): the bucket's verdict, counted
+/// (`flowctl_account`), packed as the decision would have. A global
+/// function called from the entry point, taking and returning one scalar,
+/// so its frame is a sibling of the decision's, not stacked on it (6.1
+/// counts the combined chain against 512 bytes).
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
+pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
+    let (record, rule_at) = (packed::record(v), packed::rule_at(v));
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (Some(rule), Some(meta)) = (FLOWCTL_RULES.get(rule_at), packet()) else {
+        return xdp_action::XDP_PASS as u64;
+    };
+    // What the rule's unit counts: the stages before let only SYNs of a
+    // `connections` rule through to here.
+    let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
+    let outcome = match admit(rule_at, record, cost, now) {
+        code::PASS => Outcome::Pass,
+        _ if rule.action == action::DRY_RUN => Outcome::WouldDrop,
+        code::CONTENDED => Outcome::Drop(reason::CONTENDED),
+        _ => Outcome::Drop(reason::RATE),
+    };
+    let c = outcome_code(outcome);
+    let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
+    let act = flowctl_account(record, c, meta.len as u64, tcp, now);
+    packed::pack(act, c, record, rule_at, v & packed::SAMPLE != 0) | (v & (3 << 61))
+}
+
+/// The bucket decision for a global rule's packet of `cost` units.
+#[inline(always)]
+fn admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
     let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return code::PASS };
     let Some(meta) = packet() else { return code::PASS };
-    let key = bucket_key(meta, rule);
-    let Some(b) = bucket(&key, record, now) else {
+    let Some(scratch) = FLOWCTL_GLOBAL_SCRATCH.get_ptr_mut(0) else { return code::PASS };
+    unsafe { (*scratch).key = bucket_key(meta, rule) };
+    let key = unsafe { &(*scratch).key };
+    let Some(b) = bucket(scratch, record, now) else {
         // The table refused the insert: admit, and say so (as local rules).
         if let Some(c) = counters(record) {
             c.insert_failures += 1;
@@ -55,7 +79,7 @@ pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now
     };
     let b = unsafe { &mut *b };
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
-    let word = current_grant(b, &key, rule.interval_fp, now);
+    let word = current_grant(b, key, rule.interval_fp, now);
     let (interval_fp, burst_ns, leased) = match grant::decode(word) {
         Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
         None => (rule.interval_fp, rule.burst_ns, false),
@@ -66,8 +90,8 @@ pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let Some(new) = gcra::admit(old, now, inc, burst_ns) else {
-            report_hot(b, record, &key, grant::hot::REFUSED, now);
-            refuse_rate_at(rule, meta, record, tat_ptr, old);
+            report_hot(b, record, key, grant::hot::REFUSED, now);
+            refuse_key_at(record, key, tat_ptr, old);
             return code::RATE;
         };
         let new = unmarked(new);
@@ -78,7 +102,7 @@ pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now
         };
         if ok {
             if !leased && new.saturating_sub(now) > burst_ns / 2 {
-                report_hot(b, record, &key, grant::hot::HALF_SHARE, now);
+                report_hot(b, record, key, grant::hot::HALF_SHARE, now);
             }
             return code::PASS;
         }
@@ -87,15 +111,23 @@ pub extern "C" fn flowctl_global_admit(rule_at: u32, record: u32, cost: u64, now
     code::CONTENDED
 }
 
-/// The key's bucket, made (from its remembered debt) if it has none.
+/// The key's bucket, made (from its remembered debt) if it has none, in
+/// the CPU's scratch entry, as the key is (see `GlobalScratch`).
 #[inline(always)]
-fn bucket(key: &BucketKey, record: u32, now: u64) -> Option<*mut GlobalBucket> {
+fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut GlobalBucket> {
+    let key = unsafe { &(*scratch).key };
     if let Some(p) = FLOWCTL_GLOBAL_KEYS.get_ptr_mut(key) {
         return Some(p);
     }
-    let fresh = GlobalBucket { tat: initial_tat(record, key, now), ..Default::default() };
+    // Field by field: a struct literal is zero-filled through memset.
+    let fresh = unsafe { &mut (*scratch).fresh };
+    fresh.tat = initial_tat(record, key, now);
+    fresh.grant = grant::NO_LEASE;
+    fresh.grant_read_ns = 0;
+    fresh.offered = 0;
+    fresh.hot_ns = 0;
     // BPF_NOEXIST: if another CPU made it first, use that one.
-    if FLOWCTL_GLOBAL_KEYS.insert(key, &fresh, 1).is_ok() {
+    if FLOWCTL_GLOBAL_KEYS.insert(key, fresh, 1).is_ok() {
         if let Some(c) = counters(record) {
             c.key_inserts += 1;
         }
@@ -121,18 +153,25 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64)
     };
     if word != cached {
         let interval = |w: u64| grant::decode(w).map_or(share_fp, |(i, _)| i);
-        let tat = unsafe { core::ptr::read_volatile(&b.tat) };
-        let moved = gcra::rescale(tat, now, interval(cached), interval(word));
-        if moved != tat {
-            // One try: a CPU that moved the TAT meanwhile charged it at the
-            // old rate, which the next change of word does not repeat.
-            unsafe {
-                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                    &mut b.tat,
-                    tat,
-                    unmarked(moved),
-                );
+        let (from, to) = (interval(cached), interval(word));
+        // A compare-and-swap loop like the admission's: a TAT another CPU
+        // moves meanwhile is rescaled from where it moved to.
+        let mut tries = 0;
+        while tries < CAS_RETRIES {
+            let tat = unsafe { core::ptr::read_volatile(&b.tat) };
+            let moved = unmarked(gcra::rescale(tat, now, from, to));
+            if moved == tat {
+                break;
             }
+            let (_, ok) = unsafe {
+                atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                    &mut b.tat, tat, moved,
+                )
+            };
+            if ok {
+                break;
+            }
+            tries += 1;
         }
     }
     unsafe {

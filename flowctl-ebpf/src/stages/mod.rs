@@ -66,12 +66,10 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     }
 
     // A global rule's bucket runs at its lease's rate (no quota: the profile
-    // refuses one on a global rule).
+    // refuses one on a global rule), decided by the entry point's call to
+    // `global::flowctl_global_decide`: its frame is not stacked on this one.
     if rule.global != 0 {
-        return match global::flowctl_global_admit(rule.at, record, cost, now) {
-            global::code::PASS => Decision::of(rule, Outcome::Pass),
-            c => verdict(rule, global::reason_of(c)),
-        };
+        return Decision::of(rule, Outcome::Global);
     }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)
