@@ -25,7 +25,7 @@ pub struct Version {
 
 impl std::fmt::Display for Version {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "generation {} (revision {})", self.generation, self.revision)
+        write!(f, "generation {} at revision {}", self.generation, self.revision)
     }
 }
 
