@@ -123,7 +123,10 @@ fn passed_after_blast(lab: &Lab, rule_name: &str) -> u64 {
 pub fn fleet_profiles_roll_out_and_bad_ones_are_rejected_whole() {
     let mut etcd = Etcd::start("fpe");
     let labs = [Lab::new("fpa", 230), Lab::new("fpb", 231)];
-    let eps: Vec<String> = labs.iter().zip(1u8..).map(|(l, k)| etcd.link(l, k)).collect();
+    let mut eps: Vec<String> = labs.iter().zip(1u8..).map(|(l, k)| etcd.link(l, k)).collect();
+    // The second agent is given two endpoints, the first with nobody
+    // there: the client balances over the ones that answer.
+    eps[1] = format!("10.203.2.9:2379,{}", eps[1]);
     let prefix = format!("/flowctl-test/{}", unique("roll"));
     let cache = TempDir::new("flowctl-etcd-cache-");
     assert_eq!(publish(&etcd, &prefix, &slow("slow1", 3), &[]), 1);
@@ -133,6 +136,17 @@ pub fn fleet_profiles_roll_out_and_bad_ones_are_rejected_whole() {
         assert_eq!(applied(l), Some(1), "{}", etcd_state(l));
         assert_eq!(passed_after_blast(l, "slow1"), 3);
     }
+    // An agent that follows etcd takes no local apply.
+    let local = TempFile::profile(&slow("local", 9));
+    let out = flowctl_tests::cli::flowctl(&[
+        "apply",
+        &labs[0].veth_srv,
+        local.path(),
+        "--netns",
+        &labs[0].ns_srv,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("follows a profile in etcd"), "{}", text(&out));
     // The rollout, timed from the publish to both agents enforcing it.
     let t0 = Instant::now();
     assert_eq!(publish(&etcd, &prefix, &slow("slow2", 5), &[]), 2);
