@@ -175,17 +175,16 @@ impl Follower {
     /// `rt`.
     pub fn start(cfg: Config, start: Start, run_dir: PathBuf, rt: &tokio::runtime::Handle) -> Self {
         let c = &start.candidate;
-        let from_disk = start.from_disk.is_some();
         let first = Report {
             agent: cfg.agent.clone(),
             applied_generation: Some(c.version.generation),
             applied_revision: Some(c.version.revision),
             profile_hash: Some(c.hash.clone()),
             error: None,
-            from_disk_copy: from_disk,
+            from_disk_copy: start.from_disk.is_some(),
             updated_unix: now_unix(),
         };
-        let (watcher, Handles { fetched, wake, reports }) = Watcher::new(
+        let (watcher, handles) = Watcher::new(
             cfg.url.clone(),
             cfg.access.clone(),
             cfg.timing,
@@ -193,12 +192,27 @@ impl Follower {
             start.seed,
             first,
         );
+        let f = Self::with(cfg, start.candidate, start.from_disk, run_dir, handles);
+        rt.spawn(watcher.run());
+        f
+    }
+
+    /// The follower of a watcher's `handles`, enforcing `enforced` (from
+    /// the disk copy when `from_disk` says why).
+    fn with(
+        cfg: Config,
+        enforced: Candidate,
+        from_disk: Option<String>,
+        run_dir: PathBuf,
+        handles: Handles,
+    ) -> Self {
+        let Handles { fetched, wake, reports } = handles;
         let mut f = Self {
             run_dir,
             fetched,
             wake,
             reports,
-            handled: Some(c.version),
+            handled: Some(enforced.version),
             pending: None,
             shown: Published {
                 source: cfg.url.to_string(),
@@ -208,10 +222,10 @@ impl Follower {
             },
             cfg,
         };
-        f.shown.error = start.from_disk;
-        f.applied(start.candidate, from_disk);
+        let disk = from_disk.is_some();
+        f.shown.error = from_disk;
+        f.applied(enforced, disk);
         f.cfg.disk.unstage();
-        rt.spawn(watcher.run());
         f
     }
 
@@ -393,4 +407,131 @@ fn write_atomic(p: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, p)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::etcd::version::profile_hash;
+
+    const GOOD: &str = "[[rule]]\nname = \"a\"\nrate = \"10/s\"\n";
+    const BAD: &str = "[[rule]]\nname = \"a\"\nrate = \"0/s\"\n";
+
+    fn candidate(generation: u64, revision: i64, text: &str) -> Candidate {
+        Candidate {
+            version: Version { generation, revision },
+            label: "etcd://h:2379/p/profile".into(),
+            text: text.into(),
+            hash: profile_hash(text),
+        }
+    }
+
+    /// A follower enforcing generation 1, with channels the test drives in
+    /// place of the watcher, in a scratch directory.
+    fn follower(
+        name: &str,
+    ) -> (
+        Follower,
+        tokio::sync::watch::Sender<Fetched>,
+        tokio::sync::watch::Receiver<Report>,
+        PathBuf,
+    ) {
+        let root =
+            std::env::temp_dir().join(format!("flowctl-follower-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let run = root.join("run");
+        std::fs::create_dir_all(&run).unwrap();
+        let url: EtcdUrl = "etcd://h:2379/p".parse().unwrap();
+        let cfg = Config::new(
+            url,
+            Access::default(),
+            Timing::default(),
+            &root.join("cache"),
+            None,
+            "eth0",
+        );
+        let (tx, fetched) = tokio::sync::watch::channel(Fetched::default());
+        let (reports, rx) = tokio::sync::watch::channel(Report::default());
+        let handles = Handles { fetched, wake: Arc::new(Notify::new()), reports };
+        let f = Follower::with(cfg, candidate(1, 2, GOOD), None, run, handles);
+        (f, tx, rx, root)
+    }
+
+    fn offer(tx: &tokio::sync::watch::Sender<Fetched>, c: Result<Candidate, String>) {
+        tx.send_modify(|f| f.latest = Some(c));
+    }
+
+    #[test]
+    fn a_newer_good_profile_is_staged_applied_kept_on_disk_and_reported() {
+        let (mut f, tx, rx, root) = follower("good");
+        assert_eq!(f.take_newer(), None, "nothing new");
+        assert_eq!(
+            published(&f.run_dir).unwrap().applied,
+            Some(Version { generation: 1, revision: 2 })
+        );
+        offer(&tx, Ok(candidate(2, 5, GOOD)));
+        let staged = f.take_newer().expect("a newer profile");
+        assert_eq!(std::fs::read_to_string(&staged).unwrap(), GOOD);
+        f.outcome(Ok(()));
+        assert!(!staged.exists(), "unstaged once applied");
+        let p = published(&f.run_dir).unwrap();
+        assert_eq!((p.applied, p.error), (Some(Version { generation: 2, revision: 5 }), None));
+        assert_eq!(
+            f.cfg.disk.load().unwrap().unwrap().version.generation,
+            2,
+            "the disk copy follows"
+        );
+        assert_eq!(rx.borrow().applied_generation, Some(2));
+        assert_eq!(f.source(), "etcd://h:2379/p/profile (generation 2 at revision 5)");
+        // The same version again (a relist): nothing to do.
+        offer(&tx, Ok(candidate(2, 5, GOOD)));
+        assert_eq!(f.take_newer(), None);
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn bad_older_and_refused_profiles_are_rejected_whole_and_the_running_one_stays() {
+        let (mut f, tx, rx, root) = follower("bad");
+        offer(&tx, Ok(candidate(2, 5, BAD)));
+        assert_eq!(f.take_newer(), None, "never staged");
+        let p = published(&f.run_dir).unwrap();
+        assert_eq!(p.applied.unwrap().generation, 1);
+        let e = p.error.unwrap();
+        assert!(
+            e.starts_with("etcd://h:2379/p/profile:3:8:") && e.contains("greater than zero"),
+            "{e}"
+        );
+        assert_eq!((p.rejected_total, p.latest.unwrap().generation), (1, 2));
+        assert_eq!(rx.borrow().error.as_deref(), Some(e.as_str()), "reported too");
+        // Rejected once: the same version again is not retried.
+        offer(&tx, Ok(candidate(2, 5, BAD)));
+        assert_eq!(f.take_newer(), None);
+        assert_eq!(published(&f.run_dir).unwrap().rejected_total, 1);
+        // An older version is never applied.
+        offer(&tx, Ok(candidate(1, 9, GOOD)));
+        assert_eq!(f.take_newer(), None);
+        assert!(published(&f.run_dir).unwrap().error.unwrap().contains("older than"));
+        // A host check refuses it: the apply's message, naming the key.
+        offer(&tx, Ok(candidate(3, 7, GOOD)));
+        let staged = f.take_newer().unwrap();
+        f.outcome(Err(format!("{}: table sizes differ (nothing was applied)", staged.display())));
+        let p = published(&f.run_dir).unwrap();
+        assert_eq!(p.applied.unwrap().generation, 1);
+        assert_eq!(
+            p.error.as_deref(),
+            Some("etcd://h:2379/p/profile: table sizes differ (nothing was applied)")
+        );
+        // The key gone: an error, the running profile stays.
+        offer(&tx, Err("etcd://h:2379/p/profile: no profile there".into()));
+        assert_eq!(f.take_newer(), None);
+        assert!(published(&f.run_dir).unwrap().error.unwrap().contains("no profile there"));
+        assert_eq!(
+            f.cfg.disk.load().unwrap().unwrap().version.generation,
+            1,
+            "the disk copy stays"
+        );
+        f.stop();
+        assert!(published(&f.run_dir).is_none(), "stop removes the published state");
+        std::fs::remove_dir_all(root).unwrap();
+    }
 }
