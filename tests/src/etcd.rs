@@ -17,6 +17,8 @@ use std::{
 pub const PORT: u16 = 2379;
 
 pub struct Etcd {
+    /// The certificates when it serves TLS (and asks clients for theirs).
+    tls: Option<PathBuf>,
     /// The server, then (after [`restart`](Self::restart)) its successor
     /// on the same data; the first is kept killed so its data stays.
     servers: Vec<Server>,
@@ -30,39 +32,67 @@ impl Etcd {
     /// with progress notifications every second (etcd 3.4's default is 10
     /// minutes; the server flag shortens it).
     pub fn start(tag: &str) -> Self {
+        Self::start_with(tag, None)
+    }
+
+    /// The same over TLS, with client certificates required: `pki`'s
+    /// server certificate and CA.
+    pub fn start_tls(tag: &str, pki: &Pki) -> Self {
+        Self::start_with(tag, Some(pki.dir.0.clone()))
+    }
+
+    fn start_with(tag: &str, tls: Option<PathBuf>) -> Self {
         let ns = Netns::new(&crate::unique(tag));
         sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
-        let mut e = Self { servers: Vec::new(), ns, links: Vec::new() };
+        let mut e = Self { tls, servers: Vec::new(), ns, links: Vec::new() };
         e.servers.push(e.launch(None));
         e
     }
 
     fn launch(&self, data: Option<&Path>) -> Server {
         let data = data.map(|d| d.display().to_string()).unwrap_or_else(|| "{dir}/data".into());
-        let ns = self.ns.0.clone();
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut args: Vec<String> = [
+            "--name",
+            "e",
+            "--data-dir",
+            &data,
+            "--listen-client-urls",
+            &format!("{scheme}://0.0.0.0:{PORT}"),
+            "--advertise-client-urls",
+            &format!("{scheme}://127.0.0.1:{PORT}"),
+            "--listen-peer-urls",
+            "http://127.0.0.1:2380",
+            "--initial-advertise-peer-urls",
+            "http://127.0.0.1:2380",
+            "--initial-cluster",
+            "e=http://127.0.0.1:2380",
+            "--experimental-watch-progress-notify-interval",
+            "1s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(d) = &self.tls {
+            let f = |n: &str| d.join(n).display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                f("server.crt"),
+                "--key-file".into(),
+                f("server.key"),
+                "--trusted-ca-file".into(),
+                f("ca.crt"),
+                "--client-cert-auth".into(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (ns, tls) = (self.ns.0.clone(), self.tls.clone());
         Server::start(
             "etcd",
             Some(&self.ns.0),
             "etcd",
-            &[
-                "--name",
-                "e",
-                "--data-dir",
-                &data,
-                "--listen-client-urls",
-                &format!("http://0.0.0.0:{PORT}"),
-                "--advertise-client-urls",
-                &format!("http://127.0.0.1:{PORT}"),
-                "--listen-peer-urls",
-                "http://127.0.0.1:2380",
-                "--initial-advertise-peer-urls",
-                "http://127.0.0.1:2380",
-                "--initial-cluster",
-                "e=http://127.0.0.1:2380",
-                "--experimental-watch-progress-notify-interval",
-                "1s",
-            ],
-            move |_| ctl_in(&ns, &["endpoint", "health"]).status.success(),
+            &args,
+            move |_| ctl_in(&ns, tls.as_deref(), &["endpoint", "health"]).status.success(),
             Duration::from_secs(20),
         )
     }
@@ -106,7 +136,7 @@ impl Etcd {
 
     /// `etcdctl ARGS` against the server, in its namespace.
     pub fn ctl(&self, args: &[&str]) -> Output {
-        ctl_in(&self.ns.0, args)
+        ctl_in(&self.ns.0, self.tls.as_deref(), args)
     }
 
     /// `etcdctl ARGS`, which must succeed; its stdout.
@@ -140,12 +170,95 @@ impl Etcd {
     }
 }
 
-fn ctl_in(ns: &str, args: &[&str]) -> Output {
-    Command::new("ip")
-        .args(["netns", "exec", ns, "etcdctl", "--endpoints", &format!("127.0.0.1:{PORT}")])
-        .args(args)
-        .output()
-        .expect("run etcdctl")
+fn ctl_in(ns: &str, tls: Option<&Path>, args: &[&str]) -> Output {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, "etcdctl"]);
+    match tls {
+        Some(d) => {
+            cmd.arg(format!("--endpoints=https://127.0.0.1:{PORT}"));
+            for (flag, file) in
+                [("--cacert", "ca.crt"), ("--cert", "client.crt"), ("--key", "client.key")]
+            {
+                cmd.arg(format!("{flag}={}", d.join(file).display()));
+            }
+        }
+        None => {
+            cmd.arg(format!("--endpoints=127.0.0.1:{PORT}"));
+        }
+    }
+    cmd.args(args).output().expect("run etcdctl")
+}
+
+/// A throwaway CA, a server certificate for the given IP addresses and a
+/// client certificate, made with `openssl` (EC P-256, valid a day), in a
+/// directory removed on drop.
+pub struct Pki {
+    dir: TempDir,
+}
+
+impl Pki {
+    pub fn new(server_ips: &[&str]) -> Self {
+        let dir = TempDir::new("flowctl-etcd-pki-");
+        let d = dir.path().to_string();
+        let f = |n: &str| format!("{d}/{n}");
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        let mut ca = vec!["openssl", "req", "-x509"];
+        ca.extend_from_slice(&ec);
+        let (ca_key, ca_crt) = (f("ca.key"), f("ca.crt"));
+        ca.extend_from_slice(&[
+            "-keyout",
+            &ca_key,
+            "-out",
+            &ca_crt,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=flowctl-test-ca",
+        ]);
+        sh(&ca);
+        let sans: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
+        for (name, ext) in [
+            ("server", format!("subjectAltName={}\nextendedKeyUsage=serverAuth\n", sans.join(","))),
+            ("client", "extendedKeyUsage=clientAuth\n".to_string()),
+        ] {
+            let (key, csr, crt, extf) = (
+                f(&format!("{name}.key")),
+                f(&format!("{name}.csr")),
+                f(&format!("{name}.crt")),
+                f(&format!("{name}.ext")),
+            );
+            std::fs::write(&extf, ext).expect("extensions file");
+            let mut req = vec!["openssl", "req"];
+            req.extend_from_slice(&ec);
+            let subj = format!("/CN=flowctl-test-{name}");
+            req.extend_from_slice(&["-keyout", &key, "-out", &csr, "-subj", &subj]);
+            sh(&req);
+            sh(&[
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &ca_crt,
+                "-CAkey",
+                &ca_key,
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-days",
+                "1",
+                "-extfile",
+                &extf,
+            ]);
+        }
+        Self { dir }
+    }
+
+    /// A file of the set: `ca.crt`, `server.crt`, `client.crt`, `client.key`...
+    pub fn file(&self, name: &str) -> String {
+        format!("{}/{name}", self.dir.path())
+    }
 }
 
 impl Drop for Etcd {

@@ -5,13 +5,13 @@
 //! with key, line and column in `status`, the metrics and `status
 //! --fleet`), etcd gone (enforcement goes on, an agent restarted starts
 //! from its disk copy), one agent cut off across a compaction (it relists
-//! and lands on the newest, never on anything in between), and
-//! authentication.
+//! and lands on the newest, never on anything in between),
+//! authentication, and TLS with client certificates.
 
 use flowctl_tests::{
     agent::Agent,
     cli::{attachment, rule},
-    etcd::{wait_for, Etcd, TempDir},
+    etcd::{wait_for, Etcd, Pki, TempDir},
     lab::Lab,
     tempfile::TempFile,
     traffic::blast,
@@ -376,5 +376,46 @@ pub fn fleet_profiles_need_the_right_password() {
     wait_for("status --fleet with the password: current", Duration::from_secs(10), || {
         etcd.flowctl(&fleet).status.success()
     });
+    agent.stop();
+}
+
+/// etcd over TLS that requires client certificates: without one, or
+/// without TLS, `publish` is refused; with the CA, certificate and key,
+/// `publish` and an agent work and a publish reaches the agent.
+pub fn fleet_profiles_over_tls_with_client_certificates() {
+    let pki = Pki::new(&["127.0.0.1", "10.203.1.1"]);
+    let mut etcd = Etcd::start_tls("fte", &pki);
+    let lab = Lab::new("fta", 237);
+    let ep = etcd.link(&lab, 1);
+    let prefix = format!("/flowctl-test/{}", unique("tls"));
+    let url = Etcd::local_url(&prefix);
+    let (ca, crt, key) = (pki.file("ca.crt"), pki.file("client.crt"), pki.file("client.key"));
+    let tls = ["--etcd-ca", ca.as_str(), "--etcd-cert", crt.as_str(), "--etcd-key", key.as_str()];
+    let prof = TempFile::profile(&slow("slow1", 3));
+    for (what, extra, hint) in [
+        (
+            "no client certificate",
+            vec!["--etcd-ca", ca.as_str()],
+            "--etcd-cert FILE --etcd-key FILE",
+        ),
+        ("no TLS", vec![], "if etcd serves TLS: --etcd-ca FILE"),
+    ] {
+        let mut args = vec!["publish", url.as_str(), prof.path()];
+        args.extend_from_slice(&extra);
+        let out = etcd.flowctl(&args);
+        assert_eq!(out.status.code(), Some(2), "{what}: {}", text(&out));
+        assert!(text(&out).contains(hint), "{what}: {}", text(&out));
+    }
+    assert_eq!(publish(&etcd, &prefix, &slow("slow1", 3), &tls), 1);
+    let cache = TempDir::new("flowctl-etcd-cache-");
+    let mut extra = vec!["--etcd-cache", cache.path(), "--etcd-watch-timeout", WATCH_TIMEOUT];
+    extra.extend_from_slice(&tls);
+    let cmd = Agent::attach(&lab, &format!("etcd://{ep}{prefix}"), &extra);
+    let iface = lab.veth_srv.clone();
+    let agent = Agent::spawn_until(cmd, move || flowctl_tests::cli::agent_ready(&iface));
+    assert_eq!(applied(&lab), Some(1));
+    assert_eq!(publish(&etcd, &prefix, &slow("slow2", 4), &tls), 2);
+    wait_for("the agent applies over TLS", Duration::from_secs(10), || applied(&lab) == Some(2));
+    assert_eq!(passed_after_blast(&lab, "slow2"), 4);
     agent.stop();
 }

@@ -55,5 +55,6 @@ fn main() {
         fleet_profiles_outlive_etcd_and_restart_from_the_disk_copy: [Root, Command("etcd"), Command("etcdctl")],
         fleet_profiles_relist_after_a_compaction_and_never_go_back: [Root, Command("etcd"), Command("etcdctl")],
         fleet_profiles_need_the_right_password: [Root, Command("etcd"), Command("etcdctl")],
+        fleet_profiles_over_tls_with_client_certificates: [Root, Command("etcd"), Command("etcdctl"), Command("openssl")],
     ]);
 }

@@ -143,11 +143,41 @@ pub fn explain(url: &EtcdUrl, access: &Access, e: etcd_client::Error) -> anyhow:
             } else if s.code() == Code::Unavailable || s.code() == Code::DeadlineExceeded {
                 unreachable(url, m)
             } else {
-                anyhow!("etcd at {}: {m} ({:?})", url.endpoints.join(","), s.code())
+                anyhow!(
+                    "etcd at {}: {m} ({:?}){}{}",
+                    url.endpoints.join(","),
+                    s.code(),
+                    causes(s),
+                    tls_hint(access)
+                )
             }
         }
-        etcd_client::Error::TransportError(t) => unreachable(url, &format!("{t}")),
+        etcd_client::Error::TransportError(t) => {
+            unreachable(url, &format!("{t}{}{}", causes(t), tls_hint(access)))
+        }
         other => anyhow!("etcd at {}: {other}", url.endpoints.join(",")),
+    }
+}
+
+/// The chain under an error (a TLS alert under a transport error), as
+/// `: a: b`.
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = String::new();
+    let mut next = e.source();
+    while let Some(c) = next {
+        out.push_str(&format!(": {c}"));
+        next = c.source();
+    }
+    out
+}
+
+/// An error that is no answer from etcd is often TLS set up on one side
+/// only: what to check.
+fn tls_hint(access: &Access) -> &'static str {
+    match (access.tls(), access.cert.is_some()) {
+        (false, _) => " (if etcd serves TLS: --etcd-ca FILE, and --etcd-cert/--etcd-key if it asks for client certificates)",
+        (true, false) => " (if etcd asks for client certificates: --etcd-cert FILE --etcd-key FILE)",
+        (true, true) => " (check that --etcd-ca signed etcd's certificate, that it names this address, and that etcd trusts the client certificate's CA)",
     }
 }
 
