@@ -99,10 +99,17 @@ pub async fn bootstrap(cfg: &Config) -> Result<Start> {
         anyhow::Ok((mirror, revision))
     };
     let label = cfg.url.label(&cfg.url.profile_key());
+    // What this agent last applied: never gone back from, across restarts
+    // as within a run.
+    let last = cfg.disk.load().ok().flatten().map(|s| s.version);
     let why = match read.await {
         Ok((mirror, revision)) => {
-            let checked = mirror.candidate(&label).and_then(|c| {
-                profile::parse(&c.label, &c.text).map(|_| c).map_err(|e| e.to_string())
+            let checked = mirror.candidate(&label).and_then(|c| match last {
+                Some(l) if judge(Some(l), c.version) == Verdict::Older => Err(format!(
+                    "{}: etcd holds {}, older than the {l} of the disk copy; never applied (publish a newer one)",
+                    c.label, c.version
+                )),
+                _ => profile::parse(&c.label, &c.text).map(|_| c).map_err(|e| e.to_string()),
             });
             match checked {
                 Ok(candidate) => {
