@@ -65,6 +65,7 @@ enum Cmd {
     Publish {
         /// etcd://HOST:PORT[,HOST:PORT...]/PREFIX
         url: String,
+        /// The profile file (validated here first, as `flowctl check` does).
         profile: PathBuf,
         #[command(flatten)]
         etcd: EtcdArgs,
@@ -184,6 +185,7 @@ struct EtcdArgs {
     /// A client certificate (PEM) for mutual TLS, with --etcd-key.
     #[arg(long, value_name = "FILE")]
     etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
     #[arg(long, value_name = "FILE")]
     etcd_key: Option<PathBuf>,
 }
@@ -209,7 +211,18 @@ fn etcd_config(
     cache: &std::path::Path,
     watch_timeout: f64,
 ) -> anyhow::Result<Option<etcd::Config>> {
-    let Some(url) = profile.to_str().filter(|p| etcd::is_etcd(p)) else { return Ok(None) };
+    let Some(url) = profile.to_str().filter(|p| etcd::is_etcd(p)) else {
+        let a = &args;
+        if a.etcd_user.is_some()
+            || a.etcd_password_file.is_some()
+            || a.etcd_ca.is_some()
+            || a.etcd_cert.is_some()
+            || a.etcd_key.is_some()
+        {
+            anyhow::bail!("the --etcd-* options are for a profile from etcd: --profile etcd://HOST:PORT/PREFIX");
+        }
+        return Ok(None);
+    };
     let timing = etcd::watch::Timing {
         silence: std::time::Duration::from_secs_f64(watch_timeout.clamp(1.0, 3600.0)),
         ..Default::default()
