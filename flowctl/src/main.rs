@@ -1,5 +1,5 @@
 use clap::{Parser, Subcommand};
-use flowctl::{agent, cli, dataplane::Mode};
+use flowctl::{agent, cli, dataplane::Mode, fleet::etcd};
 use std::path::PathBuf;
 
 /// Kernel-assisted rate limiting at the NIC (XDP).
@@ -18,6 +18,9 @@ enum Cmd {
     ///
     /// Circuit breakers only (no interface):
     /// sudo flowctl attach --cgroup /sys/fs/cgroup/app --profile breakers.toml
+    ///
+    /// The profile a fleet shares, from etcd (docs/fleet.md):
+    /// sudo flowctl attach eth0 --profile etcd://10.0.0.5:2379/flowctl/web
     Attach {
         /// The interface the profile's rules apply to (none: breakers only).
         #[arg(required_unless_present = "cgroup")]
@@ -27,6 +30,7 @@ enum Cmd {
         /// the whole host).
         #[arg(long, value_name = "PATH")]
         cgroup: Option<PathBuf>,
+        /// A profile file, or etcd://HOST:PORT[,HOST:PORT...]/PREFIX.
         #[arg(long)]
         profile: PathBuf,
         #[arg(long, value_enum, default_value_t = Mode::Auto)]
@@ -43,6 +47,28 @@ enum Cmd {
         /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464).
         #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = flowctl::agent::metrics::DEFAULT_ADDR)]
         metrics: Option<std::net::SocketAddr>,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        /// With an etcd profile: the root of the last good copies on disk.
+        #[arg(long, value_name = "DIR", default_value = etcd::disk::DEFAULT_ROOT)]
+        etcd_cache: PathBuf,
+        /// With an etcd profile: a watch with no event and no progress
+        /// notification for this long is reconnected.
+        #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+        etcd_watch_timeout: f64,
+    },
+    /// Validate a profile and write it to etcd for every agent of a prefix:
+    /// one transaction writes it and bumps the generation; prints the
+    /// generation and the revision.
+    ///
+    /// Example: flowctl publish etcd://10.0.0.5:2379/flowctl/web rules.toml
+    Publish {
+        /// etcd://HOST:PORT[,HOST:PORT...]/PREFIX
+        url: String,
+        /// The profile file (validated here first, as `flowctl check` does).
+        profile: PathBuf,
+        #[command(flatten)]
+        etcd: EtcdArgs,
     },
     /// Detach and remove all pins of an interface (idempotent).
     Detach {
@@ -67,9 +93,18 @@ enum Cmd {
         netns: Option<String>,
     },
     /// Show attachments, agents, memory and per-rule counters.
+    ///
+    /// The rollout of an etcd profile: flowctl status --fleet etcd://10.0.0.5:2379/flowctl/web
+    /// (exits 1 until every agent enforces the newest profile).
     Status {
         #[arg(long)]
         json: bool,
+        /// Each agent of this etcd prefix: its applied generation and hash
+        /// against the newest, and its error.
+        #[arg(long, value_name = "URL")]
+        fleet: Option<String>,
+        #[command(flatten)]
+        etcd: EtcdArgs,
     },
     /// Live per-rule rates of every attachment (read-only; keys: s sort, p pause, ? legend, q quit).
     ///
@@ -135,6 +170,67 @@ enum Cmd {
     },
 }
 
+/// How to reach etcd: user and password, TLS.
+#[derive(clap::Args)]
+struct EtcdArgs {
+    /// etcd user: NAME (with --etcd-password-file) or NAME:PASSWORD.
+    #[arg(long, value_name = "NAME[:PASSWORD]")]
+    etcd_user: Option<String>,
+    /// The password, on the file's first line (kept out of `ps`).
+    #[arg(long, value_name = "FILE")]
+    etcd_password_file: Option<PathBuf>,
+    /// The CA of etcd's server certificates: connect over TLS.
+    #[arg(long, value_name = "FILE")]
+    etcd_ca: Option<PathBuf>,
+    /// A client certificate (PEM) for mutual TLS, with --etcd-key.
+    #[arg(long, value_name = "FILE")]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE")]
+    etcd_key: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    fn access(self) -> anyhow::Result<etcd::Access> {
+        etcd::Access::from_args(
+            self.etcd_user,
+            self.etcd_password_file,
+            self.etcd_ca,
+            self.etcd_cert,
+            self.etcd_key,
+        )
+    }
+}
+
+/// `attach --profile etcd://...`: the agent's etcd configuration.
+fn etcd_config(
+    profile: &std::path::Path,
+    iface: Option<&str>,
+    netns: Option<&str>,
+    args: EtcdArgs,
+    cache: &std::path::Path,
+    watch_timeout: f64,
+) -> anyhow::Result<Option<etcd::Config>> {
+    let Some(url) = profile.to_str().filter(|p| etcd::is_etcd(p)) else {
+        let a = &args;
+        if a.etcd_user.is_some()
+            || a.etcd_password_file.is_some()
+            || a.etcd_ca.is_some()
+            || a.etcd_cert.is_some()
+            || a.etcd_key.is_some()
+        {
+            anyhow::bail!("the --etcd-* options are for a profile from etcd: --profile etcd://HOST:PORT/PREFIX");
+        }
+        return Ok(None);
+    };
+    let timing = etcd::watch::Timing {
+        silence: std::time::Duration::from_secs_f64(watch_timeout.clamp(1.0, 3600.0)),
+        ..Default::default()
+    };
+    let iface = iface.unwrap_or_default();
+    Ok(Some(etcd::Config::new(url.parse()?, args.access()?, timing, cache, netns, iface)))
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -145,9 +241,11 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics } => {
-            agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, metrics })
+        Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics, etcd, etcd_cache, etcd_watch_timeout } => {
+            etcd_config(&profile, iface.as_deref(), netns.as_deref(), etcd, &etcd_cache, etcd_watch_timeout)
+                .and_then(|etcd| agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, metrics, etcd }))
         }
+        Cmd::Publish { url, profile, etcd } => etcd.access().and_then(|a| cli::publish::publish(&url, &profile, a)),
         Cmd::Detach { iface, netns } => cli::detach::detach(&iface, &netns),
         Cmd::Apply { args, cgroup, netns } => match (args.as_slice(), cgroup) {
             ([iface, profile], None) => cli::apply::apply(iface, std::path::Path::new(profile), &netns),
@@ -155,7 +253,12 @@ fn main() {
             (_, None) => Err(anyhow::anyhow!("give `flowctl apply IFACE PROFILE`, or `flowctl apply --cgroup PATH PROFILE` for a breakers-only agent")),
             (_, Some(_)) => Err(anyhow::anyhow!("with --cgroup, give only the profile (an agent with an interface takes `flowctl apply IFACE PROFILE` for both)")),
         },
-        Cmd::Status { json } => cli::status::status(json),
+        Cmd::Status { json, fleet: Some(url), etcd } => match etcd.access().and_then(|a| cli::rollout::show(&url, a, json)) {
+            Ok(true) => Ok(()),
+            Ok(false) => std::process::exit(1),
+            Err(e) => Err(e),
+        },
+        Cmd::Status { json, fleet: None, .. } => cli::status::status(json),
         Cmd::Check { profile } => cli::check::check(&profile),
         Cmd::Doctor { profile, json } => match cli::doctor::run(profile.as_deref(), json) {
             Ok(true) => Ok(()),

@@ -12,6 +12,7 @@ pub mod breaker_client;
 pub mod cgroup;
 pub mod cli;
 pub mod downstream;
+pub mod etcd;
 pub mod fuzz;
 pub mod lab;
 pub mod need;

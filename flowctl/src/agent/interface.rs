@@ -19,6 +19,7 @@ use crate::{
     },
     controllers::cpu::{self, CpuSignal},
     dataplane::{self, state::AttachState, Egress, Maps},
+    fleet::etcd::Follower,
     profile::RuleSet,
     system::clock::monotonic_ns,
 };
@@ -40,6 +41,8 @@ pub struct InterfaceAgent<'a> {
     pub breakers: Option<BreakerAgent>,
     /// `--cgroup`, for breakers a later profile adds.
     pub cgroup: Option<PathBuf>,
+    /// `--profile etcd://...`: the profiles the watcher fetches.
+    pub etcd: Option<Follower>,
     loops: Loops,
 }
 
@@ -95,7 +98,7 @@ impl<'a> InterfaceAgent<'a> {
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
         };
-        Self { maps, state, set, cpu, ebpf, egress, breakers, cgroup, loops }
+        Self { maps, state, set, cpu, ebpf, egress, breakers, cgroup, etcd: None, loops }
     }
 
     fn apply(&mut self, path: &Path) -> Response {
@@ -174,6 +177,18 @@ impl<'a> InterfaceAgent<'a> {
     }
 }
 
+/// The attachment's profile is named by its etcd key and version, not the
+/// staged file the apply read.
+pub fn record_source(state: &mut AttachState, f: &Follower) {
+    let source = f.source();
+    if state.profile_path != source {
+        state.profile_path = source;
+        if let Err(e) = state.save() {
+            tracing::warn!("recording the profile's source: {e:#}");
+        }
+    }
+}
+
 /// KLimiter's sample period (1 s while there is none, unused then).
 fn period_of(k: Option<&KlimiterLoop>) -> Duration {
     k.map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1))
@@ -181,6 +196,15 @@ fn period_of(k: Option<&KlimiterLoop>) -> Duration {
 
 impl Service for InterfaceAgent<'_> {
     fn tick(&mut self, now: Instant) -> Instant {
+        // A newer profile from etcd, validated: applied like `flowctl apply`.
+        if let Some(path) = self.etcd.as_mut().and_then(|f| f.take_newer()) {
+            let r = self.apply(&path);
+            let outcome = if r.ok { Ok(()) } else { Err(r.message) };
+            if let Some(f) = self.etcd.as_mut() {
+                f.outcome(outcome);
+                record_source(&mut self.state, f);
+            }
+        }
         let l = &mut self.loops;
         let maps = &mut self.maps;
         if l.beat.due(now) {
@@ -258,6 +282,9 @@ impl Service for InterfaceAgent<'_> {
 
     fn handle(&mut self, line: &str) -> Response {
         match serde_json::from_str::<Request>(line) {
+            Ok(Request::Apply { .. }) if self.etcd.is_some() => Response::err(
+                "this agent follows a profile in etcd; change it with `flowctl publish etcd://... FILE` (nothing was applied)",
+            ),
             Ok(Request::Apply { profile }) => self.apply(Path::new(&profile)),
             Ok(Request::Keys { rule, top }) => self.keys(&rule, top),
             Err(e) => Response::err(format!("bad request: {e}")),
@@ -272,7 +299,14 @@ impl Service for InterfaceAgent<'_> {
         v
     }
 
+    fn wake_handle(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        self.etcd.as_ref().map(|f| f.wake_handle())
+    }
+
     fn stop(&mut self) {
+        if let Some(f) = &self.etcd {
+            f.stop();
+        }
         if let Some(w) = self.loops.watcher.as_mut() {
             let _ = w.stop(&mut self.maps);
         }

@@ -67,6 +67,9 @@ pub fn render_scope(scope: &Scope) -> Result<String> {
     let mut reg = <Registry>::default();
     if let Some(id) = &scope.iface {
         register_attachment(&mut reg, id)?;
+        if let Some(p) = crate::fleet::etcd::follower::published(&id.run_dir()) {
+            register_etcd(&mut reg, &p);
+        }
     }
     if let Some(cg) = scope.cgroup_id {
         if let Some(p) =
@@ -157,6 +160,58 @@ fn register_breakers(reg: &mut Registry, p: &crate::agent::breakers::Published) 
         "flowctl_breaker_last_transition_seconds",
         "Unix time of the breaker's last state change",
         changed,
+    );
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabel {
+    error: String,
+}
+
+/// A profile from etcd: what is applied against the newest, the store's
+/// health, rejections, and the current error (with its key, line and
+/// column) as a label.
+fn register_etcd(reg: &mut Registry, p: &crate::fleet::etcd::follower::Published) {
+    let gauge = |v: i64| {
+        let g = <Gauge>::default();
+        g.set(v);
+        g
+    };
+    let applied = p.applied.unwrap_or_default();
+    let latest = p.latest.unwrap_or_default();
+    reg.register(
+        "flowctl_etcd_applied_generation",
+        "Generation of the etcd profile enforced",
+        gauge(applied.generation as i64),
+    );
+    reg.register(
+        "flowctl_etcd_applied_revision",
+        "etcd revision of the profile enforced",
+        gauge(applied.revision),
+    );
+    reg.register(
+        "flowctl_etcd_latest_generation",
+        "Newest generation seen in etcd",
+        gauge(latest.generation as i64),
+    );
+    reg.register(
+        "flowctl_etcd_from_disk_copy",
+        "1 while enforcing the disk copy, not a profile read from etcd",
+        gauge(p.from_disk_copy as i64),
+    );
+    let up = matches!(p.store, crate::fleet::etcd::watch::Store::Watching { .. });
+    reg.register("flowctl_etcd_store_up", "1 while the agent watches etcd", gauge(up as i64));
+    let rejected = <Counter>::default();
+    rejected.inc_by(p.rejected_total);
+    reg.register("flowctl_etcd_profiles_rejected", "Profiles from etcd rejected whole", rejected);
+    let error = Family::<ErrorLabel, Gauge>::default();
+    if let Some(e) = &p.error {
+        error.get_or_create(&ErrorLabel { error: e.clone() }).set(1);
+    }
+    reg.register(
+        "flowctl_etcd_profile_error",
+        "Why the newest etcd profile is not enforced (key:line:col: reason)",
+        error,
     );
 }
 

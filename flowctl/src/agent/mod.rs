@@ -50,6 +50,9 @@ pub struct AttachArgs {
     pub replace: bool,
     /// Serve Prometheus metrics here.
     pub metrics: Option<std::net::SocketAddr>,
+    /// `--profile etcd://...`: the profile comes from etcd (`profile` is
+    /// then set to the staged copy once read).
+    pub etcd: Option<crate::fleet::etcd::Config>,
 }
 
 pub fn run(args: AttachArgs) -> Result<()> {
@@ -58,6 +61,7 @@ pub fn run(args: AttachArgs) -> Result<()> {
     let local = tokio::task::LocalSet::new();
     match args.iface.clone() {
         Some(iface) => run_interface(args, &iface, &rt, &local, &mut signals),
+        None if args.etcd.is_some() => bail!("a profile from etcd needs an interface: `flowctl attach IFACE --profile etcd://...` (breakers-only agents take a file)"),
         None => run_cgroup(args, &rt, &local, &mut signals),
     }
 }
@@ -92,12 +96,26 @@ fn run_cgroup(
 /// `flowctl attach IFACE --profile F`: the rules on the interface, and the
 /// profile's breakers, if any, on a cgroup.
 fn run_interface(
-    args: AttachArgs,
+    mut args: AttachArgs,
     iface: &str,
     rt: &tokio::runtime::Runtime,
     local: &tokio::task::LocalSet,
     signals: &mut Signals,
 ) -> Result<()> {
+    // etcd: the profile is read (or, without etcd, taken from the disk
+    // copy) into a file the usual path reads, from the interface's
+    // namespace, where the agent lives and keeps its watch.
+    let etcd = match args.etcd.take() {
+        Some(cfg) => {
+            if let Some(ns) = &args.netns {
+                crate::system::netns::enter_netns(ns)?;
+            }
+            let start = rt.block_on(crate::fleet::etcd::follower::bootstrap(&cfg))?;
+            args.profile = start.path.clone();
+            Some((cfg, start))
+        }
+        None => None,
+    };
     let checked = preflight::interface(&args.profile, iface, args.cgroup.as_deref())?;
     let set = checked.set;
     if let Some(ns) = &args.netns {
@@ -169,12 +187,16 @@ fn run_interface(
         )?;
     }
     let verb = if adopted { "adopted the pinned data plane on" } else { "attached to" };
+    let source = match &etcd {
+        Some((_, start)) => format!("{} ({})", start.candidate.label, start.candidate.version),
+        None => args.profile.display().to_string(),
+    };
     eprintln!(
         "flowctl: {verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",
         iface,
         state.mode,
         set.rules.len(),
-        args.profile.display(),
+        source,
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
     );
     if let Some(b) = &breakers {
@@ -185,6 +207,11 @@ fn run_interface(
         );
     }
     held.serve(args.keep);
+    let follower = etcd.map(|(cfg, start)| {
+        let f = crate::fleet::etcd::Follower::start(cfg, start, id.run_dir(), rt.handle());
+        interface::record_source(&mut state, &f);
+        f
+    });
     let (ebpf, egress) = held.parts();
     let mut agent = InterfaceAgent::new(
         maps,
@@ -196,6 +223,7 @@ fn run_interface(
         breakers,
         args.cgroup.clone(),
     );
+    agent.etcd = follower;
     let result = local.block_on(rt, serve(&mut agent, signals));
     // The breakers go first, then the egress filters and the data plane.
     drop(agent);

@@ -83,6 +83,19 @@ pub trait Service {
     fn sockets(&self) -> Vec<PathBuf>;
     /// The loop has ended: leave nothing a reader would misread.
     fn stop(&mut self);
+    /// Notified when work arrives off the schedule (a profile fetched from
+    /// etcd): the loop then ticks at once.
+    fn wake_handle(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        None
+    }
+}
+
+/// Resolves when `wake` is notified; never without one.
+async fn woken(wake: &Option<std::sync::Arc<tokio::sync::Notify>>) {
+    match wake {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Runs `service` until a signal. An error binding the first sockets ends
@@ -91,11 +104,13 @@ pub async fn serve(service: &mut impl Service, signals: &mut Signals) -> Result<
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
     let mut sockets = Listeners::default();
     sockets.listen(service.sockets(), &tx)?;
+    let wake = service.wake_handle();
     let mut next = service.tick(Instant::now());
     loop {
         tokio::select! {
             _ = signals.recv() => break,
             _ = tokio::time::sleep_until(next) => next = service.tick(Instant::now()),
+            _ = woken(&wake) => next = service.tick(Instant::now()),
             Some((line, reply)) = rx.recv() => {
                 let _ = reply.send(service.handle(&line));
                 if let Err(e) = sockets.listen(service.sockets(), &tx) {

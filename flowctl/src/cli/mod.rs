@@ -7,6 +7,8 @@ pub mod detach;
 pub mod doctor;
 pub mod explain;
 pub mod format;
+pub mod publish;
+pub mod rollout;
 pub mod simulate;
 pub mod status;
 pub mod top;

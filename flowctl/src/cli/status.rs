@@ -45,6 +45,8 @@ pub fn status(json: bool) -> Result<()> {
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
             "rules": rules.iter().map(|(n, c)| counters_json(n, c)).collect::<Vec<_>>(),
             "unmatched": counters_json("unmatched", &global),
+            // A profile from etcd: what is applied, the newest seen, the error.
+            "etcd": pins::agent_running(&id).then(|| crate::fleet::etcd::follower::published(&id.run_dir())).flatten(),
         }));
     }
     let breakers = published_all();
@@ -90,6 +92,13 @@ pub fn status(json: bool) -> Result<()> {
             a["generation"],
             human_bytes(a["kernel_memory_bytes"].as_u64().unwrap_or(0)),
         );
+        if let Ok(e) =
+            serde_json::from_value::<crate::fleet::etcd::follower::Published>(a["etcd"].clone())
+        {
+            for line in crate::cli::rollout::agent_lines(&e) {
+                out!("  {line}");
+            }
+        }
         out!(
             "  {:<20} {:>12} {:>12} {:>12} {:>12}",
             "rule",

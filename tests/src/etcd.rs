@@ -1,0 +1,312 @@
+//! A real etcd for the fleet tests (docs/fleet.md): Debian's `etcd` in a
+//! network namespace of its own, on [`Server`], with a veth link to each
+//! agent's lab (so one agent's link can go down alone), and `etcdctl` and
+//! `flowctl` run inside that namespace. Everything is removed on drop: the
+//! server (killed by PID), its data, the links and the namespace.
+
+use crate::{
+    lab::{sh, veth_pair, Lab, Netns},
+    server::Server,
+};
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+pub const PORT: u16 = 2379;
+
+pub struct Etcd {
+    /// The certificates when it serves TLS (and asks clients for theirs).
+    tls: Option<PathBuf>,
+    /// The server, then (after [`restart`](Self::restart)) its successor
+    /// on the same data; the first is kept killed so its data stays.
+    servers: Vec<Server>,
+    pub ns: Netns,
+    /// (lab namespace, the lab's end of its link).
+    links: Vec<(String, String)>,
+}
+
+impl Etcd {
+    /// etcd in a new namespace, listening on every address it has there,
+    /// with progress notifications every second (etcd 3.4's default is 10
+    /// minutes; the server flag shortens it).
+    pub fn start(tag: &str) -> Self {
+        Self::start_with(tag, None)
+    }
+
+    /// The same over TLS, with client certificates required: `pki`'s
+    /// server certificate and CA.
+    pub fn start_tls(tag: &str, pki: &Pki) -> Self {
+        Self::start_with(tag, Some(pki.dir.0.clone()))
+    }
+
+    fn start_with(tag: &str, tls: Option<PathBuf>) -> Self {
+        let ns = Netns::new(&crate::unique(tag));
+        sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
+        let mut e = Self { tls, servers: Vec::new(), ns, links: Vec::new() };
+        e.servers.push(e.launch(None));
+        e
+    }
+
+    fn launch(&self, data: Option<&Path>) -> Server {
+        let data = data.map(|d| d.display().to_string()).unwrap_or_else(|| "{dir}/data".into());
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut args: Vec<String> = [
+            "--name",
+            "e",
+            "--data-dir",
+            &data,
+            "--listen-client-urls",
+            &format!("{scheme}://0.0.0.0:{PORT}"),
+            "--advertise-client-urls",
+            &format!("{scheme}://127.0.0.1:{PORT}"),
+            "--listen-peer-urls",
+            "http://127.0.0.1:2380",
+            "--initial-advertise-peer-urls",
+            "http://127.0.0.1:2380",
+            "--initial-cluster",
+            "e=http://127.0.0.1:2380",
+            "--experimental-watch-progress-notify-interval",
+            "1s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(d) = &self.tls {
+            let f = |n: &str| d.join(n).display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                f("server.crt"),
+                "--key-file".into(),
+                f("server.key"),
+                "--trusted-ca-file".into(),
+                f("ca.crt"),
+                "--client-cert-auth".into(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (ns, tls) = (self.ns.0.clone(), self.tls.clone());
+        Server::start(
+            "etcd",
+            Some(&self.ns.0),
+            "etcd",
+            &args,
+            move |_| ctl_in(&ns, tls.as_deref(), &["endpoint", "health"]).status.success(),
+            Duration::from_secs(20),
+        )
+    }
+
+    /// The data of the first server (a restart reuses it).
+    fn data(&self) -> PathBuf {
+        self.servers[0].dir().join("data")
+    }
+
+    /// Kills the running server (SIGKILL by PID): etcd is gone.
+    pub fn kill(&mut self) {
+        self.servers.last_mut().expect("started").kill();
+    }
+
+    /// A new server on the same data.
+    pub fn restart(&mut self) {
+        let s = self.launch(Some(&self.data()));
+        self.servers.push(s);
+    }
+
+    /// A veth link from `lab`'s protected namespace (where its agent runs)
+    /// to etcd's, on 10.203.`subnet`.0/24; returns the endpoint the agent
+    /// uses, `10.203.SUBNET.1:2379`.
+    pub fn link(&mut self, lab: &Lab, subnet: u8) -> String {
+        let id = crate::unique("fe");
+        let (theirs, ours) = (format!("{id}a"), format!("{id}e"));
+        veth_pair([
+            (&lab.ns_srv, &theirs, &format!("10.203.{subnet}.2/24")),
+            (&self.ns.0, &ours, &format!("10.203.{subnet}.1/24")),
+        ]);
+        self.links.push((lab.ns_srv.clone(), theirs));
+        format!("10.203.{subnet}.1:{PORT}")
+    }
+
+    /// Takes `lab`'s link to etcd down (`false`) or up again.
+    pub fn set_link(&self, lab: &Lab, up: bool) {
+        let (ns, dev) =
+            self.links.iter().find(|(ns, _)| *ns == lab.ns_srv).expect("a link to this lab");
+        sh(&["ip", "-n", ns, "link", "set", dev, if up { "up" } else { "down" }]);
+    }
+
+    /// `etcdctl ARGS` against the server, in its namespace.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        ctl_in(&self.ns.0, self.tls.as_deref(), args)
+    }
+
+    /// `etcdctl ARGS`, which must succeed; its stdout.
+    pub fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    /// The store's current revision.
+    pub fn revision(&self) -> i64 {
+        let out = self.ctl_ok(&["endpoint", "status", "-w", "json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("endpoint status json");
+        v[0]["Status"]["header"]["revision"].as_i64().expect("revision")
+    }
+
+    /// `flowctl ARGS` in etcd's namespace (publish, status --fleet), with
+    /// etcd at 127.0.0.1.
+    pub fn flowctl(&self, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns.0])
+            .arg(crate::cli::bin())
+            .args(args)
+            .output()
+            .expect("run flowctl")
+    }
+
+    /// `etcd://127.0.0.1:2379/PREFIX`, for the commands run in etcd's namespace.
+    pub fn local_url(prefix: &str) -> String {
+        format!("etcd://127.0.0.1:{PORT}{prefix}")
+    }
+}
+
+fn ctl_in(ns: &str, tls: Option<&Path>, args: &[&str]) -> Output {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, "etcdctl"]);
+    match tls {
+        Some(d) => {
+            cmd.arg(format!("--endpoints=https://127.0.0.1:{PORT}"));
+            for (flag, file) in
+                [("--cacert", "ca.crt"), ("--cert", "client.crt"), ("--key", "client.key")]
+            {
+                cmd.arg(format!("{flag}={}", d.join(file).display()));
+            }
+        }
+        None => {
+            cmd.arg(format!("--endpoints=127.0.0.1:{PORT}"));
+        }
+    }
+    cmd.args(args).output().expect("run etcdctl")
+}
+
+/// A throwaway CA, a server certificate for the given IP addresses and a
+/// client certificate, made with `openssl` (EC P-256, valid a day), in a
+/// directory removed on drop.
+pub struct Pki {
+    dir: TempDir,
+}
+
+impl Pki {
+    pub fn new(server_ips: &[&str]) -> Self {
+        let dir = TempDir::new("flowctl-etcd-pki-");
+        let d = dir.path().to_string();
+        let f = |n: &str| format!("{d}/{n}");
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        let mut ca = vec!["openssl", "req", "-x509"];
+        ca.extend_from_slice(&ec);
+        let (ca_key, ca_crt) = (f("ca.key"), f("ca.crt"));
+        ca.extend_from_slice(&[
+            "-keyout",
+            &ca_key,
+            "-out",
+            &ca_crt,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=flowctl-test-ca",
+        ]);
+        sh(&ca);
+        let sans: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
+        for (name, ext) in [
+            ("server", format!("subjectAltName={}\nextendedKeyUsage=serverAuth\n", sans.join(","))),
+            ("client", "extendedKeyUsage=clientAuth\n".to_string()),
+        ] {
+            let (key, csr, crt, extf) = (
+                f(&format!("{name}.key")),
+                f(&format!("{name}.csr")),
+                f(&format!("{name}.crt")),
+                f(&format!("{name}.ext")),
+            );
+            std::fs::write(&extf, ext).expect("extensions file");
+            let mut req = vec!["openssl", "req"];
+            req.extend_from_slice(&ec);
+            let subj = format!("/CN=flowctl-test-{name}");
+            req.extend_from_slice(&["-keyout", &key, "-out", &csr, "-subj", &subj]);
+            sh(&req);
+            sh(&[
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &ca_crt,
+                "-CAkey",
+                &ca_key,
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-days",
+                "1",
+                "-extfile",
+                &extf,
+            ]);
+        }
+        Self { dir }
+    }
+
+    /// A file of the set: `ca.crt`, `server.crt`, `client.crt`, `client.key`...
+    pub fn file(&self, name: &str) -> String {
+        format!("{}/{name}", self.dir.path())
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        // A link goes with either namespace; deleted here in case the
+        // labs outlive this (quietly: a lab dropped first took it along).
+        // Servers are killed (their directories removed) by their own drop,
+        // before the namespace.
+        for (ns, dev) in &self.links {
+            let _ = Command::new("ip")
+                .args(["-n", ns, "link", "del", dev])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+        self.servers.clear();
+    }
+}
+
+/// A directory of the test's own (the agents' disk copies), removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let p = std::env::temp_dir().join(crate::unique(prefix));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        Self(p)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Polls `ok` every 20 ms for at most `within`; the time it took, or a
+/// panic naming `what`.
+pub fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        if ok() {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
