@@ -303,6 +303,19 @@ pub struct BatchReply {
     pub replies: Vec<Reply>,
 }
 
+/// One script call: one host's batch for one rule (what `lease.lua` gets
+/// in KEYS and ARGV).
+#[derive(Clone, Copy, Debug)]
+pub struct Call<'a> {
+    pub rule: &'a str,
+    pub limits: Limits,
+    /// The epoch to write if the rule's record is missing.
+    pub candidate_epoch: &'a str,
+    pub host: &'a str,
+    pub seq: u64,
+    pub items: &'a [Item],
+}
+
 /// A store made of [`allocate`]: what `lease.lua` does to Redis, in
 /// memory (the simulator's Redis, the differential test's reference).
 #[derive(Clone, Debug, Default)]
@@ -313,23 +326,15 @@ pub struct Memory {
 
 impl Memory {
     /// One script call: a batch of one host's items for one rule.
-    pub fn run_batch(
-        &mut self,
-        rule: &str,
-        limits: &Limits,
-        candidate_epoch: &str,
-        host: &str,
-        seq: u64,
-        items: &[Item],
-        now: Micros,
-    ) -> BatchReply {
+    pub fn run_batch(&mut self, call: &Call<'_>, now: Micros) -> BatchReply {
+        let Call { rule, limits, candidate_epoch, host, seq, items } = *call;
         let meta = open_meta(self.metas.remove(rule), candidate_epoch, limits.lease, now);
         let mut replies = Vec::with_capacity(items.len());
         for (key, held, demand) in items {
             let id = (rule.to_string(), key.clone());
             let cell = self.cells.remove(&id).unwrap_or_default();
             let req = Request { host: host.to_string(), seq, held: *held, demand: *demand };
-            let (cell, reply) = allocate(limits, &meta, cell, &req, now);
+            let (cell, reply) = allocate(&limits, &meta, cell, &req, now);
             if !cell.is_empty_at(now) {
                 self.cells.insert(id, cell);
             }
@@ -338,6 +343,13 @@ impl Memory {
         let epoch = meta.epoch.clone();
         self.metas.insert(rule.to_string(), meta);
         BatchReply { epoch, replies }
+    }
+
+    /// Creates the rule's record at `now` (a store up since then), as the
+    /// first call would.
+    pub fn bootstrap(&mut self, rule: &str, limits: Limits, epoch: &str, now: Micros) {
+        let call = Call { rule, limits, candidate_epoch: epoch, host: "", seq: 0, items: &[] };
+        self.run_batch(&call, now);
     }
 
     /// FLUSHALL.
@@ -446,9 +458,17 @@ mod tests {
     fn a_new_store_learns_for_one_lease() {
         let mut m = Memory::default();
         let items = vec![("k".to_string(), Share::ZERO, 100)];
-        let r = m.run_batch("r", &LIM, "e1", "a", 1, &items, 50);
+        let call = |epoch, seq| Call {
+            rule: "r",
+            limits: LIM,
+            candidate_epoch: epoch,
+            host: "a",
+            seq,
+            items: &items,
+        };
+        let r = m.run_batch(&call("e1", 1), 50);
         assert!(r.replies[0].learning && r.replies[0].grant.is_zero() && r.epoch == "e1");
-        let r = m.run_batch("r", &LIM, "e2", "a", 2, &items, 50 + LIM.lease);
+        let r = m.run_batch(&call("e2", 2), 50 + LIM.lease);
         assert!(!r.replies[0].learning && r.replies[0].grant.rate == 1000 && r.epoch == "e1");
     }
 

@@ -18,9 +18,9 @@
 //! counted in [`Stats::over_cap`]) and keeps the default allowance until an
 //! idle key (a measured demand of zero) is released and makes room.
 
-use super::allocator::{BatchReply, Item};
-use super::{GlobalRule, Grant, Micros, Share};
-use std::collections::BTreeMap;
+use super::allocator::{BatchReply, Call, Item, Limits};
+use super::{GlobalRule, Grant, Micros};
+use std::collections::{BTreeMap, VecDeque};
 
 /// Where grants go: the lead's implementation writes them into the key's
 /// bucket in the BPF map; the simulator's is a token bucket per key.
@@ -74,6 +74,20 @@ pub struct Batch {
     pub items: Vec<Item>,
 }
 
+impl Batch {
+    /// The script call that carries this batch.
+    pub fn call<'a>(&'a self, rule: &GlobalRule, candidate_epoch: &'a str) -> Call<'a> {
+        Call {
+            rule: &self.rule,
+            limits: Limits::from(rule),
+            candidate_epoch,
+            host: &self.host,
+            seq: self.seq,
+            items: &self.items,
+        }
+    }
+}
+
 /// The store as this host sees it, per rule.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum StoreView {
@@ -119,10 +133,10 @@ struct KeyState {
     lease: Option<Grant>,
     demand: Option<u64>,
     target: u64,
-    /// (offered total, host clock): the latest observation, and the one
-    /// demand was last measured from.
+    /// (offered total, host clock): the latest observation, and earlier
+    /// ones at least `refresh / 16` apart, oldest first.
     last: Option<(u64, Micros)>,
-    snap: Option<(u64, Micros)>,
+    history: VecDeque<(u64, Micros)>,
 }
 
 #[derive(Clone, Debug)]
@@ -220,16 +234,24 @@ impl Manager {
         Intake::Added
     }
 
-    /// The key's offered counter (units, monotonic) read at `now`. Keys
-    /// without a lease or a pending one are ignored: only hot keys are
-    /// measured.
+    /// The key's offered counter (units, monotonic, refused packets
+    /// included) read at `now`; call it at least every `refresh / 8`.
+    /// Keys without a lease or a pending one are ignored: only hot keys
+    /// are measured.
     pub fn observe(&mut self, rule: &str, key: &str, offered_total: u64, now: Micros) {
-        let Some(k) = self.rules.get_mut(rule).and_then(|r| r.keys.get_mut(key)) else { return };
-        k.last = Some((offered_total, now));
-        match k.snap {
+        let Some(r) = self.rules.get_mut(rule) else { return };
+        let spacing = (r.spec.refresh / 16).max(1);
+        let Some(k) = r.keys.get_mut(key) else { return };
+        if k.last.is_some_and(|(n, at)| n > offered_total || at > now) {
             // A counter that went backwards (a recreated map entry) restarts.
-            Some((total, _)) if total <= offered_total => {}
-            _ => k.snap = k.last,
+            k.history.clear();
+        }
+        k.last = Some((offered_total, now));
+        if k.history.back().is_none_or(|(_, at)| now >= at + spacing) {
+            k.history.push_back((offered_total, now));
+            if k.history.len() > 16 {
+                k.history.pop_front();
+            }
         }
     }
 
@@ -281,19 +303,18 @@ impl Manager {
         out
     }
 
-    /// Demand in units per second over the stretch of observations since
-    /// the last measurement; a key not measured yet asks for the whole rate
-    /// (the allocator gives it its fair share). A measured zero releases
-    /// the lease (the allocator grants nothing to no demand); once that is
-    /// acknowledged the key is forgotten.
+    /// Demand in units per second: the offered rate over the most recent
+    /// quarter of a refresh interval (recent, so that a key whose traffic
+    /// moved away gives its share back at its next batch). A key not
+    /// measured yet asks for the whole rate (the allocator gives it its
+    /// fair share). A measured zero releases the lease (no demand, no
+    /// grant); once that is acknowledged the key is forgotten.
     fn measure(k: &mut KeyState, refresh: Micros, ask: u64) -> u64 {
-        if let (Some((n1, at1)), Some((n0, at0))) = (k.last, k.snap) {
-            // A stretch much shorter than a refresh (an early batch) is
-            // noise: keep the last measurement.
-            if at1 >= at0 + refresh / 2 {
+        if let Some((n1, at1)) = k.last {
+            let since = k.history.iter().rev().find(|(_, at)| at1 >= at + refresh / 4);
+            if let Some(&(n0, at0)) = since {
                 let d = (n1 - n0) as u128 * 1_000_000 / (at1 - at0) as u128;
                 k.demand = Some(d.min(u64::MAX as u128) as u64);
-                k.snap = k.last;
             }
         }
         k.demand.unwrap_or(ask)
@@ -334,6 +355,11 @@ impl Manager {
                 continue;
             }
             k.target = rep.target;
+            if rep.grant.rate * 10 < rep.target * 9 {
+                // Below 90% of the fair share: the others are giving back;
+                // ask again at half the interval.
+                r.next_refresh = r.next_refresh.min(now + r.spec.refresh / 2);
+            }
             if rep.grant.rate == 0 || now >= expires {
                 // No positive lease: the default allowance.
                 if k.lease.take().is_some() {
@@ -353,11 +379,6 @@ impl Manager {
                 // A cut keeps its capacity reserved until acknowledged:
                 // acknowledge it at once so the others get it sooner.
                 r.urgent = true;
-            }
-            if rep.grant.rate * 10 < rep.target * 9 {
-                // Below 90% of the fair share: the others are giving back;
-                // ask again at half the interval.
-                r.next_refresh = r.next_refresh.min(now + r.spec.refresh / 2);
             }
             k.lease = Some(grant);
             sink.apply(rule, key, &grant);
@@ -431,6 +452,7 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::super::allocator::{Limits, Memory};
+    use super::super::Share;
     use super::*;
 
     #[derive(Default)]
@@ -451,7 +473,7 @@ mod tests {
         m.set_rule(rule.clone());
         let mut store = Memory::default();
         // A store that has been up for a while (past its learning lease).
-        store.run_batch("web", &Limits::from(&rule), "e", "boot", 1, &[], 0);
+        store.bootstrap("web", Limits::from(&rule), "e", 0);
         (m, rule, store)
     }
 
@@ -463,15 +485,7 @@ mod tests {
         sink: &mut Sink,
     ) {
         for b in m.poll(now, sink) {
-            let r = store.run_batch(
-                &b.rule,
-                &Limits::from(rule),
-                "x",
-                &b.host,
-                b.seq,
-                &b.items,
-                now + 10_000_000,
-            );
+            let r = store.run_batch(&b.call(rule, "x"), now + 10_000_000);
             m.on_reply(&b.rule, b.seq, &r, now + 1000, sink);
         }
     }
@@ -506,12 +520,11 @@ mod tests {
         let first = m.poll(0, &mut sink).remove(0);
         // Timed out; the next one goes at the next refresh.
         let later = m.poll(rule.refresh, &mut sink).remove(0);
-        let lim = Limits::from(&rule);
-        let r1 = store.run_batch("web", &lim, "e", "a", first.seq, &first.items, 20_000_000);
+        let r1 = store.run_batch(&first.call(&rule, "e"), 20_000_000);
         m.on_reply("web", first.seq, &r1, rule.refresh + 10, &mut sink);
         assert_eq!(m.stats().stale_replies, 1);
         assert!(m.lease("web", "k").is_none());
-        let r2 = store.run_batch("web", &lim, "e", "a", later.seq, &later.items, 20_000_001);
+        let r2 = store.run_batch(&later.call(&rule, "e"), 20_000_001);
         m.on_reply("web", later.seq, &r2, rule.refresh + 20, &mut sink);
         assert!(m.lease("web", "k").is_some());
     }
