@@ -199,7 +199,11 @@ for i = 2, #KEYS do
     end
   end
   if #args > 0 or learn > now then
-    redis.call('HSET', key, 'learn', fmt(learn), unpack(args))
+    redis.call('HSET', key, 'learn', fmt(learn))
+    -- In chunks: unpack() of thousands of hosts would overflow Lua's stack.
+    for j = 1, #args, 200 do
+      redis.call('HSET', key, unpack(args, j, math.min(j + 199, #args)))
+    end
     redis.call('PEXPIRE', key, idiv(keep - now, 1000) + 1000)
   end
 

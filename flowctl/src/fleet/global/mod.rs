@@ -200,3 +200,25 @@ pub struct Grant {
     /// Granted while the store was in learning mode (an echo, no increase).
     pub learning: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_validate() {
+        let ok = GlobalRule::new("web", 1000, 100);
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(ok.local_lease(), 9_990_000);
+        let bad = |f: fn(&mut GlobalRule)| {
+            let mut r = ok.clone();
+            f(&mut r);
+            r.validate().unwrap_err().to_string()
+        };
+        assert!(bad(|r| r.name = "a{b}".into()).contains("hash tag"));
+        assert!(bad(|r| r.rate = 0).contains("rate = 0"));
+        assert!(bad(|r| r.burst = MAX_AMOUNT + 1).contains("burst"));
+        assert!(bad(|r| r.epsilon_ppm = 100_000).contains("epsilon"));
+        assert!(bad(|r| r.refresh = r.lease).contains("refresh"));
+    }
+}

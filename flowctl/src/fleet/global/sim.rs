@@ -679,6 +679,14 @@ mod tests {
         assert_eq!(text.lines().count(), 2 + scenarios(true).len() + 1, "{text}");
     }
 
+    /// The full report (30 s scenarios), for the numbers in the docs:
+    /// `cargo test -p flowctl --lib full_report -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn full_report() {
+        report(&mut std::io::stdout(), false).unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
