@@ -48,7 +48,7 @@ pub fn lease_script_agrees_with_allocator() {
     let keys = ["k0", "k1", "k2"];
     let mut seqs = [0u64; 4];
     let mut held: BTreeMap<(usize, &str), Share> = BTreeMap::new();
-    let (mut learning, mut stale, mut granted) = (0, 0, 0);
+    let (mut learning, mut stale, mut granted, mut compared) = (0, 0, 0, 0);
     for step in 0..400u64 {
         if step == 200 {
             assert_eq!(redis.cli(&["FLUSHALL"]), "OK");
@@ -83,17 +83,24 @@ pub fn lease_script_agrees_with_allocator() {
         }
         let batch =
             Batch { rule: rule.name.clone(), host: hosts[h].into(), seq, sent_at: 0, items };
+        let ran = Instant::now();
         let got = rt.block_on(store.run(&rule, &batch)).expect("batch");
         let now = got.replies[0].expires - rule.lease;
         let want = memory.run_batch(&batch.call(&rule, &got.epoch), now);
         assert_eq!(got, want, "step {step} (seed {seed}): {batch:?}");
         for ((key, _, _), reply) in batch.items.iter().zip(&got.replies).skip(1) {
             let in_redis = rt.block_on(store.cell(&rule.name, key)).expect("cell");
-            assert_eq!(
-                live(in_redis, now),
-                live(memory.cell(&rule.name, key), now),
-                "step {step} (seed {seed}) cell {key}"
-            );
+            // Redis drops a cell's key a second after its last lease; a
+            // test stalled that long (a loaded machine) reads after the
+            // cell is rightly gone, so that step's cells are not compared.
+            if ran.elapsed() < Duration::from_millis(900) {
+                assert_eq!(
+                    live(in_redis, now),
+                    live(memory.cell(&rule.name, key), now),
+                    "step {step} (seed {seed}) cell {key}"
+                );
+                compared += 1;
+            }
             learning += reply.learning as u32;
             stale += !reply.fresh as u32;
             granted += (reply.grant.rate > 0) as u32;
@@ -105,6 +112,36 @@ pub fn lease_script_agrees_with_allocator() {
             std::thread::sleep(Duration::from_millis(rng.range(1, 60)));
         }
     }
+    // A cell with more hosts than one HSET chunk (the script writes 100
+    // hosts a call), with leases long enough that all 250 stay.
+    let mut rule = rule.clone();
+    rule.name = unique("big");
+    rule.lease = 30_000_000;
+    for i in 0..250u64 {
+        let items = vec![
+            ("probe-big".to_string() + &i.to_string(), Share::ZERO, 1),
+            ("big".to_string(), Share::ZERO, 1 + i),
+        ];
+        let batch =
+            Batch { rule: rule.name.clone(), host: format!("b{i}"), seq: 1, sent_at: 0, items };
+        let got = rt.block_on(store.run(&rule, &batch)).expect("batch");
+        let now = got.replies[0].expires - rule.lease;
+        assert_eq!(
+            got,
+            memory.run_batch(&batch.call(&rule, &got.epoch), now),
+            "big cell, host {i}"
+        );
+        if i % 50 == 49 {
+            let in_redis = rt.block_on(store.cell(&rule.name, "big")).expect("cell");
+            assert_eq!(in_redis.hosts.len() as u64, i + 1);
+            assert_eq!(
+                live(in_redis, now),
+                live(memory.cell(&rule.name, "big"), now),
+                "big cell at {i}"
+            );
+        }
+    }
+    assert!(compared > 300, "only {compared} cells compared (a stalled machine?)");
     // The random walk covered every branch.
     assert!(
         learning > 0 && stale > 0 && granted > 20,
@@ -181,12 +218,14 @@ struct Agent {
 }
 
 impl Agent {
-    fn new(redis: &Redis, prefix: &str, rule: &GlobalRule, rate: u64) -> Self {
-        let mut manager =
-            Manager::new(HostConfig { host: unique("host-"), max_keys: 16, timeout: 1_000_000 });
+    fn new(redis: &Redis, prefix: &str, rule: &GlobalRule, rate: u64, timeout: Duration) -> Self {
+        let host_timeout = timeout.as_micros() as Micros + 100_000;
+        let config = HostConfig { host: unique("host-"), max_keys: 16, timeout: host_timeout };
+        let mut manager = Manager::new(config);
         manager.set_rule(rule.clone());
         let mut cfg = redis.config();
         cfg.prefix = prefix.to_string();
+        cfg.timeout = timeout;
         Self {
             manager,
             sink: Sink::default(),
@@ -247,17 +286,20 @@ pub fn flushall_learns_and_keeps_the_bound() {
     let mut rule = GlobalRule::new(&unique("flush"), 1000, 100);
     rule.lease = 1_000_000;
     rule.refresh = 100_000;
-    let mut boot = Agent::new(&redis, &prefix, &rule, 0);
+    let timeout = Duration::from_secs(2);
+    let mut boot = Agent::new(&redis, &prefix, &rule, 0, timeout);
     rt.block_on(boot.store.bootstrap(&rule)).expect("bootstrap");
     let mut agents: Vec<Agent> =
-        [600, 300, 900].iter().map(|&r| Agent::new(&redis, &prefix, &rule, r)).collect();
+        [600, 300, 900].iter().map(|&r| Agent::new(&redis, &prefix, &rule, r, timeout)).collect();
     let start = Instant::now();
     let dt = 20_000;
     let flush_at = 2_500_000;
     let (mut flushed, mut saw_learning, mut before) = (false, false, vec![0; 3]);
     loop {
         let now = start.elapsed().as_micros() as Micros;
-        if now > 5_500_000 {
+        // Converged after learning, or given up (asserted below).
+        let converged = enforced(&agents).rate >= 900 && now > flush_at + 2 * rule.lease;
+        if converged || now > flush_at + 10_000_000 {
             break;
         }
         if !flushed && now >= flush_at {
@@ -310,7 +352,9 @@ pub fn sigstop_is_detected_and_grants_are_kept() {
     let mut rule = GlobalRule::new(&unique("stop"), 1000, 100);
     rule.lease = 5_000_000;
     rule.refresh = 200_000;
-    let mut a = Agent::new(&redis, &prefix, &rule, 500);
+    // A short deadline: the outage must show within it.
+    let timeout = Duration::from_millis(400);
+    let mut a = Agent::new(&redis, &prefix, &rule, 500, timeout);
     rt.block_on(a.store.bootstrap(&rule)).expect("bootstrap");
     // Past the new store's learning lease: a real grant.
     std::thread::sleep(Duration::from_micros(rule.lease));
