@@ -137,6 +137,8 @@ struct KeyState {
     /// ones at least `refresh / 16` apart, oldest first.
     last: Option<(u64, Micros)>,
     history: VecDeque<(u64, Micros)>,
+    /// Give the lease back (the agent is stopping): demand 0 from now on.
+    release: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -310,6 +312,9 @@ impl Manager {
     /// fair share). A measured zero releases the lease (no demand, no
     /// grant); once that is acknowledged the key is forgotten.
     fn measure(k: &mut KeyState, refresh: Micros, ask: u64) -> u64 {
+        if k.release {
+            return 0;
+        }
         if let Some((n1, at1)) = k.last {
             let since = k.history.iter().rev().find(|(_, at)| at1 >= at + refresh / 4);
             if let Some(&(n0, at0)) = since {
@@ -393,6 +398,17 @@ impl Manager {
         if let Some(f) = r.in_flight.take_if(|f| f.seq == seq) {
             Self::mark_unreachable(r, f.sent_at);
             self.stats.failures += 1;
+        }
+    }
+
+    /// Gives every lease back at once (an agent stopping cleanly): the next
+    /// batches ask for nothing, then acknowledge, and the store frees the
+    /// capacity without waiting for the leases to end. Done when
+    /// [`leases`](Self::leases) is empty.
+    pub fn release_all(&mut self) {
+        for r in self.rules.values_mut() {
+            r.keys.values_mut().for_each(|k| k.release = true);
+            r.urgent |= !r.keys.is_empty();
         }
     }
 
@@ -548,6 +564,20 @@ mod tests {
         assert!(m.leases().is_empty(), "{:?}", m.leases());
         assert!(store.cell("web", "k1").hosts.is_empty());
         assert_eq!(m.note_hot("web", "k2", now), Intake::Added);
+    }
+
+    #[test]
+    fn release_all_gives_the_capacity_back() {
+        let (mut m, rule, mut store) = setup(10);
+        let mut sink = Sink::default();
+        m.note_hot("web", "k", 0);
+        exchange(&mut m, &mut store, &rule, 0, &mut sink);
+        assert!(!store.cell("web", "k").hosts.is_empty());
+        m.release_all();
+        exchange(&mut m, &mut store, &rule, 1, &mut sink);
+        exchange(&mut m, &mut store, &rule, 2, &mut sink);
+        assert!(m.leases().is_empty() && sink.0.is_empty());
+        assert!(store.cell("web", "k").hosts.is_empty());
     }
 
     #[test]
