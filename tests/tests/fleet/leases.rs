@@ -151,6 +151,7 @@ pub fn lease_script_agrees_with_allocator() {
 
 /// AUTH: a wrong password and a missing one are refused with an error that
 /// says so; the right one works; so does an ACL user, by config and by URL.
+/// And the heartbeats' live-host count.
 pub fn redis_auth_password_and_acl_user() {
     let redis =
         Redis::start(Some("s3cret-pw"), &["--user", "flowuser", "on", ">flow-pw", "~*", "+@all"]);
@@ -183,6 +184,16 @@ pub fn redis_auth_password_and_acl_user() {
     acl.prefix = store_prefix(&redis, &store);
     let mut as_user = Store::new(acl).expect("config");
     assert_eq!(rt.block_on(as_user.bootstrap(&rule)).expect("ACL user"), epoch);
+
+    // Heartbeats: the live-host count, and a host that stops beating
+    // drops out after its TTL.
+    let ttl = Duration::from_millis(400);
+    assert_eq!(rt.block_on(store.heartbeat("h1", ttl)).expect("heartbeat"), 1);
+    assert_eq!(rt.block_on(store.heartbeat("h2", ttl)).expect("heartbeat"), 2);
+    assert_eq!(rt.block_on(store.heartbeat("h1", ttl)).expect("heartbeat"), 2);
+    std::thread::sleep(ttl + Duration::from_millis(100));
+    assert_eq!(rt.block_on(store.heartbeat("h3", ttl)).expect("heartbeat"), 1);
+    assert!(store.rtt().is_some_and(|r| r < Duration::from_secs(2)), "{:?}", store.rtt());
 
     let mut by_url = redis.config();
     by_url.url = format!("{}?user=flowuser&pass=flow-pw", redis.url());
