@@ -1,7 +1,8 @@
 //! The lease script in a real Redis: against the pure allocator, with
 //! authentication, after a FLUSHALL, and across a hung server.
 
-use crate::redis::{runtime, Redis};
+use crate::redis::{runtime, Certs, Redis, TlsRedis};
+use flowctl::fleet::global::store::StoreConfig;
 use flowctl::fleet::global::{
     allocator::{Cell, Memory},
     host::{Batch, GrantSink, HostConfig, Manager},
@@ -11,6 +12,7 @@ use flowctl::fleet::global::{
 };
 use flowctl_tests::unique;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The cell as it stands at `now`: live entries, a learning deadline still
@@ -413,4 +415,43 @@ pub fn sigstop_is_detected_and_grants_are_kept() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(a.rate() > 0);
+}
+
+/// TLS (`rediss://`): with the test CA and the password the lease script
+/// runs; without the CA (the system's roots) the connection is refused
+/// with an error that names the server, and so is a wrong password over
+/// TLS.
+pub fn redis_over_tls() {
+    let certs = Certs::new();
+    let redis = TlsRedis::start(&certs, "tls-pw");
+    let url = format!("rediss://127.0.0.1:{}/", redis.port);
+    let ca = certs.path("ca.crt");
+    // The client connects from inside the server's namespace.
+    let outcome = flowctl_tests::lab::Lab::in_ns(&redis.ns.0, move || {
+        let rt = runtime();
+        let config = |ca: Option<&str>, password: &str| {
+            let mut cfg = StoreConfig::new(&url);
+            cfg.ca_file = ca.map(PathBuf::from);
+            cfg.password = Some(password.to_string());
+            cfg.timeout = Duration::from_secs(2);
+            cfg
+        };
+        let rule = GlobalRule::new(&unique("tls"), 100, 10);
+        let mut store = Store::new(config(Some(&ca), "tls-pw")).expect("config");
+        let epoch = rt.block_on(store.bootstrap(&rule)).map_err(|e| e.to_string());
+        let no_ca = rt.block_on(Store::new(config(None, "tls-pw")).expect("config").connect());
+        let wrong = rt.block_on(Store::new(config(Some(&ca), "nope")).expect("config").connect());
+        (
+            epoch,
+            no_ca.map_err(|e| e.to_string()),
+            wrong.map_err(|e| (matches!(e, StoreError::Auth { .. }), e.to_string())),
+        )
+    });
+    let (epoch, no_ca, wrong) = outcome;
+    assert!(epoch.is_ok(), "over TLS with the CA: {epoch:?}");
+    let e = no_ca.expect_err("an unknown CA is refused");
+    println!("without the CA: {e}");
+    assert!(e.contains("127.0.0.1"), "{e}");
+    let (auth, e) = wrong.expect_err("a wrong password is refused over TLS");
+    assert!(auth && e.contains("authentication refused"), "{e}");
 }

@@ -14,5 +14,6 @@ fn main() {
         redis_auth_password_and_acl_user: [Root, Command("redis-server"), Command("redis-cli")],
         flushall_learns_and_keeps_the_bound: [Root, Command("redis-server"), Command("redis-cli")],
         sigstop_is_detected_and_grants_are_kept: [Root, Command("redis-server"), Command("redis-cli")],
+        redis_over_tls: [Root, Command("redis-server"), Command("redis-cli"), Command("openssl")],
     ]);
 }

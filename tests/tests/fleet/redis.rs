@@ -97,3 +97,148 @@ fn cli_at(socket: &std::path::Path, password: Option<&str>, args: &[&str]) -> Op
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")
 }
+
+/// A throwaway CA and a server certificate for 127.0.0.1 (openssl), in a
+/// directory of their own, removed on drop.
+pub struct Certs {
+    pub dir: PathBuf,
+}
+
+impl Certs {
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique("flowctl-certs-"));
+        std::fs::create_dir_all(&dir).expect("cert dir");
+        let certs = Self { dir };
+        let d = |f: &str| certs.dir.join(f).display().to_string();
+        std::fs::write(d("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("san.ext");
+        let days = "1";
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &d("ca.key"),
+            "-out",
+            &d("ca.crt"),
+            "-days",
+            days,
+            "-subj",
+            "/CN=flowctl-test-ca",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &d("server.key"),
+            "-out",
+            &d("server.csr"),
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &d("server.csr"),
+            "-CA",
+            &d("ca.crt"),
+            "-CAkey",
+            &d("ca.key"),
+            "-CAcreateserial",
+            "-out",
+            &d("server.crt"),
+            "-days",
+            days,
+            "-extfile",
+            &d("san.ext"),
+        ]);
+        certs
+    }
+
+    pub fn path(&self, file: &str) -> String {
+        self.dir.join(file).display().to_string()
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn openssl(args: &[&str]) {
+    let out = Command::new("openssl").args(args).output().expect("openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Redis with TLS only, on 127.0.0.1:PORT inside its own namespace, with a
+/// password.
+pub struct TlsRedis {
+    pub server: Server,
+    pub ns: Netns,
+    pub port: u16,
+}
+
+impl TlsRedis {
+    pub fn start(certs: &Certs, password: &str) -> Self {
+        let ns = Netns::new(&unique("flowctl-redis-tls-"));
+        flowctl_tests::lab::sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
+        let port = 6390;
+        let (cert, key, ca) =
+            (certs.path("server.crt"), certs.path("server.key"), certs.path("ca.crt"));
+        let port_s = port.to_string();
+        let args = [
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--tls-port",
+            &port_s,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            password,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            "{dir}",
+        ];
+        let ns_name = ns.0.clone();
+        let server = Server::start(
+            "redis-tls",
+            Some(&ns.0),
+            "redis-server",
+            &args,
+            |_| {
+                let out = Command::new("ip")
+                    .args(["netns", "exec", &ns_name, "redis-cli", "--tls", "--cacert", &ca])
+                    .args([
+                        "-h",
+                        "127.0.0.1",
+                        "-p",
+                        &port_s,
+                        "-a",
+                        password,
+                        "--no-auth-warning",
+                        "PING",
+                    ])
+                    .output();
+                out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
+            },
+            Duration::from_secs(10),
+        );
+        Self { server, ns, port }
+    }
+}
