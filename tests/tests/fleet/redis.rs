@@ -178,7 +178,8 @@ fn openssl(args: &[&str]) {
 /// Redis with TLS only, on 127.0.0.1:PORT inside its own namespace, with a
 /// password.
 pub struct TlsRedis {
-    pub server: Server,
+    // Killed (by PID) before its namespace goes.
+    _server: Server,
     pub ns: Netns,
     pub port: u16,
 }
@@ -239,6 +240,6 @@ impl TlsRedis {
             },
             Duration::from_secs(10),
         );
-        Self { server, ns, port }
+        Self { _server: server, ns, port }
     }
 }
