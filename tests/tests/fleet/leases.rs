@@ -450,7 +450,6 @@ pub fn redis_over_tls() {
     let (epoch, no_ca, wrong) = outcome;
     assert!(epoch.is_ok(), "over TLS with the CA: {epoch:?}");
     let e = no_ca.expect_err("an unknown CA is refused");
-    println!("without the CA: {e}");
     assert!(e.contains("127.0.0.1"), "{e}");
     let (auth, e) = wrong.expect_err("a wrong password is refused over TLS");
     assert!(auth && e.contains("authentication refused"), "{e}");

@@ -1,6 +1,8 @@
 //! The fleet's global limits against a real Redis the tests start
 //! themselves (docs/fleet.md): the lease script against the pure allocator,
-//! authentication, faults.
+//! authentication (passwords, ACL users, TLS), heartbeats, FLUSHALL,
+//! SIGSTOP/SIGCONT. Each test starts its own `redis-server` in a namespace
+//! of its own and stops it by PID.
 
 mod leases;
 mod redis;
