@@ -1,0 +1,78 @@
+//! Re-rating a key's GCRA bucket (docs/algorithms.md section 1) when its
+//! grant changes, without minting tokens: the credit the bucket holds, in
+//! units, is kept (capped at the new depth), never scaled up with the
+//! rate. Keeping the TAT in nanoseconds instead would turn a bucket's
+//! credit of `x` ns into `x * new_rate` units, so a rate moved from an
+//! empty bucket on one host to a full one on another would admit more than
+//! L*t + B fleet-wide (docs/design.md, "Global limits: the bounds").
+
+use flowctl_common::gcra;
+
+/// A bucket's parameters for `rate` units per second and depth `burst`:
+/// (emission interval in 1/256 ns, depth in ns), as the map stores them.
+pub fn params(rate: u64, burst: u64) -> (u64, u64) {
+    let interval = gcra::interval_fp(rate, 1);
+    (interval, gcra::burst_ns(interval, burst))
+}
+
+/// The TAT that gives a bucket re-rated from `old` to `new` (each
+/// `(interval_fp, depth_ns)`) at `now` the credit it held, in units, capped
+/// at the new depth; rounded towards less credit.
+pub fn retarget_tat(tat: u64, now: u64, old: (u64, u64), new: (u64, u64)) -> u64 {
+    let (old_interval, old_depth) = old;
+    let (new_interval, new_depth) = new;
+    let debt = tat.saturating_sub(now).min(old_depth);
+    let credit_ns = (old_depth - debt) as u128;
+    // credit in units = credit_ns * 256 / old_interval; in new ns, times
+    // new_interval / 256.
+    let credit_new = match old_interval {
+        0 => 0,
+        _ => (credit_ns * new_interval as u128 / old_interval as u128).min(new_depth as u128),
+    } as u64;
+    now.saturating_add(new_depth - credit_new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    #[test]
+    fn a_full_bucket_keeps_its_units_not_its_nanoseconds() {
+        // 10/s depth 10 (1 s), full; re-rated to 100/s depth 100 (1 s):
+        // still 10 units of credit, not 100.
+        let now = 50 * SEC;
+        let tat = retarget_tat(now - SEC, now, params(10, 10), params(100, 100));
+        let (interval, depth) = params(100, 100);
+        let mut admitted = 0;
+        let mut t = tat;
+        while let Some(n) = gcra::admit(t, now, gcra::increment_ns(interval, 1), depth) {
+            t = n;
+            admitted += 1;
+        }
+        assert_eq!(admitted, 10);
+    }
+
+    #[test]
+    fn lowering_caps_the_credit_at_the_new_depth() {
+        let now = 50 * SEC;
+        let tat = retarget_tat(0, now, params(100, 100), params(10, 5));
+        let (interval, depth) = params(10, 5);
+        let mut admitted = 0;
+        let mut t = tat;
+        while let Some(n) = gcra::admit(t, now, gcra::increment_ns(interval, 1), depth) {
+            t = n;
+            admitted += 1;
+        }
+        assert_eq!(admitted, 5);
+    }
+
+    #[test]
+    fn an_empty_bucket_stays_empty() {
+        let now = 50 * SEC;
+        let (_, depth) = params(10, 10);
+        let tat = retarget_tat(now + depth, now, params(10, 10), params(1000, 1000));
+        assert_eq!(tat, now + params(1000, 1000).1);
+    }
+}
