@@ -5,7 +5,7 @@
 //! server (killed by PID), its data, the links and the namespace.
 
 use crate::{
-    lab::{sh, veth_pair, Lab, Netns},
+    lab::{sh, Lab, StoreNet},
     server::Server,
 };
 use std::{
@@ -22,9 +22,8 @@ pub struct Etcd {
     /// The server, then (after [`restart`](Self::restart)) its successor
     /// on the same data; the first is kept killed so its data stays.
     servers: Vec<Server>,
-    pub ns: Netns,
-    /// (lab namespace, the lab's end of its link).
-    links: Vec<(String, String)>,
+    /// Its namespace and the labs' links to it.
+    pub net: StoreNet,
 }
 
 impl Etcd {
@@ -42,9 +41,7 @@ impl Etcd {
     }
 
     fn start_with(tag: &str, tls: Option<PathBuf>) -> Self {
-        let ns = Netns::new(&crate::unique(tag));
-        sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
-        let mut e = Self { tls, servers: Vec::new(), ns, links: Vec::new() };
+        let mut e = Self { tls, servers: Vec::new(), net: StoreNet::new(tag, 203) };
         e.servers.push(e.launch(None));
         e
     }
@@ -86,10 +83,10 @@ impl Etcd {
             ]);
         }
         let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-        let (ns, tls) = (self.ns.0.clone(), self.tls.clone());
+        let (ns, tls) = (self.net.ns.0.clone(), self.tls.clone());
         Server::start(
             "etcd",
-            Some(&self.ns.0),
+            Some(&self.net.ns.0),
             "etcd",
             &args,
             move |_| ctl_in(&ns, tls.as_deref(), &["endpoint", "health"]).status.success(),
@@ -117,26 +114,17 @@ impl Etcd {
     /// to etcd's, on 10.203.`subnet`.0/24; returns the endpoint the agent
     /// uses, `10.203.SUBNET.1:2379`.
     pub fn link(&mut self, lab: &Lab, subnet: u8) -> String {
-        let id = crate::unique("fe");
-        let (theirs, ours) = (format!("{id}a"), format!("{id}e"));
-        veth_pair([
-            (&lab.ns_srv, &theirs, &format!("10.203.{subnet}.2/24")),
-            (&self.ns.0, &ours, &format!("10.203.{subnet}.1/24")),
-        ]);
-        self.links.push((lab.ns_srv.clone(), theirs));
-        format!("10.203.{subnet}.1:{PORT}")
+        format!("{}:{PORT}", self.net.link(lab, subnet))
     }
 
     /// Takes `lab`'s link to etcd down (`false`) or up again.
     pub fn set_link(&self, lab: &Lab, up: bool) {
-        let (ns, dev) =
-            self.links.iter().find(|(ns, _)| *ns == lab.ns_srv).expect("a link to this lab");
-        sh(&["ip", "-n", ns, "link", "set", dev, if up { "up" } else { "down" }]);
+        self.net.set_link(lab, up);
     }
 
     /// `etcdctl ARGS` against the server, in its namespace.
     pub fn ctl(&self, args: &[&str]) -> Output {
-        ctl_in(&self.ns.0, self.tls.as_deref(), args)
+        ctl_in(&self.net.ns.0, self.tls.as_deref(), args)
     }
 
     /// `etcdctl ARGS`, which must succeed; its stdout.
@@ -157,7 +145,7 @@ impl Etcd {
     /// etcd at 127.0.0.1.
     pub fn flowctl(&self, args: &[&str]) -> Output {
         Command::new("ip")
-            .args(["netns", "exec", &self.ns.0])
+            .args(["netns", "exec", &self.net.ns.0])
             .arg(crate::cli::bin())
             .args(args)
             .output()
@@ -263,16 +251,8 @@ impl Pki {
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        // A link goes with either namespace; deleted here in case the
-        // labs outlive this (quietly: a lab dropped first took it along).
         // Servers are killed (their directories removed) by their own drop,
-        // before the namespace.
-        for (ns, dev) in &self.links {
-            let _ = Command::new("ip")
-                .args(["-n", ns, "link", "del", dev])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
+        // before the namespace and its links go.
         self.servers.clear();
     }
 }

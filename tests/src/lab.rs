@@ -124,3 +124,56 @@ impl Drop for Lab {
         let _ = Command::new("ip").args(["netns", "del", &self.ns_cli]).status();
     }
 }
+
+/// A network namespace for a store the agents share (etcd, Redis), with a
+/// veth link to each lab's protected namespace (where its agent runs), so
+/// one agent's link can go down alone. The links go with the namespace.
+pub struct StoreNet {
+    pub ns: Netns,
+    /// The second octet of the links' addresses (10.NET.subnet.0/24).
+    net: u8,
+    /// (lab namespace, the lab's end of its link).
+    links: Vec<(String, String)>,
+}
+
+impl StoreNet {
+    pub fn new(tag: &str, net: u8) -> Self {
+        let ns = Netns::new(&crate::unique(tag));
+        sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
+        Self { ns, net, links: Vec::new() }
+    }
+
+    /// A link from `lab` on 10.NET.`subnet`.0/24; returns the store's
+    /// address on it, `10.NET.SUBNET.1`.
+    pub fn link(&mut self, lab: &Lab, subnet: u8) -> String {
+        let id = crate::unique("fs");
+        let (theirs, ours) = (format!("{id}a"), format!("{id}e"));
+        let net = self.net;
+        veth_pair([
+            (&lab.ns_srv, &theirs, &format!("10.{net}.{subnet}.2/24")),
+            (&self.ns.0, &ours, &format!("10.{net}.{subnet}.1/24")),
+        ]);
+        self.links.push((lab.ns_srv.clone(), theirs));
+        format!("10.{net}.{subnet}.1")
+    }
+
+    /// Takes `lab`'s link down (`false`) or up again.
+    pub fn set_link(&self, lab: &Lab, up: bool) {
+        let (ns, dev) =
+            self.links.iter().find(|(ns, _)| *ns == lab.ns_srv).expect("a link to this lab");
+        sh(&["ip", "-n", ns, "link", "set", dev, if up { "up" } else { "down" }]);
+    }
+}
+
+impl Drop for StoreNet {
+    fn drop(&mut self) {
+        // A link goes with either namespace; deleted here in case the labs
+        // outlive this (quietly: a lab dropped first took it along).
+        for (ns, dev) in &self.links {
+            let _ = Command::new("ip")
+                .args(["-n", ns, "link", "del", dev])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}

@@ -18,6 +18,7 @@ pub mod lab;
 pub mod need;
 pub mod overload;
 pub mod packet;
+pub mod redis;
 pub mod server;
 pub mod tempfile;
 pub mod testrun;

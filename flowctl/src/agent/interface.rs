@@ -12,6 +12,7 @@ use crate::{
         breakers::BreakerAgent,
         heavy::{self, KeyWatcher},
         klimiter::KlimiterLoop,
+        leases::LeaseLoop,
         occupancy,
         preflight::{self, BreakerChange},
         serve::{Every, Service},
@@ -43,6 +44,8 @@ pub struct InterfaceAgent<'a> {
     pub cgroup: Option<PathBuf>,
     /// `--profile etcd://...`: the profiles the watcher fetches.
     pub etcd: Option<Follower>,
+    /// The global rules' leases (`None` without global rules).
+    pub leases: Option<LeaseLoop>,
     loops: Loops,
 }
 
@@ -98,7 +101,19 @@ impl<'a> InterfaceAgent<'a> {
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
         };
-        Self { maps, state, set, cpu, ebpf, egress, breakers, cgroup, etcd: None, loops }
+        Self {
+            maps,
+            state,
+            set,
+            cpu,
+            ebpf,
+            egress,
+            breakers,
+            cgroup,
+            etcd: None,
+            leases: None,
+            loops,
+        }
     }
 
     fn apply(&mut self, path: &Path) -> Response {
@@ -161,6 +176,24 @@ impl<'a> InterfaceAgent<'a> {
         }
         self.loops.klimiter.set_period(period_of(next.as_ref()));
         self.loops.klimiter_loop = next;
+        // The global rules: new limits for the same store, else a new loop
+        // (its leases start over; the keys run at their default share
+        // until they are granted again).
+        match self.leases.as_mut() {
+            Some(l) if l.same_store(&self.set) => l.update(&self.state, &self.set),
+            _ => {
+                if let Some(old) = self.leases.take() {
+                    old.stop();
+                }
+                let rt = tokio::runtime::Handle::current();
+                match LeaseLoop::start(&self.state, &self.set, &rt) {
+                    Ok(l) => self.leases = l,
+                    Err(e) => tracing::error!(
+                        "global rules: {e:#} (their keys stay at their default share)"
+                    ),
+                }
+            }
+        }
     }
 
     fn keys(&mut self, rule: &str, top: usize) -> Response {
@@ -268,6 +301,9 @@ impl Service for InterfaceAgent<'_> {
             }
         }
         let mut next = l.beat.next().min(l.next_walk).min(l.cpu.next()).min(l.keys.next());
+        if let Some(g) = self.leases.as_mut() {
+            next = next.min(Instant::from_std(g.tick()));
+        }
         if bbr_on {
             next = next.min(l.bbr.next());
         }
@@ -306,6 +342,9 @@ impl Service for InterfaceAgent<'_> {
     fn stop(&mut self) {
         if let Some(f) = &self.etcd {
             f.stop();
+        }
+        if let Some(g) = &self.leases {
+            g.stop();
         }
         if let Some(w) = self.loops.watcher.as_mut() {
             let _ = w.stop(&mut self.maps);

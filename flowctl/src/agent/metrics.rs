@@ -171,12 +171,14 @@ struct ErrorLabel {
 /// A profile from etcd: what is applied against the newest, the store's
 /// health, rejections, and the current error (with its key, line and
 /// column) as a label.
+/// A gauge holding `v`.
+fn gauge(v: i64) -> Gauge {
+    let g = <Gauge>::default();
+    g.set(v);
+    g
+}
+
 fn register_etcd(reg: &mut Registry, p: &crate::fleet::etcd::follower::Published) {
-    let gauge = |v: i64| {
-        let g = <Gauge>::default();
-        g.set(v);
-        g
-    };
     let applied = p.applied.unwrap_or_default();
     let latest = p.latest.unwrap_or_default();
     reg.register(
@@ -213,6 +215,72 @@ fn register_etcd(reg: &mut Registry, p: &crate::fleet::etcd::follower::Published
         "Why the newest etcd profile is not enforced (key:line:col: reason)",
         error,
     );
+}
+
+/// Global rules' leases, as the agent publishes them (`leases.json`).
+fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
+    let rtt = Gauge::<f64, AtomicU64>::default();
+    if let Some(ms) = p.store.rtt_ms {
+        rtt.set(ms / 1e3);
+    }
+    reg.register(
+        "flowctl_global_store_up",
+        "1 while the lease store (Redis) answers",
+        gauge(p.store.up as i64),
+    );
+    reg.register(
+        "flowctl_global_store_rtt_seconds",
+        "Round trip of the last lease store call",
+        rtt,
+    );
+    if let Some(n) = p.store.hosts {
+        reg.register(
+            "flowctl_global_hosts",
+            "Live hosts in the lease store (heartbeats)",
+            gauge(n as i64),
+        );
+    }
+    let keys = Family::<RuleLabel, Gauge>::default();
+    let granted = Family::<RuleLabel, Gauge>::default();
+    let demand = Family::<RuleLabel, Gauge>::default();
+    for r in &p.rules {
+        let l = RuleLabel { rule: r.rule.clone() };
+        keys.get_or_create(&l).set(r.leases.iter().filter(|k| k.rate.is_some()).count() as i64);
+        granted.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.rate).sum::<u64>() as i64);
+        demand.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.demand).sum::<u64>() as i64);
+    }
+    reg.register(
+        "flowctl_global_leased_keys",
+        "Keys of a global rule this host holds a lease for",
+        keys,
+    );
+    reg.register(
+        "flowctl_global_granted_rate",
+        "Sum of this host's grants of a global rule, units/s",
+        granted,
+    );
+    reg.register(
+        "flowctl_global_demand_rate",
+        "Units/s offered here by a global rule's leased keys",
+        demand,
+    );
+    let counts = [
+        ("flowctl_global_store_failures", "Lease store calls that failed", p.failures),
+        (
+            "flowctl_global_leases_expired",
+            "Leases that ended here before a refresh came",
+            p.expired,
+        ),
+        ("flowctl_global_over_cap", "Hot keys refused a lease (at the cap)", p.over_cap),
+        (
+            "flowctl_global_epoch_changes",
+            "Times the store's epoch changed (it lost its state)",
+            p.epoch_changes,
+        ),
+    ];
+    for (name, help, n) in counts {
+        reg.register(name, help, gauge(n as i64));
+    }
 }
 
 fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
@@ -313,6 +381,9 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         let cpu = Gauge::<i64>::default();
         cpu.set(r.cpu_permille as i64);
         reg.register("flowctl_cpu_permille", "The agent's CPU signal (EMA), per mille", cpu);
+    }
+    if let Some(p) = crate::agent::leases::published(&state, agent_fresh) {
+        register_leases(reg, &p);
     }
     if let Some(k) = crate::agent::klimiter::published(&state, agent_fresh) {
         let level = Family::<BaselineLabel, Gauge<f64, AtomicU64>>::default();

@@ -12,6 +12,7 @@ pub mod cgroup;
 pub mod heavy;
 pub mod interface;
 pub mod klimiter;
+pub mod leases;
 pub mod metrics;
 pub mod occupancy;
 pub mod preflight;
@@ -206,6 +207,10 @@ fn run_interface(
             b.point.path.display()
         );
     }
+    // Global rules' leases: a profile whose store cannot be configured (an
+    // unreadable password file, a bad CA) refuses the attach here; a store
+    // that is down does not (its keys run at their default share).
+    let leases = leases::LeaseLoop::start(&state, &set, rt.handle())?;
     held.serve(args.keep);
     let follower = etcd.map(|(cfg, start)| {
         let f = crate::fleet::etcd::Follower::start(cfg, start, id.run_dir(), rt.handle());
@@ -224,6 +229,7 @@ fn run_interface(
         args.cgroup.clone(),
     );
     agent.etcd = follower;
+    agent.leases = leases;
     let result = local.block_on(rt, serve(&mut agent, signals));
     // The breakers go first, then the egress filters and the data plane.
     drop(agent);

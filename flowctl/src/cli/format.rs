@@ -180,6 +180,50 @@ pub fn spark_text(points: &[Option<f64>], max: Option<f64>) -> String {
         .collect()
 }
 
+/// What `status` says of the global rules' leases: the store, then per
+/// rule the keys this host holds leases for.
+pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {
+    let s = &p.store;
+    let mut v = vec![format!(
+        "global rules: store {} {}{}{}",
+        s.url,
+        s.health,
+        s.rtt_ms.map(|ms| format!(", rtt {ms:.1} ms")).unwrap_or_default(),
+        s.hosts.map(|n| format!(", {n} hosts")).unwrap_or_default()
+    )];
+    for r in &p.rules {
+        v.push(format!(
+            "  {}: {}/s burst {} fleet-wide; {} keys leased here",
+            r.rule,
+            r.rate,
+            r.burst,
+            r.leases.iter().filter(|k| k.rate.is_some()).count()
+        ));
+        for k in r.leases.iter().take(10) {
+            v.push(format!(
+                "    {}: {} (demand {}, fair share {}/s{})",
+                k.key,
+                match (k.rate, k.burst) {
+                    (Some(r), Some(b)) => format!("{r}/s burst {b}"),
+                    _ => "asked, not granted yet".into(),
+                },
+                k.demand.map(|d| format!("{d}/s")).unwrap_or_else(|| "not measured yet".into()),
+                k.target,
+                k.expires_in_ms
+                    .map(|ms| format!(", {:.1} s left", ms as f64 / 1e3))
+                    .unwrap_or_default()
+            ));
+        }
+        if r.leases.len() > 10 {
+            v.push(format!(
+                "    ... and {} more (status --json lists them all)",
+                r.leases.len() - 10
+            ));
+        }
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -47,6 +47,8 @@ pub fn status(json: bool) -> Result<()> {
             "unmatched": counters_json("unmatched", &global),
             // A profile from etcd: what is applied, the newest seen, the error.
             "etcd": pins::agent_running(&id).then(|| crate::fleet::etcd::follower::published(&id.run_dir())).flatten(),
+            // Global rules: the store, and the leases this host holds.
+            "leases": state.as_ref().and_then(|s| crate::agent::leases::published(s, pins::agent_running(&id))),
         }));
     }
     let breakers = published_all();
@@ -96,6 +98,13 @@ pub fn status(json: bool) -> Result<()> {
             serde_json::from_value::<crate::fleet::etcd::follower::Published>(a["etcd"].clone())
         {
             for line in crate::cli::rollout::agent_lines(&e) {
+                out!("  {line}");
+            }
+        }
+        if let Ok(p) =
+            serde_json::from_value::<crate::agent::leases::Published>(a["leases"].clone())
+        {
+            for line in crate::cli::format::lease_lines(&p) {
                 out!("  {line}");
             }
         }

@@ -247,6 +247,18 @@ fn rule_facts(a: &Attachment, r: &RuleRow, width: u16) -> Vec<Line<'static>> {
     if let Some(e) = a.klimiter.as_ref().and_then(|k| k.entries.iter().find(|e| e.rule == r.rule)) {
         control.push(format!("KLimiter ratio {:.3}: {}", e.ratio, e.reason));
     }
+    if let Some(g) = a.leases.as_ref().and_then(|l| l.rules.iter().find(|g| g.rule == r.rule)) {
+        let held: Vec<_> = g.leases.iter().filter(|k| k.rate.is_some()).collect();
+        control.push(format!(
+            "global {}/s burst {} fleet-wide: {} keys leased here, {}/s granted, {} ({})",
+            g.rate,
+            g.burst,
+            held.len(),
+            held.iter().filter_map(|k| k.rate).sum::<u64>(),
+            super::view::store_text(&a.leases.as_ref().expect("found").store),
+            a.leases.as_ref().expect("found").store.health
+        ));
+    }
     if !a.agent_running {
         control.push("agent not running".into());
     }

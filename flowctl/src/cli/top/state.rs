@@ -57,6 +57,9 @@ pub struct Attachment {
     /// coefficients and shares; per entry the ratio and why it last changed.
     /// Absent without baselines or without a running agent.
     pub klimiter: Option<crate::agent::klimiter::PublishedStep>,
+    /// Global rules: the lease store and this host's leases (absent
+    /// without global rules or without a running agent).
+    pub leases: Option<crate::agent::leases::Published>,
     pub rules: Vec<RuleRow>,
 }
 
@@ -300,6 +303,7 @@ fn attachment(
         cpu_permille: agent_rec.map(|r| r.cpu_permille).filter(|c| *c != flowctl_common::NO_CPU_SIGNAL),
         key_tables: agent_rec.and_then(|r| crate::agent::occupancy::estimate(&maps, state, &r)),
         klimiter: crate::agent::klimiter::published(state, agent_rec.is_some()),
+        leases: crate::agent::leases::published(state, agent_rec.is_some()),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
     })

@@ -288,6 +288,9 @@ pub fn attachment_title_parts(a: &super::state::Attachment, cpu: Option<&Series>
         "agent running".into(),
         key_tables_text(a),
     ];
+    if let Some(l) = &a.leases {
+        parts.push(store_text(&l.store));
+    }
     parts.extend(klimiter_text(a).split(" | ").filter(|s| !s.is_empty()).map(String::from));
     parts
 }
@@ -338,6 +341,16 @@ pub fn klimiter_text(a: &super::state::Attachment) -> String {
             )
         })
         .collect()
+}
+
+/// The lease store of the global rules, for the title.
+pub fn store_text(s: &crate::agent::leases::PublishedStore) -> String {
+    format!(
+        "store {}{}{}",
+        if s.up { "ok" } else { "down" },
+        s.rtt_ms.map(|ms| format!(" {ms:.1}ms")).unwrap_or_default(),
+        s.hosts.map(|n| format!(" {n} hosts")).unwrap_or_default()
+    )
 }
 
 /// The key table's fill for the title, marked approximate ("~").
@@ -436,6 +449,7 @@ mod tests {
                 }),
                 key_tables_note: String::new(),
                 klimiter: None,
+                leases: None,
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
             }],
             breakers: vec![],
