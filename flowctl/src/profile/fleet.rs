@@ -101,6 +101,8 @@ mod tests {
         let e = err(&no_fleet);
         assert!(e.msg.contains("needs a [fleet] section"), "{e}");
         assert_eq!(e.line, 7, "points at scope: {e}");
+        let e = err(&global_rule("").replace("1000/s", "30/min"));
+        assert!(e.msg.contains("1 to 4294967295 units per second"), "{e}");
         let e = err(&global_rule("default_share = \"2000/s\"\n"));
         assert!(e.msg.contains("above the rule's rate"), "{e}");
         let e = err(&global_rule("quota = 100\nquota_window = \"1min\"\n"));

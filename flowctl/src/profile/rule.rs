@@ -115,12 +115,21 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
     let Some(rate_s) = &r.rate else {
         return Err(cx.err(scope_span, "a global rule needs a `rate`: the fleet-wide limit"));
     };
+    // The leases split whole units per second (docs/fleet.md, "The
+    // script": every amount an integer below 2^32).
+    let limit = rate(cx, rate_s)?;
+    if limit.num < limit.den || limit.num / limit.den > u32::MAX as u128 {
+        return Err(cx.err(rate_s.span(), "a global rule's rate must be 1 to 4294967295 units per second (its leases split whole units per second)"));
+    }
+    if rule.burst > u32::MAX as u64 {
+        let span = r.burst.as_ref().map(|b| b.span()).unwrap_or(scope_span.clone());
+        return Err(cx.err(span, "a global rule's burst must be at most 4294967295 units"));
+    }
     let min_burst = if rule.unit == unit::BYTES { MIN_BYTE_BURST } else { 1 };
     let share = match &r.default_share {
         Some(d) if d.get_ref() == "none" => None,
         Some(d) => {
             let s = rate(cx, d)?;
-            let limit = rate(cx, rate_s)?;
             if s.dim != limit.dim {
                 return Err(cx.err(d.span(), "default_share must be in the rule's unit"));
             }
