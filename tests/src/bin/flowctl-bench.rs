@@ -21,6 +21,13 @@
 //!    with 1M keys in its key table and 1M sources in its source cache,
 //!    while `flowctl top --once` runs and the metrics endpoint is scraped
 //!    every second, over a minute (15 s with `quick`): CPU time / wall time.
+//! 7. `breaker` (also after 5): the circuit breakers' connect() cost and
+//!    recovery (`flowctl_tests::breaker_bench`).
+//! 8. `fleet` (also last in the full run): the simulated 200-host fleet
+//!    (`flowctl::fleet::global::sim::report`) beside the peers' published
+//!    behaviour, and a global rule's per-packet cost over the same rule
+//!    local (leased key, unleased key at the default share; admitted and
+//!    dropped), with section 1's spreader at its key counts.
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -96,10 +103,25 @@ impl Refs {
         keys: u32,
         repeat: u32,
     ) -> (Vec<f64>, Vec<u32>) {
+        self.interleaved_with(targets, frame, keys, repeat, || {})
+    }
+
+    /// As `interleaved`, calling `between` after the warm-up and after each
+    /// round, outside the measured runs (the fleet section drains the
+    /// hot-key rings there, as the agent would).
+    fn interleaved_with(
+        &mut self,
+        targets: &[ProgramFd],
+        frame: &[u8],
+        keys: u32,
+        repeat: u32,
+        mut between: impl FnMut(),
+    ) -> (Vec<f64>, Vec<u32>) {
         for fd in targets {
             self.set_target(fd);
             self.run(frame, keys);
         }
+        between();
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); targets.len()];
         let mut verdicts = vec![0u32; targets.len()];
         for _ in 0..ROUNDS {
@@ -109,6 +131,7 @@ impl Refs {
                 verdicts[i] = v;
                 samples[i].push(ns);
             }
+            between();
         }
         (samples.into_iter().map(median).collect(), verdicts)
     }
@@ -170,6 +193,13 @@ fn main() {
         breaker_section(quick);
         return;
     }
+    if std::env::args().any(|a| a == "fleet") {
+        // BPF_PROG_TEST_RUN runs on the caller's CPU: one CPU, as section 1.
+        flowctl_tests::testrun::pin_to_cpu(0);
+        let mut refs = Refs::load();
+        fleet_section(&mut refs, &bench_profile(), &bench_frame(), quick);
+        return;
+    }
     if std::env::args().any(|a| a == "agent") {
         println!("5. The agent's CPU with 1M keys while top and the metrics refresh every second");
         agent_cpu(if quick { 15 } else { 60 });
@@ -177,12 +207,10 @@ fn main() {
     }
     // One CPU for the measuring thread: BPF_PROG_TEST_RUN runs on the caller's CPU.
     flowctl_tests::testrun::pin_to_cpu(0);
-    let profile =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml"))
-            .expect("bench/profile.toml");
+    let profile = bench_profile();
     let drop_profile = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
     assert_ne!(profile, drop_profile);
-    let frame = V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18); // a 60-byte frame
+    let frame = bench_frame();
     println!(
         "machine: {} CPUs online, kernel {}",
         unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) },
@@ -328,6 +356,21 @@ fn main() {
 
     println!();
     breaker_section(quick);
+
+    println!();
+    flowctl_tests::testrun::pin_to_cpu(0);
+    fleet_section(&mut refs, &profile, &frame, quick);
+}
+
+/// The committed benchmark profile (bench/profile.toml).
+fn bench_profile() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/profile.toml"))
+        .expect("bench/profile.toml")
+}
+
+/// The measured frame: 60 bytes of IPv4/UDP from 10.0.0.1 to port 9005.
+fn bench_frame() -> Vec<u8> {
+    V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18)
 }
 
 fn breaker_section(quick: bool) {
@@ -635,4 +678,241 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
             med[0], med[1], med[2], med[3], med[1] / med[0], med[2] / med[1], med[2] / med[3]
         );
     }
+}
+
+/// Section 8 (`cargo xtask bench fleet`; also at the end of the full run):
+/// the simulated fleet against the peers' published behaviour, then the
+/// per-packet cost of a global rule over a local one.
+fn fleet_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
+    println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
+    println!(
+        "\n8a. The simulated fleet ({}: flowctl::fleet::global::sim::report; the real allocator and agent loop on a virtual clock)",
+        if quick { "quick, 15 s per scenario" } else { "full, 30 s per scenario" }
+    );
+    let t = std::time::Instant::now();
+    let mut table = Vec::new();
+    flowctl::fleet::global::sim::report(&mut table, quick).expect("the simulated fleet");
+    let table = String::from_utf8_lossy(&table).into_owned();
+    print!("{table}");
+    println!("  ({:.1} s of simulation)", t.elapsed().as_secs_f64());
+    peers(&table, quick);
+
+    println!("\n8b. Per-packet cost of a global rule over a local one (BPF_PROG_TEST_RUN, kernel-reported ns/packet)");
+    fleet_packet_cost(refs, profile, frame, quick);
+}
+
+/// One row of `sim::report`'s table: worst A/bound and store calls per host
+/// per second (all hosts; carrying hosts).
+struct SimRow {
+    worst: f64,
+    ops: f64,
+    ops_carriers: f64,
+}
+
+/// The rows of `sim::report`'s table by scenario name (the name is the
+/// first 36 columns; the numbers follow, ops/host/s and carriers last).
+fn sim_rows(table: &str) -> std::collections::BTreeMap<String, SimRow> {
+    let mut rows = std::collections::BTreeMap::new();
+    for line in table.lines() {
+        let (Some(name), Some(rest)) = (line.get(..36), line.get(36..)) else { continue };
+        let tokens: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| tokens.get(i).and_then(|x| x.parse::<f64>().ok());
+        let (Some(worst), Some(ops), Some(ops_carriers)) =
+            (num(0), num(tokens.len().wrapping_sub(2)), num(tokens.len().wrapping_sub(1)))
+        else {
+            continue;
+        };
+        rows.insert(name.trim().to_string(), SimRow { worst, ops, ops_carriers });
+    }
+    rows
+}
+
+/// The peers' published behaviour (docs/fleet.md's table, from
+/// ../shared/brief/fleet.md) on the simulated fleet's load, beside
+/// flowctl's measured figures.
+fn peers(table: &str, quick: bool) {
+    use flowctl::fleet::global::sim::{scenarios, Load};
+    let rows = sim_rows(table);
+    let get = |name: &str| rows.get(name);
+    let cfgs = scenarios(quick);
+    let Some((_, uniform)) = cfgs.iter().find(|(n, _)| *n == "uniform, 200 hosts") else {
+        println!("  (the sim's scenarios changed names: peers' comparison skipped)");
+        return;
+    };
+    let (l, b, hosts) = (uniform.rule.rate as f64, uniform.rule.burst as f64, uniform.hosts);
+    let total = match uniform.load {
+        Load::Uniform { total } => total as f64,
+        _ => 2.0 * l,
+    };
+    let per_host = total / hosts as f64;
+    let fmt = |r: Option<&SimRow>, f: fn(&SimRow) -> f64| {
+        r.map_or("?".to_string(), |r| format!("{:.2}", f(r)))
+    };
+    println!("\n  against the peers' published figures (docs/fleet.md), on the same load ({total:.0}/s offered for one key, L = {l:.0}/s, B = {b:.0}):");
+    println!(
+        "  - store calls: envoyproxy/ratelimit makes a Redis round trip per decision: {per_host:.0}/s per host when {hosts} hosts share the load, {total:.0}/s on a host carrying it alone; flowctl: {} (uniform) and {} on the one carrier, per host per second, never per packet",
+        fmt(get("uniform, 200 hosts"), |r| r.ops),
+        fmt(get("1 host carries the key"), |r| r.ops_carriers),
+    );
+    println!(
+        "  - latency added to a decision: envoyproxy/ratelimit one round trip (here 1-5 ms; its timeout 20 ms, then fail open); flowctl: none, the packet path reads a BPF map (8b)"
+    );
+    println!(
+        "  - accuracy: envoyproxy/ratelimit's fixed windows admit up to 2L in a window of one window's length that straddles a boundary: A/bound up to {:.2} with these L and B (2L / (L + B)); flowctl's worst window over every healthy scenario: {}",
+        2.0 * l / (l + b),
+        rows.iter()
+            .filter(|(n, _)| !n.contains("unreachable"))
+            .map(|(_, r)| r.worst)
+            .fold(None, |m: Option<f64>, w| Some(m.map_or(w, |m| m.max(w))))
+            .map_or("?".to_string(), |w| format!("{w:.3}"))
+    );
+    println!(
+        "  - gubernator GLOBAL: each host admits from its own copy and sends hits to the key's owner asynchronously, so the overshoot grows with N and the sync delay (no bound); flowctl's worst A/bound with 1, 3 and {hosts} hosts carrying the key: {}, {}, {} (at most 1: the bound holds whatever N)",
+        fmt(get("1 host carries the key"), |r| r.worst),
+        fmt(get("3 hosts carry the key"), |r| r.worst),
+        fmt(get("uniform, 200 hosts"), |r| r.worst),
+    );
+    println!(
+        "  - store unreachable: envoyproxy/ratelimit fails open (unlimited), gubernator N x L; flowctl keeps its leases and never raises a rate: worst A/bound {} against L*t + B (its outage bound is 2L*t + B)",
+        fmt(get("store unreachable 5-9 s (3 hosts)"), |r| r.worst),
+    );
+}
+
+/// bench/profile.toml with `measured` at `rate`, local, or global with the
+/// given extra lines (a `[fleet]` section the test plane never connects
+/// to, and a global key table as large as the source cache).
+fn fleet_profile(profile: &str, rate: &str, global: bool) -> String {
+    let rate_line = format!("rate = \"{rate}\"");
+    let mut p = profile.replace("rate = \"100G/s\"", &rate_line);
+    assert_eq!(p.matches(&rate_line).count(), 1, "one rule at {rate}: {p}");
+    if global {
+        p = p.replacen("[settings]\n", "[settings]\nglobal_key_entries = 1048576\n", 1);
+        p = p.replace(&rate_line, &format!("{rate_line}\nscope = \"global\""));
+        p.push_str("\n[fleet]\nredis = \"redis://127.0.0.1:6379\"\n");
+    }
+    p
+}
+
+/// The bucket key of the spreader's key `i` (source 10.0.0.0 + i) under
+/// rule `m` of `plane`.
+fn spread_key(plane: &TestPlane, m: usize, i: u32) -> flowctl_common::BucketKey {
+    let mut k = flowctl_common::BucketKey {
+        state_id: plane.state.rules[m].state_id,
+        family: 4,
+        ..Default::default()
+    };
+    k.src[0] = 0x0a00_0000 + i;
+    k
+}
+
+fn fleet_packet_cost(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
+    use flowctl::dataplane::GlobalKeys;
+    use flowctl_common::{grant, MAX_GRANTS, XDP_DROP, XDP_PASS};
+    // The same rule both ways: `measured`, keyed by source, at 1G/s
+    // (admitted) and 1/h (dropped). 1G/s rather than section 1's 100G/s: a
+    // global rule's amounts stay under 2^32 (docs/design.md, C4).
+    let (pass_rate, drop_rate) = ("1G/s", "1/h");
+    let local_pass = plane(&fleet_profile(profile, pass_rate, false));
+    let leased_pass = plane(&fleet_profile(profile, pass_rate, true));
+    let share_pass = plane(&fleet_profile(profile, pass_rate, true));
+    let local_drop = plane(&fleet_profile(profile, drop_rate, false));
+    let leased_drop = plane(&fleet_profile(profile, drop_rate, true));
+    let share_drop = plane(&fleet_profile(profile, drop_rate, true));
+    let m = local_pass.state.rules.iter().position(|r| r.name == "measured").unwrap();
+    let rule_of = |rate: &str| {
+        let set = flowctl::profile::parse("bench", &fleet_profile(profile, rate, true)).unwrap();
+        assert!(set.rules[m].global.is_some(), "`measured` is global");
+        (set.rules[m].interval_fp, set.rules[m].burst)
+    };
+    // A leased key's grant: the whole limit (one host holding it; a share
+    // of it costs the same per packet).
+    let leases = [(&leased_pass, rule_of(pass_rate)), (&leased_drop, rule_of(drop_rate))];
+    let mut gks: Vec<GlobalKeys> = [&leased_pass, &share_pass, &leased_drop, &share_drop]
+        .iter()
+        .map(|p| GlobalKeys::open(&p.id).expect("the global rule's maps"))
+        .collect();
+    println!(
+        "  `measured` keyed by source, local or scope = \"global\", admitted at {pass_rate} and dropped at {drop_rate}; leased: a grant in FLOWCTL_GRANTS for the key (the hot key's case), share: no lease (the default share, 1% of the rate)"
+    );
+    println!(
+        "{:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}  leased keys",
+        "keys", "path", "local", "leased", "ratio", "share", "ratio"
+    );
+    let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    let repeat = if quick { 100_000 } else { 300_000 };
+    for &n in key_counts {
+        refs.set_keys(n);
+        let leased = n.min(MAX_GRANTS);
+        for (i, (p, (interval_fp, burst))) in leases.iter().enumerate() {
+            let gk = &mut gks[if i == 0 { 0 } else { 2 }];
+            for k in 0..leased {
+                gk.set_grant(&spread_key(p, m, k), *interval_fp, *burst).expect("set a grant");
+            }
+        }
+        let targets = [
+            xdp_fd(&local_pass),
+            xdp_fd(&leased_pass),
+            xdp_fd(&share_pass),
+            xdp_fd(&local_drop),
+            xdp_fd(&leased_drop),
+            xdp_fd(&share_drop),
+        ];
+        // Between rounds, drain the hot-key rings as the agent does (a full
+        // ring would make the kernel's reports cheaper than they are).
+        let (med, verdicts) = refs.interleaved_with(&targets, frame, n, repeat, || {
+            for gk in gks.iter_mut() {
+                let _ = gk.hot(1 << 16);
+            }
+        });
+        assert_eq!(
+            verdicts,
+            [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP],
+            "admitted and dropped paths"
+        );
+        // The grants reached the keys' buckets (so the leased runs measured
+        // the leased path) and the unleased keys run at the share.
+        let probe = spread_key(&leased_pass, m, 1);
+        let word = gks[0].bucket(&probe).expect("a leased key's bucket").grant;
+        assert_eq!(
+            word,
+            grant::encode(leases[0].1 .0, leases[0].1 .1),
+            "the bucket cached the grant"
+        );
+        let b = gks[1].bucket(&spread_key(&share_pass, m, 1)).expect("an unleased key's bucket");
+        assert_eq!(b.grant, grant::NO_LEASE);
+        // Each key's bucket made once (the warm-up), none refused: the
+        // runs measured lookups of existing buckets.
+        for (name, p) in [("leased", &leased_pass), ("share", &share_pass)] {
+            let c = p.counters("measured");
+            println!(
+                "{:>9} {name}: {} bucket inserts, {} insert failures",
+                "", c.key_inserts, c.insert_failures
+            );
+        }
+        let leased_note = if leased == n {
+            format!("{leased} of {n} (every key)")
+        } else {
+            format!("{leased} of {n} (FLOWCTL_GRANTS holds {MAX_GRANTS}); the rest at the share")
+        };
+        for (path, o) in [("admit", 0), ("drop", 3)] {
+            println!(
+                "{:>9} {:>7} {:>8.1} {:>8.1} {:>7.3}x {:>8.1} {:>7.3}x  {}",
+                n,
+                path,
+                med[o],
+                med[o + 1],
+                med[o + 1] / med[o],
+                med[o + 2],
+                med[o + 2] / med[o],
+                if o == 0 { leased_note.as_str() } else { "" }
+            );
+        }
+        println!(
+            "{:>9} leased/local: admitted {:.3}x, dropped {:.3}x (target: at most 1.05x)",
+            "",
+            med[1] / med[0],
+            med[4] / med[3]
+        );
+    }
+    println!("  network round trips on the packet path: 0, by construction: the XDP program reads the key's grant from a BPF map (FLOWCTL_GRANTS, re-read at most every {} ms into the key's bucket); only the agent's lease loop talks to Redis", grant::REFRESH_NS / 1_000_000);
 }
