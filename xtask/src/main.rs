@@ -42,7 +42,13 @@ enum Cmd {
         full: bool,
     },
     /// Build, make a throwaway veth lab, attach, drive traffic, show counters, clean up.
-    Demo,
+    /// `demo fleet`: three agents sharing one etcd profile and one global
+    /// rule through Redis, the fleet's admitted rate against the limit.
+    Demo {
+        /// `fleet` for the fleet variant (docs/fleet.md); none: the main demo.
+        #[arg(value_enum)]
+        variant: Option<DemoVariant>,
+    },
     /// The differential fuzzer (docs/classification.md): N generated frames
     /// through the real XDP program, compared with the reference classifier;
     /// disagreeing frames go to target/fuzz with a replay command each.
@@ -60,6 +66,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DemoVariant {
+    /// Real etcd and Redis in namespaces, three labs, three agents, one global rule.
+    Fleet,
 }
 
 pub fn run(cmd: &mut Command) -> Result<()> {
@@ -89,10 +101,18 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::setup(),
         Cmd::Test { kernels, full } => matrix::test(matrix::Selection::parse(&kernels, full)?),
-        Cmd::Demo => {
+        Cmd::Demo { variant: None } => {
             privileged("the demo creates network namespaces and loads XDP", "demo")?;
             let bin = release_flowctl()?;
             run(tests_bin("flowctl-demo").env("FLOWCTL_BIN", bin))
+        }
+        Cmd::Demo { variant: Some(DemoVariant::Fleet) } => {
+            privileged(
+                "the fleet demo creates network namespaces, starts etcd and Redis and loads XDP",
+                "demo fleet",
+            )?;
+            let bin = release_flowctl()?;
+            run(tests_bin("flowctl-demo-fleet").env("FLOWCTL_BIN", bin))
         }
         Cmd::Fuzz { frames, args } => {
             privileged(
