@@ -180,6 +180,17 @@ pub fn spark_text(points: &[Option<f64>], max: Option<f64>) -> String {
         .collect()
 }
 
+/// The lease store of the global rules in a few words (`top`'s title and
+/// detail view).
+pub fn store_text(s: &crate::agent::leases::PublishedStore) -> String {
+    format!(
+        "store {}{}{}",
+        if s.up { "ok" } else { "down" },
+        s.rtt_ms.map(|ms| format!(" {ms:.1}ms")).unwrap_or_default(),
+        s.hosts.map(|n| format!(" {n} hosts")).unwrap_or_default()
+    )
+}
+
 /// What `status` says of the global rules' leases: the store, then per
 /// rule the keys this host holds leases for.
 pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {

@@ -10,8 +10,8 @@ use super::{
     history::{History, RuleHistory, Series, POINTS},
     keys::KeysNow,
     screen::Item,
+    spark::{spark_row, SparkLine, SPARK_LABEL},
     state::{Attachment, RuleRow, Top},
-    view::{spark_row, SparkLine, SPARK_LABEL},
 };
 use crate::{
     agent::breakers::{Published, PublishedBreaker},
@@ -255,7 +255,7 @@ fn rule_facts(a: &Attachment, r: &RuleRow, width: u16) -> Vec<Line<'static>> {
             g.burst,
             held.len(),
             held.iter().filter_map(|k| k.rate).sum::<u64>(),
-            super::view::store_text(&a.leases.as_ref().expect("found").store),
+            crate::cli::format::store_text(&a.leases.as_ref().expect("found").store),
             a.leases.as_ref().expect("found").store.health
         ));
     }

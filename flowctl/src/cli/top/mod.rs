@@ -6,6 +6,7 @@ pub mod detail;
 pub mod history;
 pub mod keys;
 pub mod screen;
+pub mod spark;
 pub mod state;
 pub mod view;
 
