@@ -12,6 +12,11 @@ use std::{process::Command, time::Duration};
 
 pub const PORT: u16 = 6379;
 
+/// The server arguments every test's Redis shares: nothing persisted (no
+/// RDB snapshots, no append-only file), its files in the server's own
+/// directory ([`Server`]'s `{dir}`), removed with it.
+pub const EPHEMERAL: [&str; 6] = ["--save", "", "--appendonly", "no", "--dir", "{dir}"];
+
 pub struct Redis {
     pub server: Server,
     pub net: StoreNet,
@@ -22,24 +27,13 @@ impl Redis {
         let net = StoreNet::new(tag, 204);
         let ns = net.ns.0.clone();
         let port = PORT.to_string();
+        let mut args = vec!["--port", &port, "--bind", "0.0.0.0", "--protected-mode", "no"];
+        args.extend(EPHEMERAL);
         let server = Server::start(
             "redis",
             Some(&net.ns.0),
             "redis-server",
-            &[
-                "--port",
-                &port,
-                "--bind",
-                "0.0.0.0",
-                "--protected-mode",
-                "no",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                "{dir}",
-            ],
+            &args,
             move |_| cli_in(&ns, &["PING"]).trim() == "PONG",
             Duration::from_secs(10),
         );

@@ -5,7 +5,7 @@
 //! dropped; and a current-thread tokio runtime to drive flowctl's client.
 
 use flowctl::fleet::global::store::{Store, StoreConfig};
-use flowctl_tests::{lab::Netns, server::Server, unique};
+use flowctl_tests::{lab::Netns, redis::EPHEMERAL, server::Server, unique};
 use std::{path::PathBuf, process::Command, time::Duration};
 
 pub struct Redis {
@@ -22,20 +22,9 @@ impl Redis {
     /// `extra`: more server arguments (`--requirepass`, `--user`).
     pub fn start(password: Option<&str>, extra: &[&str]) -> Self {
         let ns = Netns::new(&unique("flowctl-redis-"));
-        let mut args = vec![
-            "--port",
-            "0",
-            "--unixsocket",
-            "{dir}/redis.sock",
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            "{dir}",
-        ];
+        let mut args =
+            vec!["--port", "0", "--unixsocket", "{dir}/redis.sock", "--unixsocketperm", "700"];
+        args.extend(EPHEMERAL);
         if let Some(p) = password {
             args.extend(["--requirepass", p]);
         }
@@ -209,13 +198,10 @@ impl TlsRedis {
             "no",
             "--requirepass",
             password,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            "{dir}",
-        ];
+        ]
+        .into_iter()
+        .chain(EPHEMERAL)
+        .collect::<Vec<_>>();
         let ns_name = ns.0.clone();
         let server = Server::start(
             "redis-tls",
