@@ -23,7 +23,7 @@ use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 use flowctl_common::{
     action, gcra, grant, keys::bucket_key, reason, unit, BucketKey, GlobalBucket, HotKey,
-    CAS_RETRIES,
+    PacketMeta, RuleConfig, CAS_RETRIES,
 };
 
 /// What [`admit`] decides.
@@ -50,7 +50,7 @@ pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
     // What the rule's unit counts: the stages before let only SYNs of a
     // `connections` rule through to here.
     let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
-    let outcome = match admit(rule_at, record, cost, now) {
+    let outcome = match admit(rule, meta, record, cost, now) {
         code::PASS => Outcome::Pass,
         _ if rule.action == action::DRY_RUN => Outcome::WouldDrop,
         code::CONTENDED => Outcome::Drop(reason::CONTENDED),
@@ -64,9 +64,7 @@ pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
 
 /// The bucket decision for a global rule's packet of `cost` units.
 #[inline(always)]
-fn admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
-    let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return code::PASS };
-    let Some(meta) = packet() else { return code::PASS };
+fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64) -> u32 {
     let Some(scratch) = FLOWCTL_GLOBAL_SCRATCH.get_ptr_mut(0) else { return code::PASS };
     unsafe { (*scratch).key = bucket_key(meta, rule) };
     let key = unsafe { &(*scratch).key };
