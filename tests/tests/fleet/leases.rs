@@ -4,7 +4,7 @@
 use crate::redis::{runtime, Certs, Redis, TlsRedis};
 use flowctl::fleet::global::store::StoreConfig;
 use flowctl::fleet::global::{
-    allocator::{Cell, Memory},
+    allocator::{Cell, Item, Memory},
     host::{Batch, GrantSink, HostConfig, Manager},
     sim::Rng,
     store::{Health, Store, StoreError},
@@ -15,11 +15,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The cell as it stands at `now`: live entries, a learning deadline still
+/// The cell as it stands at `now`: live entries (leases, or used quota
+/// still in a window), a learning deadline still
 /// ahead (Redis drops a cell's key a second after its last lease ends, the
 /// in-memory store at its next call; both mean the same).
 fn live(mut cell: Cell, now: Micros) -> Cell {
-    cell.hosts.retain(|_, e| e.expires > now);
+    cell.hosts.retain(|_, e| e.lives(now));
     if cell.learn_until <= now {
         cell.learn_until = 0;
     }
@@ -31,8 +32,8 @@ fn seed() -> u64 {
 }
 
 /// Hundreds of random batches (hosts, keys, held shares true or made up,
-/// demands, stale sequence numbers, pauses that let leases end, a
-/// FLUSHALL half way) through the script in Redis and through the pure
+/// demands, used quota, stale sequence numbers, pauses that let leases
+/// end, a quota window longer than the lease, a FLUSHALL half way) through the script in Redis and through the pure
 /// allocator at the script's own clock: the same replies and the same
 /// cells, every step.
 pub fn lease_script_agrees_with_allocator() {
@@ -41,6 +42,8 @@ pub fn lease_script_agrees_with_allocator() {
     let mut store = redis.store();
     let mut rule = GlobalRule::new(&unique("diff"), 1000, 300);
     rule.quota = Some(5000);
+    // Longer than the lease: entries linger with their used quota.
+    rule.quota_window = 400_000;
     rule.lease = 250_000;
     rule.refresh = 50_000;
     let seed = seed();
@@ -51,6 +54,7 @@ pub fn lease_script_agrees_with_allocator() {
     let mut seqs = [0u64; 4];
     let mut held: BTreeMap<(usize, &str), Share> = BTreeMap::new();
     let (mut learning, mut stale, mut granted, mut compared) = (0, 0, 0, 0);
+    let mut lingered = 0;
     for step in 0..400u64 {
         if step == 200 {
             assert_eq!(redis.cli(&["FLUSHALL"]), "OK");
@@ -64,7 +68,7 @@ pub fn lease_script_agrees_with_allocator() {
         };
         // The first item is a new cell: its reply's expiry gives the
         // script's clock.
-        let mut items = vec![(format!("probe{step}"), Share::ZERO, 1)];
+        let mut items = vec![Item::new(&format!("probe{step}"), Share::ZERO, 1)];
         for k in keys {
             if !rng.chance(600_000) {
                 continue;
@@ -81,7 +85,11 @@ pub fn lease_script_agrees_with_allocator() {
                 0 => 0,
                 _ => rng.range(1, 3000),
             };
-            items.push((k.to_string(), h_held, demand));
+            let used = match rng.range(0, 3) {
+                0 => 0,
+                _ => rng.range(1, 6000),
+            };
+            items.push(Item { key: k.to_string(), held: h_held, demand, used });
         }
         let batch =
             Batch { rule: rule.name.clone(), host: hosts[h].into(), seq, sent_at: 0, items };
@@ -90,8 +98,9 @@ pub fn lease_script_agrees_with_allocator() {
         let now = got.replies[0].expires - rule.lease;
         let want = memory.run_batch(&batch.call(&rule, &got.epoch), now);
         assert_eq!(got, want, "step {step} (seed {seed}): {batch:?}");
-        for ((key, _, _), reply) in batch.items.iter().zip(&got.replies).skip(1) {
+        for (Item { key, .. }, reply) in batch.items.iter().zip(&got.replies).skip(1) {
             let in_redis = rt.block_on(store.cell(&rule.name, key)).expect("cell");
+            lingered += in_redis.hosts.values().filter(|e| e.expires <= now && e.lives(now)).count();
             // Redis drops a cell's key a second after its last lease; a
             // test stalled that long (a loaded machine) reads after the
             // cell is rightly gone, so that step's cells are not compared.
@@ -121,8 +130,8 @@ pub fn lease_script_agrees_with_allocator() {
     rule.lease = 30_000_000;
     for i in 0..250u64 {
         let items = vec![
-            ("probe-big".to_string() + &i.to_string(), Share::ZERO, 1),
-            ("big".to_string(), Share::ZERO, 1 + i),
+            Item::new(&format!("probe-big{i}"), Share::ZERO, 1),
+            Item::new("big", Share::ZERO, 1 + i),
         ];
         let batch =
             Batch { rule: rule.name.clone(), host: format!("b{i}"), seq: 1, sent_at: 0, items };
@@ -146,8 +155,8 @@ pub fn lease_script_agrees_with_allocator() {
     assert!(compared > 300, "only {compared} cells compared (a stalled machine?)");
     // The random walk covered every branch.
     assert!(
-        learning > 0 && stale > 0 && granted > 20,
-        "learning {learning} stale {stale} granted {granted}"
+        learning > 0 && stale > 0 && granted > 20 && lingered > 0,
+        "learning {learning} stale {stale} granted {granted} lingered {lingered}"
     );
 }
 

@@ -23,6 +23,13 @@
 //!    what the others leave unreserved, so the sum of reservations never
 //!    exceeds L; the burst and quota shares follow the rate's proportion of
 //!    L, capped the same way.
+//!
+//! Quotas add one thing: what a host has already admitted in its quota
+//! window (`used`, reported with each request) stays reserved until it has
+//! left every window, `quota_window` after the report, even when the
+//! host's lease ends first (the entry lingers with only that). So a quota
+//! moved from one host to another is never spent twice in one window
+//! (docs/design.md, "Global quotas").
 
 use super::{GlobalRule, Micros, Share, MAX_AMOUNT, SHARE_ONE};
 use std::collections::BTreeMap;
@@ -40,32 +47,65 @@ pub struct Entry {
     pub expires: Micros,
     /// The host's last request's sequence number.
     pub seq: u64,
+    /// Quota units the host had admitted in its window when it last asked.
+    pub used: u64,
+    /// Store clock: `used` has left every quota window.
+    pub used_until: Micros,
 }
 
 impl Entry {
-    /// What the entry keeps from the others: `max(granted, acked)`.
-    pub fn reserved(&self) -> Share {
-        self.granted.max(self.acked)
+    /// What the entry keeps from the others at `now`: `max(granted, acked)`
+    /// while its lease lives, and the quota it used while that is still in
+    /// a window (also after the lease ended).
+    pub fn reserved(&self, now: Micros) -> Share {
+        let used = if self.used_until > now { self.used } else { 0 };
+        let mut r = if self.expires > now { self.granted.max(self.acked) } else { Share::ZERO };
+        r.quota = r.quota.max(used);
+        r
+    }
+
+    /// Whether the store still needs the entry at `now`.
+    pub fn lives(&self, now: Micros) -> bool {
+        self.expires > now || (self.used > 0 && self.used_until > now)
     }
 
     /// The hash field's value, as `lease.lua` writes it.
     pub fn encode(&self) -> String {
         let (g, a) = (self.granted, self.acked);
         format!(
-            "{},{},{},{},{},{},{},{},{}",
-            g.rate, g.burst, g.quota, a.rate, a.burst, a.quota, self.demand, self.expires, self.seq
+            "{},{},{},{},{},{},{},{},{},{},{}",
+            g.rate,
+            g.burst,
+            g.quota,
+            a.rate,
+            a.burst,
+            a.quota,
+            self.demand,
+            self.expires,
+            self.seq,
+            self.used,
+            self.used_until
         )
     }
 
+    /// A hash field's value; one of nine numbers (written before quotas
+    /// were split, during a rolling upgrade) has nothing used.
     pub fn decode(s: &str) -> Option<Entry> {
         let v: Vec<u64> = s.split(',').map(|x| x.parse().ok()).collect::<Option<_>>()?;
-        let [gr, gb, gq, ar, ab, aq, demand, expires, seq] = v[..] else { return None };
+        let (used, used_until) = match v.len() {
+            9 => (0, 0),
+            11 => (v[9], v[10]),
+            _ => return None,
+        };
+        let [gr, gb, gq, ar, ab, aq, demand, expires, seq] = v[..9] else { return None };
         Some(Entry {
             granted: Share { rate: gr, burst: gb, quota: gq },
             acked: Share { rate: ar, burst: ab, quota: aq },
             demand,
             expires,
             seq,
+            used,
+            used_until,
         })
     }
 }
@@ -87,9 +127,9 @@ pub struct Cell {
 }
 
 impl Cell {
-    /// The sum of every entry's reservation.
-    pub fn reserved(&self) -> Share {
-        self.hosts.values().fold(Share::ZERO, |s, e| add(s, e.reserved()))
+    /// The sum of every entry's reservation at `now`.
+    pub fn reserved(&self, now: Micros) -> Share {
+        self.hosts.values().fold(Share::ZERO, |s, e| add(s, e.reserved(now)))
     }
 
     /// Whether the store drops the cell (nothing to remember).
@@ -134,11 +174,20 @@ pub struct Limits {
     pub burst: u64,
     pub quota: u64,
     pub lease: Micros,
+    /// How long a host's reported `used` stays reserved: the quota window,
+    /// lengthened by the clock-rate bound (0 without a quota).
+    pub quota_window: Micros,
 }
 
 impl From<&GlobalRule> for Limits {
     fn from(r: &GlobalRule) -> Self {
-        Limits { rate: r.rate, burst: r.burst, quota: r.quota_total(), lease: r.lease }
+        Limits {
+            rate: r.rate,
+            burst: r.burst,
+            quota: r.quota_total(),
+            lease: r.lease,
+            quota_window: r.store_quota_window(),
+        }
     }
 }
 
@@ -153,6 +202,9 @@ pub struct Request {
     /// Offered units per second (the host asks for L when it has not
     /// measured yet); 0 releases the lease.
     pub demand: u64,
+    /// Quota units the host has admitted in its current window (0 without
+    /// a quota).
+    pub used: u64,
 }
 
 /// The store's answer for one key.
@@ -228,8 +280,10 @@ pub fn allocate(
         burst: req.held.burst.min(MAX_AMOUNT),
         quota: req.held.quota.min(MAX_AMOUNT),
     };
-    // 1. Leases that ended in the store.
-    cell.hosts.retain(|_, e| e.expires > now);
+    let used = req.used.min(MAX_AMOUNT);
+    // 1. Leases that ended in the store (an entry whose used quota is still
+    // in a window lingers with only that).
+    cell.hosts.retain(|_, e| e.lives(now));
 
     // 2. Stale: a later request of this host was already served.
     if let Some(e) = cell.hosts.get(&req.host) {
@@ -242,7 +296,7 @@ pub fn allocate(
     }
 
     // 3. The host holds more than the store knows: state was lost.
-    let mine = cell.hosts.get(&req.host).map(Entry::reserved).unwrap_or_default();
+    let mine = cell.hosts.get(&req.host).map(|e| e.reserved(now)).unwrap_or_default();
     if held.exceeds(&mine) {
         cell.learn_until = cell.learn_until.max(now + limits.lease);
     }
@@ -253,7 +307,7 @@ pub fn allocate(
         .hosts
         .iter()
         .filter(|(h, _)| **h != req.host)
-        .fold(Share::ZERO, |s, (_, e)| add(s, e.reserved()));
+        .fold(Share::ZERO, |s, (_, e)| add(s, e.reserved(now)));
     let free = Share {
         rate: limits.rate.saturating_sub(others.rate),
         burst: limits.burst.saturating_sub(others.burst),
@@ -262,8 +316,13 @@ pub fn allocate(
 
     // 5. The fair share.
     let demand = req.demand.min(MAX_AMOUNT);
-    let mut demands: Vec<u64> =
-        cell.hosts.iter().filter(|(h, _)| **h != req.host).map(|(_, e)| e.demand).collect();
+    // Only live leases compete (a lingering entry asks for nothing).
+    let mut demands: Vec<u64> = cell
+        .hosts
+        .iter()
+        .filter(|(h, e)| **h != req.host && e.expires > now)
+        .map(|(_, e)| e.demand)
+        .collect();
     demands.push(demand);
     let target = fair_share(limits.rate, &demands, demand);
 
@@ -283,18 +342,35 @@ pub fn allocate(
         }
     };
     let expires = now + limits.lease;
-    if grant.is_zero() && held.is_zero() && demand == 0 {
+    if grant.is_zero() && held.is_zero() && demand == 0 && used == 0 {
         // Released and acknowledged: nothing left to remember.
         cell.hosts.remove(&req.host);
     } else {
-        let entry = Entry { granted: grant, acked: held, demand, expires, seq: req.seq };
+        let used_until = if used > 0 { now + limits.quota_window } else { 0 };
+        let entry =
+            Entry { granted: grant, acked: held, demand, expires, seq: req.seq, used, used_until };
         cell.hosts.insert(req.host.clone(), entry);
     }
     (cell, Reply { fresh: true, grant, target, expires, learning })
 }
 
-/// One key of a batch: (key, held, demand).
-pub type Item = (String, Share, u64);
+/// One key of a batch, as a host asks for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    pub key: String,
+    /// What the host enforces for the key now (zero: no lease).
+    pub held: Share,
+    /// Offered units per second; 0 releases the lease.
+    pub demand: u64,
+    /// Quota units admitted in the host's current window.
+    pub used: u64,
+}
+
+impl Item {
+    pub fn new(key: &str, held: Share, demand: u64) -> Self {
+        Item { key: key.to_string(), held, demand, used: 0 }
+    }
+}
 
 /// A batch's answer: the rule's epoch and one reply per item, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -330,10 +406,16 @@ impl Memory {
         let Call { rule, limits, candidate_epoch, host, seq, items } = *call;
         let meta = open_meta(self.metas.remove(rule), candidate_epoch, limits.lease, now);
         let mut replies = Vec::with_capacity(items.len());
-        for (key, held, demand) in items {
-            let id = (rule.to_string(), key.clone());
+        for it in items {
+            let id = (rule.to_string(), it.key.clone());
             let cell = self.cells.remove(&id).unwrap_or_default();
-            let req = Request { host: host.to_string(), seq, held: *held, demand: *demand };
+            let req = Request {
+                host: host.to_string(),
+                seq,
+                held: it.held,
+                demand: it.demand,
+                used: it.used,
+            };
             let (cell, reply) = allocate(&limits, &meta, cell, &req, now);
             if !cell.is_empty_at(now) {
                 self.cells.insert(id, cell);
@@ -366,10 +448,7 @@ impl Memory {
     /// The sum of live reservations in a cell at `now`.
     pub fn reserved(&self, rule: &str, key: &str, now: Micros) -> Share {
         let cell = self.cell(rule, key);
-        cell.hosts
-            .values()
-            .filter(|e| e.expires > now)
-            .fold(Share::ZERO, |s, e| add(s, e.reserved()))
+        cell.reserved(now)
     }
 }
 
@@ -378,14 +457,15 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const LIM: Limits = Limits { rate: 1000, burst: 200, quota: 0, lease: 10_000_000 };
+    const LIM: Limits =
+        Limits { rate: 1000, burst: 200, quota: 0, lease: 10_000_000, quota_window: 0 };
 
     fn meta() -> Meta {
         Meta { epoch: "e".into(), learn_until: 0 }
     }
 
     fn req(host: &str, seq: u64, held: Share, demand: u64) -> Request {
-        Request { host: host.into(), seq, held, demand }
+        Request { host: host.into(), seq, held, demand, used: 0 }
     }
 
     #[test]
@@ -422,7 +502,7 @@ mod tests {
         let (cell, _) = allocate(&LIM, &meta(), cell, &req("a", 3, held_a, 5000), now + 4);
         let (cell, r) = allocate(&LIM, &meta(), cell, &req("b", 3, Share::ZERO, 5000), now + 5);
         assert_eq!(r.grant, Share { rate: 500, burst: 100, quota: 0 });
-        assert!(cell.reserved().rate <= 1000 && cell.reserved().burst <= 200);
+        assert!(cell.reserved(now + 5).rate <= 1000 && cell.reserved(now + 5).burst <= 200);
     }
 
     #[test]
@@ -449,7 +529,7 @@ mod tests {
     fn release_then_ack_forgets_the_host() {
         let (cell, r) = allocate(&LIM, &meta(), Cell::default(), &req("a", 1, Share::ZERO, 100), 1);
         let (cell, _) = allocate(&LIM, &meta(), cell, &req("a", 2, r.grant, 0), 2);
-        assert_eq!(cell.hosts["a"].reserved(), r.grant);
+        assert_eq!(cell.hosts["a"].reserved(2), r.grant);
         let (cell, _) = allocate(&LIM, &meta(), cell, &req("a", 3, Share::ZERO, 0), 3);
         assert!(cell.hosts.is_empty());
     }
@@ -457,7 +537,7 @@ mod tests {
     #[test]
     fn a_new_store_learns_for_one_lease() {
         let mut m = Memory::default();
-        let items = vec![("k".to_string(), Share::ZERO, 100)];
+        let items = vec![Item::new("k", Share::ZERO, 100)];
         let call = |epoch, seq| Call {
             rule: "r",
             limits: LIM,
@@ -480,9 +560,98 @@ mod tests {
             demand: 7,
             expires: 1_764_000_000_000_000,
             seq: 9,
+            used: 10,
+            used_until: 1_764_000_060_000_000,
         };
         assert_eq!(Entry::decode(&e.encode()), Some(e));
         assert_eq!(Entry::decode("1,2"), None);
+        // Written by an agent from before quotas were split: nothing used.
+        let old = Entry::decode("1,2,3,4,5,6,7,8,9").unwrap();
+        assert_eq!((old.seq, old.used, old.used_until), (9, 0, 0));
+    }
+
+    const QLIM: Limits =
+        Limits { rate: 1000, burst: 200, quota: 600, lease: 10_000_000, quota_window: 60_000_000 };
+
+    fn ask(host: &str, seq: u64, held: Share, demand: u64, used: u64) -> Request {
+        Request { host: host.into(), seq, held, demand, used }
+    }
+
+    #[test]
+    fn quota_shares_follow_the_rate_and_used_quota_stays_reserved() {
+        let z = Share::ZERO;
+        let (cell, r) = allocate(&QLIM, &meta(), Cell::default(), &ask("a", 1, z, 5000, 0), 0);
+        assert_eq!(r.grant, Share { rate: 1000, burst: 200, quota: 600 });
+        // a spends 500 of its 600, then its traffic moves to b: a releases.
+        let (cell, r) = allocate(&QLIM, &meta(), cell, &ask("a", 2, r.grant, 0, 500), 1_000_000);
+        assert_eq!(r.grant, z);
+        let (cell, _) = allocate(&QLIM, &meta(), cell, &ask("a", 3, z, 0, 500), 1_100_000);
+        // The release is acknowledged, but the 500 a admitted are still in
+        // the window: b gets the rate and burst, and only 100 of the quota.
+        assert_eq!(cell.hosts["a"].reserved(1_100_000), Share { rate: 0, burst: 0, quota: 500 });
+        let (cell, r) = allocate(&QLIM, &meta(), cell, &ask("b", 1, z, 5000, 0), 1_200_000);
+        assert_eq!(r.grant, Share { rate: 1000, burst: 200, quota: 100 });
+        // Past a's lease, its used quota still lingers...
+        let later = 1_100_000 + QLIM.lease + 1;
+        let (cell, r) = allocate(&QLIM, &meta(), cell, &ask("b", 2, r.grant, 5000, 100), later);
+        assert_eq!(r.grant.quota, 100);
+        // ...until it has left the window (b's own lease ended meanwhile).
+        let gone = 1_100_000 + QLIM.quota_window;
+        let (cell, r) = allocate(&QLIM, &meta(), cell, &ask("b", 3, z, 5000, 100), gone);
+        assert_eq!(r.grant.quota, 600);
+        assert!(!cell.hosts.contains_key("a"));
+    }
+
+    #[test]
+    fn used_above_the_held_share_is_not_lost_state() {
+        // A host whose share was cut reports more used than it now holds:
+        // that is not a sign of a store that forgot, so no learning.
+        let z = Share::ZERO;
+        let (cell, r) = allocate(&QLIM, &meta(), Cell::default(), &ask("a", 1, z, 5000, 0), 0);
+        let (cell, r) = allocate(&QLIM, &meta(), cell, &ask("a", 2, r.grant, 10, 590), 1_000);
+        assert!(!r.learning);
+        assert_eq!(cell.hosts["a"].reserved(1_000).quota, 600.max(590));
+    }
+
+    proptest! {
+        /// Hosts spend quota within their shares and move traffic at
+        /// random; every window of the quota's length admits at most Q
+        /// fleet-wide, counting what each host admitted when.
+        #[test]
+        fn quota_spent_in_any_window_stays_within_q(
+            steps in proptest::collection::vec((0usize..4, 0u64..2000, 0u64..400_000, 0u64..700), 1..300),
+        ) {
+            let lim = Limits { rate: 1000, burst: 100, quota: 700, lease: 2_000_000, quota_window: 3_000_000 };
+            let w = lim.quota_window;
+            let mut cell = Cell::default();
+            // Per host: its enforced share (with its local expiry) and the
+            // admissions in its window, (time, units).
+            let mut share: BTreeMap<usize, (Share, Micros)> = BTreeMap::new();
+            let mut spent: Vec<(usize, Micros, u64)> = Vec::new();
+            let mut seqs = [0u64; 4];
+            let mut now = 10;
+            for (h, demand, dt, want) in steps {
+                now += dt;
+                // The host spends what its share allows in its window.
+                let (held, until) = share.get(&h).copied().unwrap_or_default();
+                let held = if until > now { held } else { Share::ZERO };
+                let used: u64 = spent.iter().filter(|(x, t, _)| *x == h && *t + w > now).map(|s| s.2).sum();
+                let take = want.min(held.quota.saturating_sub(used));
+                if take > 0 {
+                    spent.push((h, now, take));
+                }
+                let used = used + take;
+                seqs[h] += 1;
+                let host = format!("h{h}");
+                let (c, r) = allocate(&lim, &meta(), cell, &ask(&host, seqs[h], held, demand, used), now);
+                cell = c;
+                // The local lease ends before the store's (sent at `now`).
+                share.insert(h, (r.grant, now + lim.lease - 1));
+                let in_window: u64 = spent.iter().filter(|(_, t, _)| *t + w > now).map(|s| s.2).sum();
+                prop_assert!(in_window <= lim.quota, "{in_window} in one window");
+                prop_assert!(cell.reserved(now).quota <= lim.quota);
+            }
+        }
     }
 
     proptest! {
@@ -495,7 +664,7 @@ mod tests {
             steps in proptest::collection::vec((0usize..6, 0u64..3000, 0u64..3, 0u64..2_000_000), 1..200),
             rate in 1u64..5000, burst in 1u64..5000, quota in 0u64..5000,
         ) {
-            let lim = Limits { rate, burst, quota, lease: 3_000_000 };
+            let lim = Limits { rate, burst, quota, lease: 3_000_000, quota_window: 5_000_000 };
             let mut cell = Cell::default();
             let mut held: BTreeMap<String, Share> = BTreeMap::new();
             let mut seqs = [0u64; 6];
@@ -508,7 +677,7 @@ mod tests {
                 let seq = seqs[h].saturating_sub(lag);
                 // What the host holds: its last applied grant while its
                 // lease lives (it expires earlier on the host).
-                let mine = cell.hosts.get(&host).filter(|e| e.expires > now).map(|e| e.reserved());
+                let mine = cell.hosts.get(&host).filter(|e| e.expires > now).map(|e| e.reserved(now));
                 let h_held = held.get(&host).copied().filter(|_| mine.is_some()).unwrap_or_default();
                 let (c, r) = allocate(&lim, &meta(), cell, &req(&host, seq, h_held, demand), now);
                 cell = c;
@@ -516,7 +685,7 @@ mod tests {
                     prop_assert!(r.grant.rate <= r.target.max(h_held.rate));
                     held.insert(host, r.grant);
                 }
-                let sum = cell.reserved();
+                let sum = cell.reserved(now);
                 prop_assert!(sum.rate <= rate && sum.burst <= burst && sum.quota <= quota, "{sum:?}");
             }
         }

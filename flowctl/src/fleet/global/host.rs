@@ -70,7 +70,6 @@ pub struct Batch {
     pub seq: u64,
     /// Host clock.
     pub sent_at: Micros,
-    /// (key, held, demand).
     pub items: Vec<Item>,
 }
 
@@ -139,6 +138,9 @@ struct KeyState {
     history: VecDeque<(u64, Micros)>,
     /// Give the lease back (the agent is stopping): demand 0 from now on.
     release: bool,
+    /// Quota units admitted in the key's current window here (the kernel's
+    /// ring), as last read.
+    used: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -257,6 +259,16 @@ impl Manager {
         }
     }
 
+    /// The quota units the key has admitted in its current window here
+    /// (the kernel's quota ring, read with the offered count). Reported
+    /// with every request, so the store keeps them reserved until they
+    /// have left the window.
+    pub fn observe_used(&mut self, rule: &str, key: &str, used: u64) {
+        if let Some(k) = self.rules.get_mut(rule).and_then(|r| r.keys.get_mut(key)) {
+            k.used = used;
+        }
+    }
+
     /// Ends leases that ran out, gives up on batches past the timeout, and
     /// returns the batches due now (at most one in flight per rule).
     pub fn poll(&mut self, now: Micros, sink: &mut impl GrantSink) -> Vec<Batch> {
@@ -285,9 +297,11 @@ impl Manager {
             let items: Vec<Item> = r
                 .keys
                 .iter_mut()
-                .map(|(key, k)| {
-                    let demand = Self::measure(k, refresh, ask);
-                    (key.clone(), k.lease.map(|g| g.share).unwrap_or_default(), demand)
+                .map(|(key, k)| Item {
+                    key: key.clone(),
+                    demand: Self::measure(k, refresh, ask),
+                    held: k.lease.map(|g| g.share).unwrap_or_default(),
+                    used: k.used,
                 })
                 .collect();
             r.in_flight = Some(InFlight { seq, sent_at: now, items: items.clone() });
@@ -354,7 +368,7 @@ impl Manager {
         }
         r.epoch = Some(reply.epoch.clone());
         let expires = f.sent_at + r.spec.local_lease();
-        for ((key, held, demand), rep) in f.items.iter().zip(&reply.replies) {
+        for (Item { key, held, demand, .. }, rep) in f.items.iter().zip(&reply.replies) {
             let Some(k) = r.keys.get_mut(key) else { continue };
             if !rep.fresh {
                 continue;
@@ -589,6 +603,6 @@ mod tests {
         exchange(&mut m, &mut store, &rule, 0, &mut sink);
         m.observe("web", "k", 300, rule.refresh);
         let b = m.poll(rule.refresh, &mut sink);
-        assert_eq!(b[0].items[0].2, 300);
+        assert_eq!(b[0].items[0].demand, 300);
     }
 }

@@ -5,11 +5,14 @@
 -- KEYS[1]      the rule's record: a hash {epoch, learn}
 -- KEYS[2..]    the cells, one hash per (rule, key): field "learn" (the
 --              cell's learning deadline) and one field "h:<host>" per host,
---              "gr,gb,gq,ar,ab,aq,demand,expires,seq" (granted and acked
---              rate, burst and quota shares). All keys share one {hash tag}
---              (the rule), so a batch is one slot.
--- ARGV         L, B, Q, lease (us), candidate epoch, host, seq, then per
---              cell: held rate, held burst, held quota, demand.
+--              "gr,gb,gq,ar,ab,aq,demand,expires,seq,used,used_until"
+--              (granted and acked rate, burst and quota shares; the quota
+--              the host had used in its window, reserved until used_until).
+--              All keys share one {hash tag} (the rule), so a batch is one
+--              slot.
+-- ARGV         L, B, Q, lease (us), candidate epoch, host, seq, quota
+--              window (us), then per cell: held rate, held burst, held
+--              quota, demand, used.
 -- Returns      {epoch, then per cell: fresh, rate, burst, quota, target,
 --              expires (us, Redis clock), learning}.
 --
@@ -76,20 +79,38 @@ local function fair(cap, demands, mine)
   return math.min(mine, idiv(rem, k))
 end
 
+-- An entry of nine numbers (written before quotas were split) has
+-- nothing used.
 local function decode(v)
   local e = {}
   for x in string.gmatch(v, '[^,]+') do
     e[#e + 1] = tonumber(x)
   end
+  e[10] = e[10] or 0
+  e[11] = e[11] or 0
   return e
 end
 
 local function encode(e)
   local parts = {}
-  for i = 1, 9 do
+  for i = 1, 11 do
     parts[i] = fmt(e[i])
   end
   return table.concat(parts, ',')
+end
+
+-- What an entry keeps from the others (allocator.rs, Entry::reserved):
+-- max(granted, acked) while its lease lives, and its used quota while that
+-- is in a window.
+local function reserved(e, now)
+  local r = { 0, 0, 0 }
+  if e[8] > now then
+    r = { math.max(e[1], e[4]), math.max(e[2], e[5]), math.max(e[3], e[6]) }
+  end
+  if e[11] > now then
+    r[3] = math.max(r[3], e[10])
+  end
+  return r
 end
 
 local t = redis.call('TIME')
@@ -98,6 +119,7 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local L, B, Q = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease = tonumber(ARGV[4])
 local host, seq = ARGV[6], tonumber(ARGV[7])
+local qwindow = tonumber(ARGV[8])
 local hfield = 'h:' .. host
 
 -- The rule's record; a missing one (new or flushed store) learns for a lease.
@@ -114,15 +136,17 @@ end
 local out = { meta_epoch }
 for i = 2, #KEYS do
   local key = KEYS[i]
-  local base = 8 + (i - 2) * 4
+  local base = 9 + (i - 2) * 5
   local held = {
     math.min(tonumber(ARGV[base]), MAX_AMOUNT),
     math.min(tonumber(ARGV[base + 1]), MAX_AMOUNT),
     math.min(tonumber(ARGV[base + 2]), MAX_AMOUNT),
   }
   local demand = math.min(tonumber(ARGV[base + 3]), MAX_AMOUNT)
+  local used = math.min(tonumber(ARGV[base + 4]), MAX_AMOUNT)
 
-  -- 1. Read the cell, dropping leases that ended.
+  -- 1. Read the cell, dropping leases that ended (an entry whose used
+  -- quota is still in a window lingers with only that).
   local raw = redis.call('HGETALL', key)
   local learn = 0
   local hosts = {}
@@ -132,7 +156,7 @@ for i = 2, #KEYS do
       learn = tonumber(v)
     elseif string.sub(f, 1, 2) == 'h:' then
       local e = decode(v)
-      if e[8] > now then
+      if e[8] > now or (e[10] > 0 and e[11] > now) then
         hosts[f] = e
       end
     end
@@ -149,7 +173,7 @@ for i = 2, #KEYS do
     -- 3. Holding more than the cell reserves: state was lost.
     local res = { 0, 0, 0 }
     if mine then
-      res = { math.max(mine[1], mine[4]), math.max(mine[2], mine[5]), math.max(mine[3], mine[6]) }
+      res = reserved(mine, now)
     end
     if held[1] > res[1] or held[2] > res[2] or held[3] > res[3] then
       learn = math.max(learn, now + lease)
@@ -161,10 +185,14 @@ for i = 2, #KEYS do
     local demands = {}
     for f, e in pairs(hosts) do
       if f ~= hfield then
-        others[1] = others[1] + math.max(e[1], e[4])
-        others[2] = others[2] + math.max(e[2], e[5])
-        others[3] = others[3] + math.max(e[3], e[6])
-        demands[#demands + 1] = e[7]
+        local r = reserved(e, now)
+        others[1] = others[1] + r[1]
+        others[2] = others[2] + r[2]
+        others[3] = others[3] + r[3]
+        -- Only live leases compete (a lingering entry asks for nothing).
+        if e[8] > now then
+          demands[#demands + 1] = e[7]
+        end
       end
     end
     demands[#demands + 1] = demand
@@ -179,10 +207,14 @@ for i = 2, #KEYS do
       grant = { rate, math.min(proportion(B, rate, L), free[2]), math.min(proportion(Q, rate, L), free[3]) }
     end
     expires = now + lease
-    if grant[1] + grant[2] + grant[3] == 0 and held[1] + held[2] + held[3] == 0 and demand == 0 then
+    if grant[1] + grant[2] + grant[3] == 0 and held[1] + held[2] + held[3] == 0 and demand == 0 and used == 0 then
       hosts[hfield] = nil
     else
-      hosts[hfield] = { grant[1], grant[2], grant[3], held[1], held[2], held[3], demand, expires, seq }
+      local used_until = 0
+      if used > 0 then
+        used_until = now + qwindow
+      end
+      hosts[hfield] = { grant[1], grant[2], grant[3], held[1], held[2], held[3], demand, expires, seq, used, used_until }
     end
     fresh = 1
   end
@@ -196,6 +228,9 @@ for i = 2, #KEYS do
     args[#args + 1] = encode(e)
     if e[8] > keep then
       keep = e[8]
+    end
+    if e[11] > keep then
+      keep = e[11]
     end
   end
   if #args > 0 or learn > now then

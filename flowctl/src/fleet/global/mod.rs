@@ -75,6 +75,8 @@ pub struct GlobalRule {
     pub burst: u64,
     /// Q: units per quota window, fleet-wide, per key (None: no quota).
     pub quota: Option<u64>,
+    /// The quota's window W (0 without a quota).
+    pub quota_window: Micros,
     /// How long a grant holds in the store after it was made.
     pub lease: Micros,
     /// How often a host refreshes its leases.
@@ -109,6 +111,7 @@ impl GlobalRule {
             rate,
             burst,
             quota: None,
+            quota_window: 0,
             lease: 10_000_000,
             refresh: 1_000_000,
             default_share: None,
@@ -128,6 +131,8 @@ impl GlobalRule {
         range("burst", self.burst, MAX_AMOUNT)?;
         if let Some(q) = self.quota {
             range("quota", q, MAX_AMOUNT)?;
+            // A day at most, like the lease: `now + window` stays far from 2^53.
+            range("quota window (us)", self.quota_window, 86_400_000_000)?;
         }
         // An hour is plenty; the cap keeps `now + lease` far from 2^53.
         range("lease (us)", self.lease, 3_600_000_000)?;
@@ -154,6 +159,17 @@ impl GlobalRule {
     /// Q as the allocator splits it (0 without a quota).
     pub fn quota_total(&self) -> u64 {
         self.quota.unwrap_or(0)
+    }
+
+    /// How long the store keeps a host's reported used quota reserved: W
+    /// measured on the host's clock is at most `W * (1 + epsilon)` of the
+    /// store's, rounded up (0 without a quota).
+    pub fn store_quota_window(&self) -> Micros {
+        if self.quota.is_none() {
+            return 0;
+        }
+        let w = self.quota_window as u128;
+        (w + (w * self.epsilon_ppm as u128).div_ceil(PPM as u128)) as u64
     }
 }
 

@@ -431,7 +431,7 @@ impl Fleet {
         for h in &self.hosts {
             if let Some(s) = h.map.lease(KEY) {
                 let entry = cell.hosts.get(h.manager.host()).filter(|e| e.expires > now);
-                if entry.is_none_or(|e| s.exceeds(&e.reserved())) {
+                if entry.is_none_or(|e| s.exceeds(&e.reserved(now))) {
                     n += 1;
                 }
             }

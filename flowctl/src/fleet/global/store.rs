@@ -311,15 +311,17 @@ impl Store {
         batch: &Batch,
     ) -> Result<BatchReply, StoreError> {
         let mut keys = vec![self.meta_key(&rule.name)];
-        keys.extend(batch.items.iter().map(|(key, _, _)| self.cell_key(&rule.name, key)));
+        keys.extend(batch.items.iter().map(|it| self.cell_key(&rule.name, &it.key)));
         let limits = super::allocator::Limits::from(rule);
         let mut args: Vec<String> = [limits.rate, limits.burst, limits.quota, limits.lease]
             .iter()
             .map(u64::to_string)
             .collect();
         args.extend([fresh_epoch(), batch.host.clone(), batch.seq.to_string()]);
-        for (_, held, demand) in &batch.items {
-            args.extend([held.rate, held.burst, held.quota, *demand].iter().map(u64::to_string));
+        args.push(limits.quota_window.to_string());
+        for it in &batch.items {
+            let h = it.held;
+            args.extend([h.rate, h.burst, h.quota, it.demand, it.used].iter().map(u64::to_string));
         }
         let raw: Vec<Value> = self.invoke(self.lease.clone(), keys, args).await?;
         let reply = parse_reply(&raw, batch.items.len())
