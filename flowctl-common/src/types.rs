@@ -494,6 +494,20 @@ pub struct GlobalBucket {
     pub offered: u64,
     /// When the key was last reported hot (`grant::HOT_EVERY_NS`).
     pub hot_ns: u64,
+    /// The quota share read with `grant` (units per window; meaningful
+    /// while `grant` holds a lease and the rule has a quota).
+    pub quota: u64,
+}
+
+/// This host's grant for one key of a global rule (`FLOWCTL_GRANTS`,
+/// written whole by the agent): the rate and burst as one word
+/// (`grant::encode`), and the key's quota share.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrantValue {
+    pub word: u64,
+    /// Quota units per window here (0 without a quota).
+    pub quota: u64,
 }
 
 /// A hot key of a global rule, as the kernel reports it to the agent
@@ -625,6 +639,7 @@ mod pod {
     unsafe impl aya::Pod for RuleBitmap {}
     unsafe impl aya::Pod for RuleConfig {}
     unsafe impl aya::Pod for GlobalBucket {}
+    unsafe impl aya::Pod for GrantValue {}
     unsafe impl aya::Pod for HotKey {}
     unsafe impl aya::Pod for GlobalRecord {}
     unsafe impl aya::Pod for ControlRecord {}

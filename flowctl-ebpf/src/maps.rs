@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
-    GlobalBucket, GlobalRecord, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters,
+    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters,
     SrcEntry, SrcKey, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES,
     DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
     DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES,
@@ -74,9 +74,9 @@ pub struct GlobalScratch {
 }
 #[map]
 pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::with_max_entries(1, 0);
-/// This host's grants for leased keys (`grant::encode`), written by the agent.
+/// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
-pub static FLOWCTL_GRANTS: HashMap<BucketKey, u64> = HashMap::pinned(MAX_GRANTS, 0);
+pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);
 /// Hot keys of global rules, for the agent (`HotKey`).
 #[map]
 pub static FLOWCTL_HOT_KEYS: RingBuf = RingBuf::pinned(HOT_KEY_RING_BYTES, 0);

@@ -1022,6 +1022,44 @@ fn global_rule_without_a_share_waits_for_its_lease() {
     assert_eq!(p.counters("g").dropped_pkts[reason::RATE], 1);
 }
 
+/// A global rule with a quota (600 a minute fleet-wide; the default share
+/// of 100/s of 1000/s brings 60 of it): before its lease a key admits its
+/// default share's quota, a lease's quota share then continues the same
+/// window (nothing spent is forgotten), the agent reads what was spent as
+/// the kernel counts it, and a share cut below it refuses everything.
+fn global_quota_runs_at_its_share_and_keeps_what_was_spent() {
+    let text = profile("[fleet]\nredis = \"redis://127.0.0.1:6379\"\n[[rule]]\nname = \"g\"\nproto = \"udp\"\nrate = \"1000/s\"\nburst = 500\nquota = 600\nquota_window = \"1min\"\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"100/s\"\n");
+    let p = TestPlane::new(&text);
+    let rule = &flowctl::profile::parse("p.toml", &text).unwrap().rules[0];
+    let w = flowctl_common::window::Window {
+        bucket_ns: rule.quota_bucket_ns,
+        buckets: rule.quota_buckets,
+    };
+    let f = V4::new([10, 7, 0, 3]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    let key = global_key(&p, [10, 7, 0, 3]);
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    let passed = |n: usize| (0..n).filter(|_| p.run(&f) == XDP_PASS).count();
+    // The default share's bucket holds 100; its quota, 60, stops it first.
+    assert_eq!(passed(70), 60);
+    assert_eq!(p.counters("g").dropped_pkts[reason::QUOTA], 10);
+    assert!(!gk.hot(16).is_empty(), "reported hot");
+    assert_eq!(gk.quota_used(&key, &w), 60, "the agent reads what the kernel counted");
+    // A lease of 80 a window: 20 more, not 80.
+    let interval = flowctl_common::gcra::interval_fp(1000, 1);
+    gk.set_lease(&key, interval, 500, 80).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    assert_eq!(passed(40), 20, "the lease continues the window");
+    assert_eq!(gk.quota_used(&key, &w), 80);
+    assert_eq!(gk.bucket(&key).unwrap().quota, 80, "the bucket cached the share");
+    // Cut to 50, below what was spent: nothing more this window.
+    gk.set_lease(&key, interval, 500, 50).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    assert_eq!(passed(10), 0);
+    let c = p.counters("g");
+    assert_eq!(c.dropped_pkts[reason::QUOTA], 10 + 20 + 10);
+    assert_eq!(c.dropped_pkts[reason::RATE], 0, "the buckets never refused");
+}
+
 fn main() {
     use flowctl_tests::need::Need::*;
     flowctl_tests::need::run(flowctl_tests::trials![
@@ -1056,5 +1094,6 @@ fn main() {
         profile_admission_ratio_reaches_the_kernel: [Root],
         global_rule_runs_at_its_grant_and_reports_hot_keys: [Root],
         global_rule_without_a_share_waits_for_its_lease: [Root],
+        global_quota_runs_at_its_share_and_keeps_what_was_spent: [Root],
     ]);
 }

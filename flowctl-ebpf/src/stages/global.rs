@@ -1,9 +1,10 @@
-//! Stage 4 of a global rule (docs/fleet.md, "Global limits"): the key's
-//! token bucket at the rate and burst this host's lease grants it, or at
-//! the rule's default share while it has none. The grant word lives in
-//! `FLOWCTL_GRANTS`, written by the agent; the bucket keeps a copy it
-//! re-reads at most every `grant::REFRESH_NS`, so a hot key costs one map
-//! lookup per packet like a local rule's. A new grant changes the rate and
+//! Stages 3 and 4 of a global rule (docs/fleet.md, "Global limits"): the
+//! key's quota window and token bucket at the quota, rate and burst this
+//! host's lease grants it, or at the rule's default share while it has
+//! none. The grant lives in `FLOWCTL_GRANTS`, written by the agent; the
+//! bucket keeps a copy it re-reads at most every `grant::REFRESH_NS`, so a
+//! hot key costs one map lookup per packet like a local rule's (and one
+//! more for a quota, as a local rule's quota does). A new grant changes the rate and
 //! depth, never the TAT: the bucket is not reset. Keys that are refused, or
 //! that use more than half their default burst, are reported to the agent
 //! (`FLOWCTL_HOT_KEYS`), at most every `grant::HOT_EVERY_NS` each, so it
@@ -11,6 +12,7 @@
 //! agent reads as its demand.
 
 use super::bucket::{initial_tat, refuse_key_at, unmarked};
+use super::quota::{NoQuota, Quota, QuotaCommit, QuotaStage};
 use crate::{
     accounting::{counters, flowctl_account},
     decision::{outcome_code, packed, Outcome},
@@ -31,6 +33,7 @@ mod code {
     pub const PASS: u32 = 0;
     pub const RATE: u32 = 1;
     pub const CONTENDED: u32 = 2;
+    pub const QUOTA: u32 = 3;
 }
 
 /// Finishes the decision `flowctl_decide` left to a global rule's bucket
@@ -54,6 +57,7 @@ pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
         code::PASS => Outcome::Pass,
         _ if rule.action == action::DRY_RUN => Outcome::WouldDrop,
         code::CONTENDED => Outcome::Drop(reason::CONTENDED),
+        code::QUOTA => Outcome::Drop(reason::QUOTA),
         _ => Outcome::Drop(reason::RATE),
     };
     let c = outcome_code(outcome);
@@ -82,6 +86,34 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
         Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
         None => (rule.interval_fp, rule.burst_ns, false),
     };
+    if rule.quota_bucket_ns == 0 {
+        return spend(b, record, key, cost, now, (interval_fp, burst_ns, leased), &mut NoQuota);
+    }
+    // Stage 3: the window at this host's quota share (the rule's default
+    // share's without a lease), checked now, committed with the bucket's
+    // swap as local rules' are.
+    let limit = if leased { unsafe { core::ptr::read_volatile(&b.quota) } } else { rule.quota_limit as u64 };
+    let mut quota = Quota::of_key(rule, key, limit, record, now);
+    if !quota.has_room(cost) {
+        report_hot(b, record, key, grant::hot::REFUSED, now);
+        return code::QUOTA;
+    }
+    spend(b, record, key, cost, now, (interval_fp, burst_ns, leased), &mut quota)
+}
+
+/// Stage 4: the bucket's compare-and-swap at the grant's (or default
+/// share's) rate and depth, with the quota's commit between the look and
+/// the swap (rolled back if the swap loses).
+#[inline(always)]
+fn spend(
+    b: &mut GlobalBucket,
+    record: u32,
+    key: &BucketKey,
+    cost: u64,
+    now: u64,
+    (interval_fp, burst_ns, leased): (u64, u64, bool),
+    quota: &mut impl QuotaStage,
+) -> u32 {
     let inc = gcra::increment_ns(interval_fp, cost);
     let tat_ptr = &mut b.tat as *mut u64;
     let mut tries = 0;
@@ -92,6 +124,11 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
             refuse_key_at(record, key, tat_ptr, old);
             return code::RATE;
         };
+        match quota.commit(cost) {
+            QuotaCommit::Done => {}
+            QuotaCommit::Full => return code::QUOTA,
+            QuotaCommit::Contended => return code::CONTENDED,
+        }
         let new = unmarked(new);
         let (_, ok) = unsafe {
             atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
@@ -104,6 +141,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
             }
             return code::PASS;
         }
+        quota.rollback(cost);
         tries += 1;
     }
     code::CONTENDED
@@ -124,6 +162,7 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
     fresh.grant_read_ns = 0;
     fresh.offered = 0;
     fresh.hot_ns = 0;
+    fresh.quota = 0;
     // BPF_NOEXIST: if another CPU made it first, use that one.
     if FLOWCTL_GLOBAL_KEYS.insert(key, fresh, 1).is_ok() {
         if let Some(c) = counters(record) {
@@ -134,8 +173,8 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
 }
 
 /// The key's grant word: the bucket's copy, re-read from the map when it is
-/// older than `grant::REFRESH_NS`. Racing CPUs store the same word or a
-/// newer one, each a single 8-byte store. When the word changed, the
+/// older than `grant::REFRESH_NS` (with the quota share beside it). Racing
+/// CPUs store the same word or a newer one, each a single 8-byte store. When the word changed, the
 /// bucket's debt is carried over in units (`gcra::rescale`), so a new rate
 /// neither refills the key nor charges it for time at the old one.
 #[inline(always)]
@@ -145,9 +184,9 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64)
     if read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS {
         return cached;
     }
-    let word = match unsafe { FLOWCTL_GRANTS.get(key) } {
-        Some(w) => *w,
-        None => grant::NO_LEASE,
+    let (word, quota) = match unsafe { FLOWCTL_GRANTS.get(key) } {
+        Some(g) => (g.word, g.quota),
+        None => (grant::NO_LEASE, 0),
     };
     if word != cached {
         let interval = |w: u64| grant::decode(w).map_or(share_fp, |(i, _)| i);
@@ -173,6 +212,7 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64)
         }
     }
     unsafe {
+        core::ptr::write_volatile(&mut b.quota, quota);
         core::ptr::write_volatile(&mut b.grant, word);
         core::ptr::write_volatile(&mut b.grant_read_ns, now);
     }

@@ -65,9 +65,9 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
         return verdict(rule, reason::BBR);
     }
 
-    // A global rule's bucket runs at its lease's rate (no quota: the profile
-    // refuses one on a global rule), decided by the entry point's call to
-    // `global::flowctl_global_decide`: its frame is not stacked on this one.
+    // A global rule's quota and bucket run at its lease's shares, decided
+    // by the entry point's call to `global::flowctl_global_decide`: its
+    // frame is not stacked on this one.
     if rule.global != 0 {
         return Decision::of(rule, Outcome::Global);
     }

@@ -12,7 +12,7 @@ use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     keys::bucket_key,
     window::{self, Window},
-    PacketMeta, QuotaRing, RuleConfig, CAS_RETRIES,
+    BucketKey, PacketMeta, QuotaRing, RuleConfig, CAS_RETRIES,
 };
 
 /// What the bucket stage needs of the quota stage: commit after the bucket's
@@ -59,8 +59,15 @@ impl Quota {
     /// (counted as an insert failure), like the key table.
     #[inline(always)]
     pub fn of(rule: &RuleConfig, meta: &PacketMeta, record: u32, now: u64) -> Self {
+        Self::of_key(rule, &bucket_key(meta, rule), rule.quota_limit as u64, record, now)
+    }
+
+    /// The ring of `key` (already made from the packet) with `limit` units
+    /// per window: a global rule's quota share.
+    #[inline(always)]
+    pub fn of_key(rule: &RuleConfig, key: &BucketKey, limit: u64, record: u32, now: u64) -> Self {
         let window = Window { bucket_ns: rule.quota_bucket_ns, buckets: rule.quota_buckets };
-        let key = bucket_key(meta, rule);
+        let key = *key;
         let mut ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
         if ring.is_null() {
             if let Some(zero) = FLOWCTL_ZERO_RING.get(0) {
@@ -77,7 +84,7 @@ impl Quota {
             ring,
             window,
             epoch: window.epoch(now),
-            limit: rule.quota_limit as u64,
+            limit,
             past: 0,
             committed: false,
         }

@@ -12,13 +12,13 @@ use crate::{
         allocator::BatchReply,
         host::{Batch, GrantSink, HostConfig, Manager},
         store::{Health, Store, StoreConfig},
-        DefaultShare, GlobalRule, Grant,
+        DefaultShare, GlobalRule, Grant, Share,
     },
     profile::{Fleet, RuleSet},
     system::clock::monotonic_ns,
 };
 use anyhow::{Context, Result};
-use flowctl_common::{gcra, grant, BucketKey};
+use flowctl_common::{gcra, grant, window::Window, BucketKey};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::HashMap,
@@ -94,7 +94,7 @@ struct MapSink {
     /// (rule, key as the store names it) -> the kernel's key.
     known: HashMap<(String, String), BucketKey>,
     /// The grant applied per key, to tell a cut from a raise.
-    applied: HashMap<(String, String), u64>,
+    applied: HashMap<(String, String), Share>,
     /// A grant was lowered: acknowledge nothing before this.
     settle_until: Option<Instant>,
     errors: u64,
@@ -109,12 +109,12 @@ impl GrantSink for MapSink {
         // unit per host).
         let burst = g.share.burst.max(1);
         let rate = g.share.rate;
-        if self.applied.get(&id).is_some_and(|&old| rate < old) {
+        if self.applied.get(&id).is_some_and(|old| old.exceeds(&g.share)) {
             self.settle_until = Some(Instant::now() + SETTLE);
         }
-        match self.keys.set_grant(k, gcra::interval_fp(rate.max(1), 1), burst) {
+        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota) {
             Ok(()) => {
-                self.applied.insert(id, rate);
+                self.applied.insert(id, g.share);
             }
             Err(e) => {
                 self.errors += 1;
@@ -140,6 +140,8 @@ impl GrantSink for MapSink {
 struct RuleInfo {
     spec: GlobalRule,
     key_kind: u8,
+    /// The kernel's quota window of the rule (None without a quota).
+    quota: Option<Window>,
 }
 
 pub struct LeaseLoop {
@@ -165,8 +167,9 @@ pub struct LeaseLoop {
     run_dir: std::path::PathBuf,
 }
 
-/// The profile's global rules as the lease mechanism sees them.
-fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8)> {
+/// The profile's global rules as the lease mechanism sees them, with their
+/// key kinds and quota windows.
+fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8, Option<Window>)> {
     set.rules
         .iter()
         .filter_map(|r| {
@@ -184,7 +187,13 @@ fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8)> {
                 .share
                 .as_ref()
                 .map(|s| DefaultShare { rate: per_s(s.interval_fp), burst: s.burst });
-            Some((spec, r.key_kind))
+            let quota = (r.quota_bucket_ns != 0)
+                .then_some(Window { bucket_ns: r.quota_bucket_ns, buckets: r.quota_buckets });
+            if let Some(w) = &quota {
+                spec.quota = Some(r.quota_limit as u64);
+                spec.quota_window = w.window_ns() / 1_000;
+            }
+            Some((spec, r.key_kind, quota))
         })
         .collect()
 }
@@ -234,10 +243,10 @@ impl LeaseLoop {
             timeout: STORE_TIMEOUT.as_micros() as u64 * 2,
         });
         let mut rules = HashMap::new();
-        for (spec, key_kind) in specs {
+        for (spec, key_kind, quota) in specs {
             spec.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
             manager.set_rule(spec.clone());
-            rules.insert(spec.name.clone(), RuleInfo { spec, key_kind });
+            rules.insert(spec.name.clone(), RuleInfo { spec, key_kind, quota });
         }
         let by_record = state
             .rules
@@ -292,20 +301,20 @@ impl LeaseLoop {
         let gone: Vec<String> = self
             .rules
             .keys()
-            .filter(|n| !specs.iter().any(|(s, _)| s.name == **n))
+            .filter(|n| !specs.iter().any(|(s, _, _)| s.name == **n))
             .cloned()
             .collect();
         for name in gone {
             self.manager.remove_rule(&name, &mut self.sink);
             self.rules.remove(&name);
         }
-        for (spec, key_kind) in specs {
+        for (spec, key_kind, quota) in specs {
             if let Err(e) = spec.validate() {
                 tracing::warn!("{e}");
                 continue;
             }
             self.manager.set_rule(spec.clone());
-            self.rules.insert(spec.name.clone(), RuleInfo { spec, key_kind });
+            self.rules.insert(spec.name.clone(), RuleInfo { spec, key_kind, quota });
         }
         self.by_record = state
             .rules
@@ -335,6 +344,11 @@ impl LeaseLoop {
                 let Some(k) = self.sink.known.get(&id) else { continue };
                 if let Some(b) = self.sink.keys.bucket(k) {
                     self.manager.observe(&v.rule, &v.key, b.offered, now_us());
+                }
+                // What the key has spent of its quota here, so the store
+                // keeps it reserved while it is in the window.
+                if let Some(w) = self.rules.get(&v.rule).and_then(|r| r.quota.as_ref()) {
+                    self.manager.observe_used(&v.rule, &v.key, self.sink.keys.quota_used(k, w));
                 }
             }
         }

@@ -110,7 +110,12 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             global: r.global.is_some() as u8,
             _pad: [0; 3],
             quota_bucket_ns: r.quota_bucket_ns,
-            quota_limit: r.quota_limit,
+            // A global rule's quota here is its default share's, like its
+            // bucket (a lease's quota share replaces it per key).
+            quota_limit: match &r.global {
+                None => r.quota_limit,
+                Some(g) => g.share.as_ref().map_or(0, |d| d.quota),
+            },
             quota_buckets: r.quota_buckets,
         })
         .collect();

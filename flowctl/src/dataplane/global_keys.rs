@@ -6,11 +6,14 @@
 use super::{maps::open_pinned, pins::AttachId, samples::drain_ring};
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, Map, MapData, RingBuf};
-use flowctl_common::{grant, map_names as names, BucketKey, GlobalBucket, HotKey};
+use flowctl_common::{
+    grant, map_names as names, window, BucketKey, GlobalBucket, GrantValue, HotKey, QuotaRing,
+};
 
 pub struct GlobalKeys {
     buckets: HashMap<MapData, BucketKey, GlobalBucket>,
-    grants: HashMap<MapData, BucketKey, u64>,
+    grants: HashMap<MapData, BucketKey, GrantValue>,
+    quotas: HashMap<MapData, BucketKey, QuotaRing>,
     hot: RingBuf<MapData>,
 }
 
@@ -20,6 +23,7 @@ impl GlobalKeys {
         Ok(Self {
             buckets: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::GLOBAL_KEYS)?))?,
             grants: HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?,
+            quotas: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::QUOTAS)?))?,
             hot: RingBuf::try_from(Map::RingBuf(open_pinned(&d, names::HOT_KEYS)?))?,
         })
     }
@@ -34,12 +38,33 @@ impl GlobalKeys {
         self.buckets.get(key, 0).ok()
     }
 
-    /// Grants `key` one unit per `interval_fp` with `burst_units` here, from
-    /// the kernel's next re-read (within `grant::REFRESH_NS`). The bucket's
-    /// TAT is left alone: the key keeps what it has spent.
+    /// Grants `key` one unit per `interval_fp` with `burst_units` here, and
+    /// `quota` units per window (a rule with a quota), from the kernel's
+    /// next re-read (within `grant::REFRESH_NS`). The bucket's TAT and the
+    /// quota's window are left alone: the key keeps what it has spent.
+    pub fn set_lease(
+        &mut self,
+        key: &BucketKey,
+        interval_fp: u64,
+        burst_units: u64,
+        quota: u64,
+    ) -> Result<()> {
+        let g = GrantValue { word: grant::encode(interval_fp, burst_units), quota };
+        self.grants.insert(key, g, 0).context("writing a grant into FLOWCTL_GRANTS")
+    }
+
+    /// [`set_lease`](Self::set_lease) for a rule without a quota.
     pub fn set_grant(&mut self, key: &BucketKey, interval_fp: u64, burst_units: u64) -> Result<()> {
-        let word = grant::encode(interval_fp, burst_units);
-        self.grants.insert(key, word, 0).context("writing a grant into FLOWCTL_GRANTS")
+        self.set_lease(key, interval_fp, burst_units, 0)
+    }
+
+    /// The quota units `key` has admitted in its window (`w`) as of the
+    /// kernel's clock now, counted as the kernel counts them (`ring_sum`:
+    /// the current bucket and the K before it). 0 without a ring.
+    pub fn quota_used(&self, key: &BucketKey, w: &window::Window) -> u64 {
+        let Ok(ring) = self.quotas.get(key, 0) else { return 0 };
+        let epoch = w.epoch(crate::system::clock::monotonic_ns());
+        window::ring_sum(|i| ring.words[i], epoch, w.buckets)
     }
 
     /// Ends `key`'s lease here: back to the rule's default share.
@@ -52,8 +77,8 @@ impl GlobalKeys {
         }
     }
 
-    /// The grant word stored for `key` (`None`: no lease).
-    pub fn grant(&self, key: &BucketKey) -> Option<u64> {
+    /// The grant stored for `key` (`None`: no lease).
+    pub fn grant(&self, key: &BucketKey) -> Option<GrantValue> {
         self.grants.get(key, 0).ok()
     }
 }

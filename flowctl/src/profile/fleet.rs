@@ -96,6 +96,19 @@ mod tests {
     }
 
     #[test]
+    fn a_global_quota_is_fleet_wide_and_the_default_share_gets_its_proportion() {
+        let q = "quota = 6000\nquota_window = \"1min\"\n";
+        let set = parse("p.toml", &global_rule(q)).unwrap();
+        let r = &set.rules[0];
+        assert_eq!(r.quota_limit, 6000);
+        // 1% of the rate, so 1% of the quota.
+        assert_eq!(r.global.as_ref().unwrap().share.as_ref().unwrap().quota, 60);
+        let five = parse("p.toml", &global_rule(&format!("{q}default_share = \"5/s\"\n"))).unwrap();
+        // 5/s of 1000/s: 30 of 6000.
+        assert_eq!(five.rules[0].global.as_ref().unwrap().share.as_ref().unwrap().quota, 30);
+    }
+
+    #[test]
     fn bad_global_rules_and_fleets_are_refused_with_their_place() {
         let no_fleet = global_rule("").replace(FLEET, "");
         let e = err(&no_fleet);
@@ -105,8 +118,10 @@ mod tests {
         assert!(e.msg.contains("1 to 4294967295 units per second"), "{e}");
         let e = err(&global_rule("default_share = \"2000/s\"\n"));
         assert!(e.msg.contains("above the rule's rate"), "{e}");
-        let e = err(&global_rule("quota = 100\nquota_window = \"1min\"\n"));
-        assert!(e.msg.contains("not supported yet"), "{e}");
+        let e = err(&global_rule("")
+            .replace("rate = \"1000/s\"\nburst = 200\n", "quota = 100\nquota_window = \"1min\"\n"));
+        assert!(e.msg.contains("a global rule needs a `rate`"), "{e}");
+        assert_eq!(e.line, 6, "points at the quota: {e}");
         let e = err(&global_rule("").replace("scope = \"global\"\n", "scope = \"fleet\"\n"));
         assert!(e.msg.contains("unknown scope `fleet`"), "{e}");
         let e = err(&format!(

@@ -61,6 +61,9 @@ pub struct GlobalScope {
 pub struct DefaultShare {
     pub interval_fp: u64,
     pub burst: u64,
+    /// Quota units per window, the rate's proportion of the rule's quota
+    /// (0 without a quota).
+    pub quota: u32,
     /// As written, or how the default was derived, for display.
     pub text: String,
 }

@@ -109,11 +109,10 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
         return Ok(None);
     }
     let scope_span = r.scope.as_ref().expect("global was written").span();
-    if let Some(q) = &r.quota {
-        return Err(cx.err(q.span(), "a quota on a global rule is not supported yet: the leases split the rate and burst; give the rule a local quota in a separate rule, or drop scope = \"global\""));
-    }
     let Some(rate_s) = &r.rate else {
-        return Err(cx.err(scope_span, "a global rule needs a `rate`: the fleet-wide limit"));
+        // The leases split the quota in the rate's proportions.
+        let span = r.quota.as_ref().map(|q| q.span()).unwrap_or(scope_span);
+        return Err(cx.err(span, "a global rule needs a `rate`: the fleet-wide limit (a quota is split between hosts in proportion to their shares of the rate)"));
     };
     // The leases split whole units per second (docs/fleet.md, "The
     // script": every amount an integer below 2^32).
@@ -143,9 +142,12 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
                 );
             }
             let per_s = (s.num / s.den) as u64;
+            // The quota in the share's proportion of the rate, rounded down.
+            let quota = (rule.quota_limit as u128 * s.num * limit.den / (s.den * limit.num)) as u32;
             Some(DefaultShare {
                 interval_fp: gcra::interval_fp(s.num as u64, s.den as u64),
                 burst: per_s.clamp(min_burst, rule.burst.max(min_burst)),
+                quota,
                 text: d.get_ref().clone(),
             })
         }
@@ -155,6 +157,7 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
             Some(DefaultShare {
                 interval_fp,
                 burst: (rule.burst / 100).max(min_burst),
+                quota: rule.quota_limit / 100,
                 text: format!("1% of {}", rule.rate_text),
             })
         }
