@@ -139,8 +139,51 @@ pub fn quota_admits(sum: u64, cost: u64, limit: u64) -> bool {
     sum.saturating_add(cost) <= limit
 }
 
+/// What a ring has spent, for a global quota's report to the store
+/// (docs/fleet.md): the units the kernel counts now (`ring_sum`), and how
+/// long until every one of them has left a window of W: each was spent
+/// before the end of the newest bucket that holds any, and no later than
+/// `now`, so all are out by `min(that end, now) + W`.
+pub fn spent(words: &[u64], w: &Window, now_ns: u64) -> (u64, u64) {
+    let epoch = w.epoch(now_ns);
+    let used = ring_sum(|i| words.get(i).copied().unwrap_or(0), epoch, w.buckets);
+    let newest = words
+        .iter()
+        .map(|&x| unpack(x))
+        .filter(|&(_, c)| c > 0)
+        .map(|(e, _)| (epoch as u32).wrapping_sub(e) as u64)
+        .filter(|age| *age <= w.buckets as u64)
+        .min();
+    let clear_in = match (used, newest) {
+        (0, _) | (_, None) => 0,
+        (_, Some(age)) => {
+            let end = (epoch - age.min(epoch) + 1).saturating_mul(w.bucket_ns);
+            end.min(now_ns).saturating_add(w.window_ns()).saturating_sub(now_ns)
+        }
+    };
+    (used, clear_in)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn spent_says_how_long_until_the_ring_clears() {
+        let w = Window { bucket_ns: 1_000, buckets: 4 };
+        let mut words = [0u64; crate::QUOTA_RING_SLOTS];
+        // 3 units in bucket 10, 2 in bucket 12; now in bucket 12.
+        words[slot(10, w.slots()) as usize] = pack(10, 3);
+        words[slot(12, w.slots()) as usize] = pack(12, 2);
+        // The newest units may have been spent up to now (12_500): they
+        // leave a 4_000 ns window by 16_500.
+        assert_eq!(spent(&words, &w, 12_500), (5, 4_000));
+        // In bucket 14 nothing new: the newest units (bucket 12) were spent
+        // before 13_000, so all are out by 17_000.
+        assert_eq!(spent(&words, &w, 14_200), (5, 2_800));
+        // Bucket 10 has aged past K; bucket 12's 2 remain.
+        assert_eq!(spent(&words, &w, 15_100).0, 2);
+        assert_eq!(spent(&[0; crate::QUOTA_RING_SLOTS], &w, 15_100), (0, 0));
+    }
+
     use super::*;
     use proptest::prelude::*;
 

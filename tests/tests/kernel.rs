@@ -1043,13 +1043,15 @@ fn global_quota_runs_at_its_share_and_keeps_what_was_spent() {
     assert_eq!(passed(70), 60);
     assert_eq!(p.counters("g").dropped_pkts[reason::QUOTA], 10);
     assert!(!gk.hot(16).is_empty(), "reported hot");
-    assert_eq!(gk.quota_used(&key, &w), 60, "the agent reads what the kernel counted");
+    let (used, clear_in) = gk.quota_spent(&key, &w);
+    assert_eq!(used, 60, "the agent reads what the kernel counted");
+    assert!(clear_in <= w.window_ns() && clear_in > w.window_ns() - 1_000_000_000, "{clear_in}");
     // A lease of 80 a window: 20 more, not 80.
     let interval = flowctl_common::gcra::interval_fp(1000, 1);
     gk.set_lease(&key, interval, 500, 80).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
     assert_eq!(passed(40), 20, "the lease continues the window");
-    assert_eq!(gk.quota_used(&key, &w), 80);
+    assert_eq!(gk.quota_spent(&key, &w).0, 80);
     assert_eq!(gk.bucket(&key).unwrap().quota, 80, "the bucket cached the share");
     // Cut to 50, below what was spent: nothing more this window.
     gk.set_lease(&key, interval, 500, 50).unwrap();

@@ -348,7 +348,8 @@ impl LeaseLoop {
                 // What the key has spent of its quota here, so the store
                 // keeps it reserved while it is in the window.
                 if let Some(w) = self.rules.get(&v.rule).and_then(|r| r.quota.as_ref()) {
-                    self.manager.observe_used(&v.rule, &v.key, self.sink.keys.quota_used(k, w));
+                    let (used, clear_in_ns) = self.sink.keys.quota_spent(k, w);
+                    self.manager.observe_used(&v.rule, &v.key, used, clear_in_ns.div_ceil(1_000));
                 }
             }
         }
@@ -420,16 +421,21 @@ impl LeaseLoop {
                 rule: r.spec.name.clone(),
                 rate: r.spec.rate,
                 burst: r.spec.burst,
+                quota: r.spec.quota,
+                quota_window_ms: r.spec.quota.map(|_| r.spec.quota_window / 1_000),
                 leases: Vec::new(),
             })
             .collect();
         rules.sort_by(|a, b| a.rule.cmp(&b.rule));
         for v in self.manager.leases() {
             let Some(r) = rules.iter_mut().find(|r| r.rule == v.rule) else { continue };
+            let has_quota = r.quota.is_some();
             r.leases.push(PublishedLease {
                 key: v.key.clone(),
                 rate: v.grant.map(|g| g.share.rate),
                 burst: v.grant.map(|g| g.share.burst),
+                quota: v.grant.filter(|_| has_quota).map(|g| g.share.quota),
+                quota_used: has_quota.then_some(v.used),
                 demand: v.demand,
                 target: v.target,
                 expires_in_ms: v.grant.map(|g| g.expires.saturating_sub(now) / 1_000),
@@ -506,6 +512,11 @@ pub struct PublishedRule {
     /// The fleet-wide limit per key.
     pub rate: u64,
     pub burst: u64,
+    /// The fleet-wide quota per key and its window (None without one).
+    #[serde(default)]
+    pub quota: Option<u64>,
+    #[serde(default)]
+    pub quota_window_ms: Option<u64>,
     pub leases: Vec<PublishedLease>,
 }
 
@@ -515,6 +526,12 @@ pub struct PublishedLease {
     /// This host's grant (None: asked, not granted yet).
     pub rate: Option<u64>,
     pub burst: Option<u64>,
+    /// This host's quota share per window (None: no grant, or no quota).
+    #[serde(default)]
+    pub quota: Option<u64>,
+    /// Quota units spent here in the key's window (None without a quota).
+    #[serde(default)]
+    pub quota_used: Option<u64>,
     /// Offered units per second here.
     pub demand: Option<u64>,
     /// This host's fair share.

@@ -243,12 +243,30 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
     let keys = Family::<RuleLabel, Gauge>::default();
     let granted = Family::<RuleLabel, Gauge>::default();
     let demand = Family::<RuleLabel, Gauge>::default();
+    let quota = Family::<RuleLabel, Gauge>::default();
+    let spent = Family::<RuleLabel, Gauge>::default();
     for r in &p.rules {
         let l = RuleLabel { rule: r.rule.clone() };
         keys.get_or_create(&l).set(r.leases.iter().filter(|k| k.rate.is_some()).count() as i64);
         granted.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.rate).sum::<u64>() as i64);
         demand.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.demand).sum::<u64>() as i64);
+        if r.quota.is_some() {
+            quota.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.quota).sum::<u64>() as i64);
+            spent
+                .get_or_create(&l)
+                .set(r.leases.iter().filter_map(|k| k.quota_used).sum::<u64>() as i64);
+        }
     }
+    reg.register(
+        "flowctl_global_granted_quota",
+        "Sum of this host's quota shares of a global rule, units per window",
+        quota,
+    );
+    reg.register(
+        "flowctl_global_quota_spent",
+        "Quota units a global rule's leased keys spent here in their windows",
+        spent,
+    );
     reg.register(
         "flowctl_global_leased_keys",
         "Keys of a global rule this host holds a lease for",

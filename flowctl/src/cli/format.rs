@@ -203,16 +203,25 @@ pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {
         s.hosts.map(|n| format!(", {n} hosts")).unwrap_or_default()
     )];
     for r in &p.rules {
+        let quota = match (r.quota, r.quota_window_ms) {
+            (Some(q), Some(ms)) => format!(" quota {q} per {ms} ms"),
+            _ => String::new(),
+        };
         v.push(format!(
-            "  {}: {}/s burst {} fleet-wide; {} keys leased here",
+            "  {}: {}/s burst {}{quota} fleet-wide; {} keys leased here",
             r.rule,
             r.rate,
             r.burst,
             r.leases.iter().filter(|k| k.rate.is_some()).count()
         ));
         for k in r.leases.iter().take(10) {
+            let quota = match (k.quota, k.quota_used) {
+                (Some(q), Some(u)) => format!(" quota {q} ({u} spent)"),
+                (None, Some(u)) => format!(" ({u} of the quota spent)"),
+                _ => String::new(),
+            };
             v.push(format!(
-                "    {}: {} (demand {}, fair share {}/s{})",
+                "    {}: {}{quota} (demand {}, fair share {}/s{})",
                 k.key,
                 match (k.rate, k.burst) {
                     (Some(r), Some(b)) => format!("{r}/s burst {b}"),

@@ -59,12 +59,12 @@ impl GlobalKeys {
     }
 
     /// The quota units `key` has admitted in its window (`w`) as of the
-    /// kernel's clock now, counted as the kernel counts them (`ring_sum`:
-    /// the current bucket and the K before it). 0 without a ring.
-    pub fn quota_used(&self, key: &BucketKey, w: &window::Window) -> u64 {
-        let Ok(ring) = self.quotas.get(key, 0) else { return 0 };
-        let epoch = w.epoch(crate::system::clock::monotonic_ns());
-        window::ring_sum(|i| ring.words[i], epoch, w.buckets)
+    /// kernel's clock now, counted as the kernel counts them, and the ns
+    /// until all have left a window (`window::spent`); (0, 0) without a
+    /// ring.
+    pub fn quota_spent(&self, key: &BucketKey, w: &window::Window) -> (u64, u64) {
+        let Ok(ring) = self.quotas.get(key, 0) else { return (0, 0) };
+        window::spent(&ring.words, w, crate::system::clock::monotonic_ns())
     }
 
     /// Ends `key`'s lease here: back to the rule's default share.

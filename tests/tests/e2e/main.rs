@@ -9,6 +9,7 @@
 mod bbr;
 mod breakers;
 mod fleet_limits;
+mod fleet_quotas;
 mod fleet_profiles;
 mod klimiter;
 mod lifecycle;
@@ -18,6 +19,7 @@ mod observability;
 use bbr::*;
 use breakers::*;
 use fleet_limits::*;
+use fleet_quotas::*;
 use fleet_profiles::*;
 use klimiter::*;
 use lifecycle::*;
@@ -54,6 +56,7 @@ fn main() {
         breaker_sre_fails_fast_at_the_predicted_share_and_recovers: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
         breaker_state_opens_on_timeouts_probes_and_closes: [Root, CgroupV2, Kernel(5, 18), Command("python3"), Command("nft")],
         global_limit_holds_across_three_agents_through_redis: [Root, Command("redis-server"), Command("redis-cli")],
+        global_quota_moves_between_hosts_without_being_spent_twice: [Root, Command("redis-server"), Command("redis-cli")],
         fleet_profiles_roll_out_and_bad_ones_are_rejected_whole: [Root, Command("etcd"), Command("etcdctl")],
         fleet_profiles_outlive_etcd_and_restart_from_the_disk_copy: [Root, Command("etcd"), Command("etcdctl")],
         fleet_profiles_relist_after_a_compaction_and_never_go_back: [Root, Command("etcd"), Command("etcdctl")],

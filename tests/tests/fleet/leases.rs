@@ -89,7 +89,9 @@ pub fn lease_script_agrees_with_allocator() {
                 0 => 0,
                 _ => rng.range(1, 6000),
             };
-            items.push(Item { key: k.to_string(), held: h_held, demand, used });
+            // Up to past the window (the store caps it there).
+            let used_for = rng.range(0, 500_000);
+            items.push(Item { key: k.to_string(), held: h_held, demand, used, used_for });
         }
         let batch =
             Batch { rule: rule.name.clone(), host: hosts[h].into(), seq, sent_at: 0, items };

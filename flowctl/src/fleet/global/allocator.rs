@@ -26,8 +26,9 @@
 //!
 //! Quotas add one thing: what a host has already admitted in its quota
 //! window (`used`, reported with each request) stays reserved until it has
-//! left every window, `quota_window` after the report, even when the
-//! host's lease ends first (the entry lingers with only that). So a quota
+//! left every window (`used_for` after the report, which the host derives
+//! from its kernel's ring, at most `quota_window`), even when the host's
+//! lease ends first (the entry lingers with only that). So a quota
 //! moved from one host to another is never spent twice in one window
 //! (docs/design.md, "Global quotas").
 
@@ -205,6 +206,10 @@ pub struct Request {
     /// Quota units the host has admitted in its current window (0 without
     /// a quota).
     pub used: u64,
+    /// How long until all of `used` has left the window, on the store's
+    /// clock (the host lengthens its own figure by epsilon); capped at
+    /// `Limits::quota_window`.
+    pub used_for: Micros,
 }
 
 /// The store's answer for one key.
@@ -346,7 +351,7 @@ pub fn allocate(
         // Released and acknowledged: nothing left to remember.
         cell.hosts.remove(&req.host);
     } else {
-        let used_until = if used > 0 { now + limits.quota_window } else { 0 };
+        let used_until = if used > 0 { now + req.used_for.min(limits.quota_window) } else { 0 };
         let entry =
             Entry { granted: grant, acked: held, demand, expires, seq: req.seq, used, used_until };
         cell.hosts.insert(req.host.clone(), entry);
@@ -364,11 +369,13 @@ pub struct Item {
     pub demand: u64,
     /// Quota units admitted in the host's current window.
     pub used: u64,
+    /// How long they stay in it (`Request::used_for`).
+    pub used_for: Micros,
 }
 
 impl Item {
     pub fn new(key: &str, held: Share, demand: u64) -> Self {
-        Item { key: key.to_string(), held, demand, used: 0 }
+        Item { key: key.to_string(), held, demand, used: 0, used_for: 0 }
     }
 }
 
@@ -415,6 +422,7 @@ impl Memory {
                 held: it.held,
                 demand: it.demand,
                 used: it.used,
+                used_for: it.used_for,
             };
             let (cell, reply) = allocate(&limits, &meta, cell, &req, now);
             if !cell.is_empty_at(now) {
@@ -465,7 +473,7 @@ mod tests {
     }
 
     fn req(host: &str, seq: u64, held: Share, demand: u64) -> Request {
-        Request { host: host.into(), seq, held, demand, used: 0 }
+        Request { host: host.into(), seq, held, demand, used: 0, used_for: 0 }
     }
 
     #[test]
@@ -573,8 +581,9 @@ mod tests {
     const QLIM: Limits =
         Limits { rate: 1000, burst: 200, quota: 600, lease: 10_000_000, quota_window: 60_000_000 };
 
+    /// A request whose used quota stays a whole window.
     fn ask(host: &str, seq: u64, held: Share, demand: u64, used: u64) -> Request {
-        Request { host: host.into(), seq, held, demand, used }
+        Request { host: host.into(), seq, held, demand, used, used_for: u64::MAX }
     }
 
     #[test]
@@ -644,7 +653,15 @@ mod tests {
                 let used = used + take;
                 seqs[h] += 1;
                 let host = format!("h{h}");
-                let (c, r) = allocate(&lim, &meta(), cell, &ask(&host, seqs[h], held, demand, used), now);
+                // As tight as a host can say it: the newest unit leaves last.
+                let used_for = spent
+                    .iter()
+                    .filter(|(x, t, _)| *x == h && *t + w > now)
+                    .map(|(_, t, _)| *t + w - now)
+                    .max()
+                    .unwrap_or(0);
+                let req = Request { used_for, ..ask(&host, seqs[h], held, demand, used) };
+                let (c, r) = allocate(&lim, &meta(), cell, &req, now);
                 cell = c;
                 // The local lease ends before the store's (sent at `now`).
                 share.insert(h, (r.grant, now + lim.lease - 1));

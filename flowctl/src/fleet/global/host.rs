@@ -125,6 +125,8 @@ pub struct LeaseView {
     pub demand: Option<u64>,
     /// The store's fair share for this host in the last reply.
     pub target: u64,
+    /// Quota units spent here in the key's current window, as last read.
+    pub used: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -139,8 +141,10 @@ struct KeyState {
     /// Give the lease back (the agent is stopping): demand 0 from now on.
     release: bool,
     /// Quota units admitted in the key's current window here (the kernel's
-    /// ring), as last read.
+    /// ring), as last read, and how long (store clock) until they have all
+    /// left it.
     used: u64,
+    used_for: Micros,
 }
 
 #[derive(Clone, Debug)]
@@ -260,12 +264,17 @@ impl Manager {
     }
 
     /// The quota units the key has admitted in its current window here
-    /// (the kernel's quota ring, read with the offered count). Reported
-    /// with every request, so the store keeps them reserved until they
-    /// have left the window.
-    pub fn observe_used(&mut self, rule: &str, key: &str, used: u64) {
-        if let Some(k) = self.rules.get_mut(rule).and_then(|r| r.keys.get_mut(key)) {
+    /// and how long until they have all left it, on this host's clock (the
+    /// kernel's quota ring, read with the offered count: `window::spent`).
+    /// Reported with every request, so the store keeps them reserved that
+    /// long; the duration is lengthened by epsilon, so it is never shorter
+    /// on the store's clock.
+    pub fn observe_used(&mut self, rule: &str, key: &str, used: u64, clear_in: Micros) {
+        let Some(r) = self.rules.get_mut(rule) else { return };
+        let eps = r.spec.epsilon_ppm;
+        if let Some(k) = r.keys.get_mut(key) {
             k.used = used;
+            k.used_for = clear_in + (clear_in as u128 * eps as u128).div_ceil(super::PPM as u128) as u64;
         }
     }
 
@@ -302,6 +311,7 @@ impl Manager {
                     demand: Self::measure(k, refresh, ask),
                     held: k.lease.map(|g| g.share).unwrap_or_default(),
                     used: k.used,
+                    used_for: k.used_for,
                 })
                 .collect();
             r.in_flight = Some(InFlight { seq, sent_at: now, items: items.clone() });
@@ -472,6 +482,7 @@ impl Manager {
                     grant: k.lease,
                     demand: k.demand,
                     target: k.target,
+                    used: k.used,
                 });
             }
         }

@@ -12,7 +12,8 @@
 --              slot.
 -- ARGV         L, B, Q, lease (us), candidate epoch, host, seq, quota
 --              window (us), then per cell: held rate, held burst, held
---              quota, demand, used.
+--              quota, demand, used, used_for (us until used has left the
+--              window, at most the quota window).
 -- Returns      {epoch, then per cell: fresh, rate, burst, quota, target,
 --              expires (us, Redis clock), learning}.
 --
@@ -136,7 +137,7 @@ end
 local out = { meta_epoch }
 for i = 2, #KEYS do
   local key = KEYS[i]
-  local base = 9 + (i - 2) * 5
+  local base = 9 + (i - 2) * 6
   local held = {
     math.min(tonumber(ARGV[base]), MAX_AMOUNT),
     math.min(tonumber(ARGV[base + 1]), MAX_AMOUNT),
@@ -144,6 +145,7 @@ for i = 2, #KEYS do
   }
   local demand = math.min(tonumber(ARGV[base + 3]), MAX_AMOUNT)
   local used = math.min(tonumber(ARGV[base + 4]), MAX_AMOUNT)
+  local used_for = math.min(tonumber(ARGV[base + 5]), qwindow)
 
   -- 1. Read the cell, dropping leases that ended (an entry whose used
   -- quota is still in a window lingers with only that).
@@ -212,7 +214,7 @@ for i = 2, #KEYS do
     else
       local used_until = 0
       if used > 0 then
-        used_until = now + qwindow
+        used_until = now + used_for
       end
       hosts[hfield] = { grant[1], grant[2], grant[3], held[1], held[2], held[3], demand, expires, seq, used, used_until }
     end

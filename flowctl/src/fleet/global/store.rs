@@ -321,7 +321,8 @@ impl Store {
         args.push(limits.quota_window.to_string());
         for it in &batch.items {
             let h = it.held;
-            args.extend([h.rate, h.burst, h.quota, it.demand, it.used].iter().map(u64::to_string));
+            let v = [h.rate, h.burst, h.quota, it.demand, it.used, it.used_for];
+            args.extend(v.iter().map(u64::to_string));
         }
         let raw: Vec<Value> = self.invoke(self.lease.clone(), keys, args).await?;
         let reply = parse_reply(&raw, batch.items.len())

@@ -1,0 +1,84 @@
+//! Global quotas (docs/fleet.md, "Global limits"; the bound in
+//! docs/design.md, "Global quotas"): two real agents on two labs share one
+//! per-source global rule with a quota through a real Redis the test
+//! starts. One host spends the fleet's quota, then the traffic moves to the
+//! other: what the first spent stays reserved in the store until it has
+//! left the window, so the second gets nothing of it until then, and the
+//! fleet never admits more than Q in a window. After the window the quota
+//! is there again.
+
+use flowctl_tests::{
+    agent::Agent,
+    cli::{attachment, rule},
+    lab::{sh, Lab},
+    redis::Redis,
+    tempfile::TempFile,
+    traffic::blast_from,
+};
+use std::time::{Duration, Instant};
+
+/// Q per source per window, fleet-wide; the window; L.
+const QUOTA: u64 = 200;
+const WINDOW_S: f64 = 12.0;
+const SRC: &str = "10.250.0.10";
+
+fn profile(url: &str) -> String {
+    format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nglobal_key_entries = 4096\n[fleet]\nredis = \"{url}\"\nlease = \"2s\"\nrefresh = \"500ms\"\n[[rule]]\nname = \"metered\"\nproto = \"udp\"\ndport = 7001\nrate = \"400/s\"\nburst = 40\nquota = {QUOTA}\nquota_window = \"{WINDOW_S}s\"\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"none\"\n")
+}
+
+fn admitted(lab: &Lab) -> u64 {
+    rule(&lab.veth_srv, "metered")["passed_pkts"].as_u64().unwrap()
+}
+
+/// `lab`'s client sends 300 pps for `secs`; what its agent admitted.
+fn send(lab: &Lab, secs: f64) -> u64 {
+    let before = admitted(lab);
+    blast_from(lab, SRC, 7001, 300, secs, (300.0 * secs) as u64);
+    std::thread::sleep(Duration::from_millis(200));
+    admitted(lab) - before
+}
+
+pub fn global_quota_moves_between_hosts_without_being_spent_twice() {
+    let mut redis = Redis::start("fqr");
+    let labs: Vec<Lab> = (0..2u8).map(|i| Lab::new(&format!("fgq{i}"), 238 + i)).collect();
+    let mut agents = Vec::new();
+    let mut profiles = Vec::new();
+    for (i, lab) in labs.iter().enumerate() {
+        sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{SRC}/32"), "dev", &lab.veth_cli]);
+        let url = redis.link(lab, 238 + i as u8);
+        let p = TempFile::profile(&profile(&url));
+        agents.push(Agent::start(lab, p.path(), &[]));
+        profiles.push(p);
+    }
+    let start = Instant::now();
+    // Host 0 alone: past the fresh store's learning (one 2 s lease), its
+    // lease carries the whole quota, which it spends.
+    let first = send(&labs[0], 4.5);
+    println!("host 0 alone: admitted {first} of Q = {QUOTA}");
+    assert!(first <= QUOTA, "host 0 admitted {first}, over Q = {QUOTA}");
+    assert!(first >= QUOTA * 3 / 4, "the lease carried the quota: {first} of {QUOTA}");
+    let l = attachment(&labs[0].veth_srv).unwrap()["leases"].clone();
+    assert_eq!(l["rules"][0]["quota"].as_u64(), Some(QUOTA), "{l}");
+    // The traffic moves to host 1 within the window: host 0 gives its
+    // lease back, but what it spent stays reserved, so the fleet admits at
+    // most Q - first more.
+    let second = send(&labs[1], 4.0);
+    let total = first + second;
+    println!(
+        "host 1 next: admitted {second}; the fleet {total} in {:.1} s against Q = {QUOTA} per {WINDOW_S} s",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(start.elapsed().as_secs_f64() < WINDOW_S, "the test ran within one window");
+    assert!(total <= QUOTA, "the fleet admitted {total} within one window, over Q = {QUOTA}");
+    // Once host 0's spending has left the window (the end of the newest
+    // ring bucket that holds any, about 2.5 s in, plus W; K = 10 buckets of
+    // 1.2 s), host 1's share grows back.
+    let wait = (WINDOW_S + 5.0 - start.elapsed().as_secs_f64()).max(0.0);
+    std::thread::sleep(Duration::from_secs_f64(wait));
+    let third = send(&labs[1], 3.0);
+    println!("after the window: host 1 admitted {third}");
+    assert!(third >= QUOTA / 2, "the quota came back after the window: {third}");
+    for a in agents {
+        a.stop();
+    }
+}
