@@ -497,6 +497,8 @@ pub struct GlobalBucket {
     /// The quota share read with `grant` (units per window; meaningful
     /// while `grant` holds a lease and the rule has a quota).
     pub quota: u64,
+    /// When the lease read with `grant` ends (kernel clock, ns).
+    pub grant_expires_ns: u64,
 }
 
 /// This host's grant for one key of a global rule (`FLOWCTL_GRANTS`,
@@ -508,6 +510,11 @@ pub struct GrantValue {
     pub word: u64,
     /// Quota units per window here (0 without a quota).
     pub quota: u64,
+    /// When the lease ends here (kernel clock, ns: the agent's local
+    /// expiry, which is before the store's). The kernel goes back to the
+    /// default share then by itself, so a grant never outlives its lease,
+    /// also when the agent died or stopped without clearing it.
+    pub expires_ns: u64,
 }
 
 /// A hot key of a global rule, as the kernel reports it to the agent

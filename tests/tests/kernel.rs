@@ -1007,7 +1007,7 @@ fn global_rule_runs_at_its_grant_and_reports_hot_keys() {
 }
 
 /// `default_share = "none"`: a key admits nothing before its lease, and
-/// says so at once.
+/// says so at once; a lease ends in the kernel at its end, cleared or not.
 fn global_rule_without_a_share_waits_for_its_lease() {
     let p = TestPlane::new(&global_profile("none"));
     let f = V4::new([10, 7, 0, 2]).build(L4::Udp { sport: 1, dport: 9 }, 0);
@@ -1016,10 +1016,16 @@ fn global_rule_without_a_share_waits_for_its_lease() {
     let hot = gk.hot(4);
     assert_eq!(hot.len(), 1, "{hot:?}");
     assert_eq!(hot[0].key, global_key(&p, [10, 7, 0, 2]));
-    gk.set_grant(&hot[0].key, flowctl_common::gcra::interval_fp(100, 1), 2).unwrap();
+    // A lease of 100/s that ends in 300 ms, which nobody clears (an agent
+    // that died): the kernel ends it by itself.
+    let ends = flowctl::system::clock::monotonic_ns() + 300_000_000;
+    gk.set_lease(&hot[0].key, flowctl_common::gcra::interval_fp(100, 1), 2, 0, ends).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
     assert_eq!(p.run(&f), XDP_PASS, "the lease arrived");
     assert_eq!(p.counters("g").dropped_pkts[reason::RATE], 1);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(p.run(&f), XDP_DROP, "the lease ended in the kernel: nothing before the next");
+    assert_eq!(gk.bucket(&hot[0].key).unwrap().grant, flowctl_common::grant::NO_LEASE);
 }
 
 /// A global rule with a quota (600 a minute fleet-wide; the default share
@@ -1048,13 +1054,13 @@ fn global_quota_runs_at_its_share_and_keeps_what_was_spent() {
     assert!(clear_in <= w.window_ns() && clear_in > w.window_ns() - 1_000_000_000, "{clear_in}");
     // A lease of 80 a window: 20 more, not 80.
     let interval = flowctl_common::gcra::interval_fp(1000, 1);
-    gk.set_lease(&key, interval, 500, 80).unwrap();
+    gk.set_lease(&key, interval, 500, 80, u64::MAX).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
     assert_eq!(passed(40), 20, "the lease continues the window");
     assert_eq!(gk.quota_spent(&key, &w).0, 80);
     assert_eq!(gk.bucket(&key).unwrap().quota, 80, "the bucket cached the share");
     // Cut to 50, below what was spent: nothing more this window.
-    gk.set_lease(&key, interval, 500, 50).unwrap();
+    gk.set_lease(&key, interval, 500, 50, u64::MAX).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
     assert_eq!(passed(10), 0);
     let c = p.counters("g");

@@ -163,6 +163,7 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
     fresh.offered = 0;
     fresh.hot_ns = 0;
     fresh.quota = 0;
+    fresh.grant_expires_ns = 0;
     // BPF_NOEXIST: if another CPU made it first, use that one.
     if FLOWCTL_GLOBAL_KEYS.insert(key, fresh, 1).is_ok() {
         if let Some(c) = counters(record) {
@@ -181,12 +182,16 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
 fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64) -> u64 {
     let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
     let cached = unsafe { core::ptr::read_volatile(&b.grant) };
-    if read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS {
+    let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
+    // A lease that ended is re-read at once (and found ended), so the key
+    // goes back to its default share on time, debt carried over.
+    let live = cached == grant::NO_LEASE || now < ends;
+    if read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS && live {
         return cached;
     }
-    let (word, quota) = match unsafe { FLOWCTL_GRANTS.get(key) } {
-        Some(g) => (g.word, g.quota),
-        None => (grant::NO_LEASE, 0),
+    let (word, quota, expires) = match unsafe { FLOWCTL_GRANTS.get(key) } {
+        Some(g) if now < g.expires_ns => (g.word, g.quota, g.expires_ns),
+        _ => (grant::NO_LEASE, 0, 0),
     };
     if word != cached {
         let interval = |w: u64| grant::decode(w).map_or(share_fp, |(i, _)| i);
@@ -213,6 +218,7 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64)
     }
     unsafe {
         core::ptr::write_volatile(&mut b.quota, quota);
+        core::ptr::write_volatile(&mut b.grant_expires_ns, expires);
         core::ptr::write_volatile(&mut b.grant, word);
         core::ptr::write_volatile(&mut b.grant_read_ns, now);
     }

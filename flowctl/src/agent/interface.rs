@@ -339,6 +339,16 @@ impl Service for InterfaceAgent<'_> {
         self.etcd.as_ref().map(|f| f.wake_handle())
     }
 
+    fn wind_down(&mut self) {
+        if let Some(g) = self.leases.as_mut() {
+            g.release_all();
+        }
+    }
+
+    fn wound_down(&self) -> bool {
+        self.leases.as_ref().is_none_or(|g| g.released())
+    }
+
     fn stop(&mut self) {
         if let Some(f) = &self.etcd {
             f.stop();

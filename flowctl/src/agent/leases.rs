@@ -112,7 +112,10 @@ impl GrantSink for MapSink {
         if self.applied.get(&id).is_some_and(|old| old.exceeds(&g.share)) {
             self.settle_until = Some(Instant::now() + SETTLE);
         }
-        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota) {
+        // The kernel ends the lease by itself when the agent does (its
+        // clock is the manager's, in us): a grant never outlives its lease.
+        let ends = g.expires.saturating_mul(1_000);
+        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota, ends) {
             Ok(()) => {
                 self.applied.insert(id, g.share);
             }
@@ -468,9 +471,24 @@ impl LeaseLoop {
         Ok(())
     }
 
-    /// The agent stops: its published state goes (leases end on their own,
-    /// within one lease length; the kernel keeps enforcing the last grants
-    /// of a kept data plane, never more than it was granted).
+    /// The agent is stopping: give every lease back (the kernel's grants
+    /// are cleared as the store's replies come, before they are
+    /// acknowledged), so the other hosts get the capacity now rather than
+    /// when the leases end.
+    pub fn release_all(&mut self) {
+        tracing::info!("giving the global rules' leases back");
+        self.manager.release_all();
+    }
+
+    /// Whether every lease has been given back and acknowledged.
+    pub fn released(&self) -> bool {
+        self.manager.leases().is_empty()
+    }
+
+    /// The agent stops: its published state goes. Leases not given back
+    /// end on their own, within one lease length, in the kernel too (each
+    /// grant carries its end), so a kept data plane goes back to the
+    /// default shares then.
     pub fn stop(&self) {
         let _ = std::fs::remove_file(self.run_dir.join(PUBLISHED));
     }

@@ -81,6 +81,16 @@ pub trait Service {
     /// The control sockets to listen on now (a profile applied may add or
     /// remove one).
     fn sockets(&self) -> Vec<PathBuf>;
+    /// A signal came: start giving back what other hosts can use (a global
+    /// rule's leases). The loop keeps ticking until [`wound_down`], a
+    /// second signal or [`WIND_DOWN`], whichever comes first.
+    ///
+    /// [`wound_down`]: Service::wound_down
+    fn wind_down(&mut self) {}
+    /// Whether what [`wind_down`](Service::wind_down) started is done.
+    fn wound_down(&self) -> bool {
+        true
+    }
     /// The loop has ended: leave nothing a reader would misread.
     fn stop(&mut self);
     /// Notified when work arrives off the schedule (a profile fetched from
@@ -122,9 +132,22 @@ pub async fn serve(service: &mut impl Service, signals: &mut Signals) -> Result<
         }
     }
     drop(sockets);
+    service.wind_down();
+    let deadline = Instant::now() + WIND_DOWN;
+    while !service.wound_down() && Instant::now() < deadline {
+        tokio::select! {
+            _ = signals.recv() => break,
+            _ = tokio::time::sleep_until(next.min(deadline)) => next = service.tick(Instant::now()),
+        }
+    }
     service.stop();
     Ok(())
 }
+
+/// Longest an agent takes to wind down after a signal: two store deadlines
+/// (a release and its acknowledgement), then it stops anyway (what it did
+/// not give back ends with its leases, in the kernel too).
+pub const WIND_DOWN: Duration = Duration::from_secs(1);
 
 /// A request read by a connection task, with the channel for its answer.
 type Pending = (String, tokio::sync::oneshot::Sender<Response>);

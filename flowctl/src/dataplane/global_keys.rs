@@ -39,23 +39,27 @@ impl GlobalKeys {
     }
 
     /// Grants `key` one unit per `interval_fp` with `burst_units` here, and
-    /// `quota` units per window (a rule with a quota), from the kernel's
-    /// next re-read (within `grant::REFRESH_NS`). The bucket's TAT and the
-    /// quota's window are left alone: the key keeps what it has spent.
+    /// `quota` units per window (a rule with a quota), until `expires_ns`
+    /// (kernel clock), from the kernel's next re-read (within
+    /// `grant::REFRESH_NS`). The bucket's TAT and the quota's window are
+    /// left alone: the key keeps what it has spent.
     pub fn set_lease(
         &mut self,
         key: &BucketKey,
         interval_fp: u64,
         burst_units: u64,
         quota: u64,
+        expires_ns: u64,
     ) -> Result<()> {
-        let g = GrantValue { word: grant::encode(interval_fp, burst_units), quota };
+        let word = grant::encode(interval_fp, burst_units);
+        let g = GrantValue { word, quota, expires_ns };
         self.grants.insert(key, g, 0).context("writing a grant into FLOWCTL_GRANTS")
     }
 
-    /// [`set_lease`](Self::set_lease) for a rule without a quota.
+    /// [`set_lease`](Self::set_lease) without a quota or an end (tests and
+    /// benchmarks of the kernel's stage).
     pub fn set_grant(&mut self, key: &BucketKey, interval_fp: u64, burst_units: u64) -> Result<()> {
-        self.set_lease(key, interval_fp, burst_units, 0)
+        self.set_lease(key, interval_fp, burst_units, 0, u64::MAX)
     }
 
     /// The quota units `key` has admitted in its window (`w`) as of the
