@@ -12,9 +12,9 @@ use aya_ebpf::{
 };
 use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
-    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, RuleBitmap, RuleConfig, RuleCounters,
-    SrcEntry, SrcKey, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES,
-    DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
+    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, RuleBitmap, RuleConfig,
+    RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS,
+    DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
     DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES,
     KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS, MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS,
     MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, SLOTS,

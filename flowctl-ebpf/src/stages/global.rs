@@ -92,7 +92,11 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     // Stage 3: the window at this host's quota share (the rule's default
     // share's without a lease), checked now, committed with the bucket's
     // swap as local rules' are.
-    let limit = if leased { unsafe { core::ptr::read_volatile(&b.quota) } } else { rule.quota_limit as u64 };
+    let limit = if leased {
+        unsafe { core::ptr::read_volatile(&b.quota) }
+    } else {
+        rule.quota_limit as u64
+    };
     let mut quota = Quota::of_key(rule, key, limit, record, now);
     if !quota.has_room(cost) {
         report_hot(b, record, key, grant::hot::REFUSED, now);

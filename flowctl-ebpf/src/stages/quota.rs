@@ -80,14 +80,7 @@ impl Quota {
                 }
             }
         }
-        Self {
-            ring,
-            window,
-            epoch: window.epoch(now),
-            limit,
-            past: 0,
-            committed: false,
-        }
+        Self { ring, window, epoch: window.epoch(now), limit, past: 0, committed: false }
     }
 
     #[inline(always)]

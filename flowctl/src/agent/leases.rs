@@ -115,7 +115,8 @@ impl GrantSink for MapSink {
         // The kernel ends the lease by itself when the agent does (its
         // clock is the manager's, in us): a grant never outlives its lease.
         let ends = g.expires.saturating_mul(1_000);
-        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota, ends) {
+        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota, ends)
+        {
             Ok(()) => {
                 self.applied.insert(id, g.share);
             }

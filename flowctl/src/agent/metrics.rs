@@ -251,7 +251,9 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
         granted.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.rate).sum::<u64>() as i64);
         demand.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.demand).sum::<u64>() as i64);
         if r.quota.is_some() {
-            quota.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.quota).sum::<u64>() as i64);
+            quota
+                .get_or_create(&l)
+                .set(r.leases.iter().filter_map(|k| k.quota).sum::<u64>() as i64);
             spent
                 .get_or_create(&l)
                 .set(r.leases.iter().filter_map(|k| k.quota_used).sum::<u64>() as i64);

@@ -102,7 +102,8 @@ pub fn lease_script_agrees_with_allocator() {
         assert_eq!(got, want, "step {step} (seed {seed}): {batch:?}");
         for (Item { key, .. }, reply) in batch.items.iter().zip(&got.replies).skip(1) {
             let in_redis = rt.block_on(store.cell(&rule.name, key)).expect("cell");
-            lingered += in_redis.hosts.values().filter(|e| e.expires <= now && e.lives(now)).count();
+            lingered +=
+                in_redis.hosts.values().filter(|e| e.expires <= now && e.lives(now)).count();
             // Redis drops a cell's key a second after its last lease; a
             // test stalled that long (a loaded machine) reads after the
             // cell is rightly gone, so that step's cells are not compared.

@@ -274,7 +274,8 @@ impl Manager {
         let eps = r.spec.epsilon_ppm;
         if let Some(k) = r.keys.get_mut(key) {
             k.used = used;
-            k.used_for = clear_in + (clear_in as u128 * eps as u128).div_ceil(super::PPM as u128) as u64;
+            k.used_for =
+                clear_in + (clear_in as u128 * eps as u128).div_ceil(super::PPM as u128) as u64;
         }
     }
 
