@@ -809,9 +809,12 @@ fn fleet_packet_cost(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) 
     use flowctl::dataplane::GlobalKeys;
     use flowctl_common::{grant, MAX_GRANTS, XDP_DROP, XDP_PASS};
     // The same rule both ways: `measured`, keyed by source, at 1G/s
-    // (admitted) and 1/h (dropped). 1G/s rather than section 1's 100G/s: a
-    // global rule's amounts stay under 2^32 (docs/design.md, C4).
-    let (pass_rate, drop_rate) = ("1G/s", "1/h");
+    // (admitted) and 1/s (dropped: each key admits one packet a second, a
+    // negligible part of a round's packets). 1G/s rather than section 1's
+    // 100G/s: a global rule's amounts stay under 2^32 (docs/design.md, C4);
+    // 1/s rather than section 1's 1/h: a global rule's rate is whole units
+    // per second (its leases split integers), so 1/h is refused.
+    let (pass_rate, drop_rate) = ("1G/s", "1/s");
     let local_pass = plane(&fleet_profile(profile, pass_rate, false));
     let leased_pass = plane(&fleet_profile(profile, pass_rate, true));
     let share_pass = plane(&fleet_profile(profile, pass_rate, true));
