@@ -27,7 +27,10 @@
 //!    (`flowctl::fleet::global::sim::report`) beside the peers' published
 //!    behaviour, and a global rule's per-packet cost over the same rule
 //!    local (leased key, unleased key at the default share; admitted and
-//!    dropped), with section 1's spreader at its key counts.
+//!    dropped), with section 1's spreader at its key counts; then the real
+//!    three-agent lab (`flowctl_tests::fleet_bench`: real agents and a real
+//!    Redis, accuracy from the kernels' counters, convergence after a
+//!    shift, Redis operations per agent).
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -191,6 +194,15 @@ fn main() {
     }
     if std::env::args().any(|a| a == "breaker") {
         breaker_section(quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "fleet") && std::env::args().any(|a| a == "lab") {
+        // `bench fleet lab`: the real three-agent lab (8c) alone.
+        println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
+        if let Err(e) = flowctl_tests::fleet_bench::run(quick) {
+            eprintln!("bench: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     if std::env::args().any(|a| a == "fleet") {
@@ -681,8 +693,9 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
 }
 
 /// Section 8 (`cargo xtask bench fleet`; also at the end of the full run):
-/// the simulated fleet against the peers' published behaviour, then the
-/// per-packet cost of a global rule over a local one.
+/// the simulated fleet against the peers' published behaviour, the
+/// per-packet cost of a global rule over a local one, then the real
+/// three-agent lab (exits non-zero if the lab could not be run through).
 fn fleet_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
     println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
     println!(
@@ -699,6 +712,11 @@ fn fleet_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
 
     println!("\n8b. Per-packet cost of a global rule over a local one (BPF_PROG_TEST_RUN, kernel-reported ns/packet)");
     fleet_packet_cost(refs, profile, frame, quick);
+
+    if let Err(e) = flowctl_tests::fleet_bench::run(quick) {
+        eprintln!("bench: {e}");
+        std::process::exit(1);
+    }
 }
 
 /// One row of `sim::report`'s table: worst A/bound and store calls per host
