@@ -13,6 +13,8 @@ pub mod cgroup;
 pub mod cli;
 pub mod downstream;
 pub mod etcd;
+pub mod fleet_bench;
+pub mod fleet_lab;
 pub mod fuzz;
 pub mod lab;
 pub mod need;

@@ -27,7 +27,10 @@
 //!    (`flowctl::fleet::global::sim::report`) beside the peers' published
 //!    behaviour, and a global rule's per-packet cost over the same rule
 //!    local (leased key, unleased key at the default share; admitted and
-//!    dropped), with section 1's spreader at its key counts.
+//!    dropped), with section 1's spreader at its key counts; then the real
+//!    three-agent lab (`flowctl_tests::fleet_bench`: real agents and a real
+//!    Redis, accuracy from the kernels' counters, convergence after a
+//!    shift, Redis operations per agent).
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -191,6 +194,15 @@ fn main() {
     }
     if std::env::args().any(|a| a == "breaker") {
         breaker_section(quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "fleet") && std::env::args().any(|a| a == "lab") {
+        // `bench fleet lab`: the real three-agent lab (8c) alone.
+        println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
+        if let Err(e) = flowctl_tests::fleet_bench::run(quick) {
+            eprintln!("bench: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     if std::env::args().any(|a| a == "fleet") {
@@ -681,8 +693,9 @@ fn veth_drop_rates(refs: &mut Refs, drop_profile: &str, key_counts: &[u32], quic
 }
 
 /// Section 8 (`cargo xtask bench fleet`; also at the end of the full run):
-/// the simulated fleet against the peers' published behaviour, then the
-/// per-packet cost of a global rule over a local one.
+/// the simulated fleet against the peers' published behaviour, the
+/// per-packet cost of a global rule over a local one, then the real
+/// three-agent lab (exits non-zero if the lab could not be run through).
 fn fleet_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
     println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
     println!(
@@ -699,6 +712,11 @@ fn fleet_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) {
 
     println!("\n8b. Per-packet cost of a global rule over a local one (BPF_PROG_TEST_RUN, kernel-reported ns/packet)");
     fleet_packet_cost(refs, profile, frame, quick);
+
+    if let Err(e) = flowctl_tests::fleet_bench::run(quick) {
+        eprintln!("bench: {e}");
+        std::process::exit(1);
+    }
 }
 
 /// One row of `sim::report`'s table: worst A/bound and store calls per host
@@ -810,29 +828,35 @@ fn fleet_packet_cost(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) 
     use flowctl_common::{grant, MAX_GRANTS, XDP_DROP, XDP_PASS};
     // The same rule both ways: `measured`, keyed by source, at 1G/s
     // (admitted) and 1/h (dropped). 1G/s rather than section 1's 100G/s: a
-    // global rule's amounts stay under 2^32 (docs/design.md, C4).
-    let (pass_rate, drop_rate) = ("1G/s", "1/h");
+    // global rule's amounts stay under 2^32 (docs/design.md, C4). A global
+    // rule's rate is whole units per second (its leases split integers), so
+    // the dropping global rule is at 1/s and its leased keys' grant at 1/h
+    // (a host holding a small share of it); its unleased keys run at the
+    // default share, 1% of 1/s. At 1/s itself a key visited less often than
+    // every second (1M keys) would be admitted.
+    let (pass_rate, drop_rate, global_drop_rate) = ("1G/s", "1/h", "1/s");
     let local_pass = plane(&fleet_profile(profile, pass_rate, false));
     let leased_pass = plane(&fleet_profile(profile, pass_rate, true));
     let share_pass = plane(&fleet_profile(profile, pass_rate, true));
     let local_drop = plane(&fleet_profile(profile, drop_rate, false));
-    let leased_drop = plane(&fleet_profile(profile, drop_rate, true));
-    let share_drop = plane(&fleet_profile(profile, drop_rate, true));
+    let leased_drop = plane(&fleet_profile(profile, global_drop_rate, true));
+    let share_drop = plane(&fleet_profile(profile, global_drop_rate, true));
     let m = local_pass.state.rules.iter().position(|r| r.name == "measured").unwrap();
-    let rule_of = |rate: &str| {
-        let set = flowctl::profile::parse("bench", &fleet_profile(profile, rate, true)).unwrap();
-        assert!(set.rules[m].global.is_some(), "`measured` is global");
+    let rule_of = |rate: &str, global: bool| {
+        let set = flowctl::profile::parse("bench", &fleet_profile(profile, rate, global)).unwrap();
+        assert_eq!(set.rules[m].global.is_some(), global, "`measured` is global: {global}");
         (set.rules[m].interval_fp, set.rules[m].burst)
     };
     // A leased key's grant: the whole limit (one host holding it; a share
-    // of it costs the same per packet).
-    let leases = [(&leased_pass, rule_of(pass_rate)), (&leased_drop, rule_of(drop_rate))];
+    // of it costs the same per packet); 1/h on the dropping rule.
+    let leases =
+        [(&leased_pass, rule_of(pass_rate, true)), (&leased_drop, rule_of(drop_rate, false))];
     let mut gks: Vec<GlobalKeys> = [&leased_pass, &share_pass, &leased_drop, &share_drop]
         .iter()
         .map(|p| GlobalKeys::open(&p.id).expect("the global rule's maps"))
         .collect();
     println!(
-        "  `measured` keyed by source, local or scope = \"global\", admitted at {pass_rate} and dropped at {drop_rate}; leased: a grant in FLOWCTL_GRANTS for the key (the hot key's case), share: no lease (the default share, 1% of the rate)"
+        "  `measured` keyed by source, local or scope = \"global\", admitted at {pass_rate} and dropped at {drop_rate} (global: the rule at {global_drop_rate}, the grant at {drop_rate}); leased: a grant in FLOWCTL_GRANTS for the key (the hot key's case), share: no lease (the default share, 1% of the rule's rate)"
     );
     println!(
         "{:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}  leased keys",

@@ -12,15 +12,15 @@
 
 use flowctl_tests::{
     agent::Agent,
-    cli::{agent_ready, attachment, flowctl},
+    cli::{agent_ready, flowctl},
     etcd::{wait_for, Etcd, TempDir},
+    fleet_lab::{add_source, counters, store_sees_fleet, BURST, DPORT, RATE, SRC},
     lab::{sh, Lab},
     redis::{Redis, PORT as REDIS_PORT},
     tempfile::TempFile,
     traffic::blast_from,
     unique,
 };
-use serde_json::Value;
 use std::{
     error::Error,
     process::Output,
@@ -29,13 +29,6 @@ use std::{
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
-/// The global rule's L and B, per source, across the fleet.
-const RATE: u64 = 300;
-const BURST: u64 = 30;
-const RULE: &str = "shared";
-const DPORT: u16 = 7000;
-/// The source every lab's client sends from: one key for the fleet.
-const SRC: &str = "10.250.0.9";
 /// Redis's one address that every lab reaches (on its loopback, routed to
 /// over each lab's own link), so one profile names it for all agents.
 const REDIS_IP: &str = "10.204.0.1";
@@ -47,27 +40,8 @@ const SUBNETS: [u8; 3] = [236, 237, 238];
 
 fn profile() -> String {
     format!(
-        r#"# The demo fleet's profile: one global rule, shared by every agent.
-[settings]
-key_table_entries = 16384
-source_cache_entries = 16384
-global_key_entries = 4096
-
-[fleet]
-redis = "redis://{REDIS_IP}:{REDIS_PORT}"
-lease = "2s"
-refresh = "500ms"
-
-[[rule]]
-name = "{RULE}"
-proto = "udp"
-dport = {DPORT}
-rate = "{RATE}/s"
-burst = {BURST}
-key = "src"
-scope = "global"
-default_share = "none"
-"#
+        "# The demo fleet's profile: one global rule, shared by every agent.\n{}",
+        flowctl_tests::fleet_lab::profile(&format!("redis://{REDIS_IP}:{REDIS_PORT}"))
     )
 }
 
@@ -79,27 +53,6 @@ fn indent(s: &str) -> String {
     s.lines().map(|l| format!("  {l}\n")).collect()
 }
 
-/// The rule's (offered, passed) packets on each lab, from one `status --json`.
-fn counters(labs: &[Lab]) -> Result<Vec<(u64, u64)>> {
-    let out = flowctl(&["status", "--json"]);
-    let v: Value = serde_json::from_slice(&out.stdout)?;
-    let all = v.as_array().ok_or("status --json: not a list")?;
-    labs.iter()
-        .map(|lab| {
-            let a = all
-                .iter()
-                .find(|a| a["iface"] == lab.veth_srv.as_str())
-                .ok_or_else(|| format!("{} not in status", lab.veth_srv))?;
-            let r = a["rules"]
-                .as_array()
-                .and_then(|rs| rs.iter().find(|r| r["rule"] == RULE))
-                .ok_or("the rule is not in status")?;
-            let n = |k: &str| r[k].as_u64().ok_or_else(|| format!("{k} in status"));
-            Ok((n("offered_pkts")?, n("passed_pkts")?))
-        })
-        .collect()
-}
-
 /// The block of `status` (text) about `iface`: its headline and the
 /// indented lines under it (status lists every attachment on the host).
 fn status_of(iface: &str) -> String {
@@ -109,14 +62,6 @@ fn status_of(iface: &str) -> String {
     let mut block: Vec<&str> = lines.next().into_iter().collect();
     block.extend(lines.take_while(|l| l.starts_with(' ')));
     block.join("\n")
-}
-
-/// Whether the agent on `lab` reaches Redis and sees all three hosts.
-fn store_sees_fleet(lab: &Lab) -> bool {
-    attachment(&lab.veth_srv).is_some_and(|a| {
-        let s = &a["leases"]["store"];
-        s["up"] == true && s["hosts"].as_u64() == Some(3)
-    })
 }
 
 fn main() -> Result<()> {
@@ -146,7 +91,7 @@ fn main() -> Result<()> {
         endpoints.push(etcd.link(lab, s));
         let via = redis.net.link(lab, s);
         sh(&["ip", "-n", &lab.ns_srv, "route", "add", &format!("{REDIS_IP}/32"), "via", &via]);
-        sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{SRC}/32"), "dev", &lab.veth_cli]);
+        add_source(lab);
         println!(
             "lab {}: {} ({}) <-> {} ({} and {SRC}); etcd at {}, redis via {via}",
             i + 1,

@@ -8,30 +8,22 @@
 //! and flushed (a new epoch: learning mode).
 
 use flowctl_tests::{
-    agent::Agent,
-    cli::{attachment, rule},
-    lab::{sh, Lab},
-    redis::Redis,
-    tempfile::TempFile,
+    cli::attachment,
+    fleet_lab::{self, Fleet, DPORT, SRC},
+    lab::Lab,
     traffic::blast_from,
 };
 use std::time::{Duration, Instant};
 
 /// L and B, per source, across the fleet.
-const RATE: f64 = 300.0;
-const BURST: f64 = 30.0;
-/// The source every lab's client sends from (one key for the fleet).
-const SRC: &str = "10.250.0.9";
+const RATE: f64 = fleet_lab::RATE as f64;
+const BURST: f64 = fleet_lab::BURST as f64;
 /// Offered per lab, packets per second: skewed.
 const OFFERED: [u64; 3] = [600, 300, 100];
 
-fn profile(url: &str) -> String {
-    format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nglobal_key_entries = 4096\n[fleet]\nredis = \"{url}\"\nlease = \"2s\"\nrefresh = \"500ms\"\n[[rule]]\nname = \"shared\"\nproto = \"udp\"\ndport = 7000\nrate = \"300/s\"\nburst = 30\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"none\"\n")
-}
-
 /// Packets the fleet admitted so far (each agent's kernel counter).
 fn admitted(labs: &[Lab]) -> Vec<u64> {
-    labs.iter().map(|l| rule(&l.veth_srv, "shared")["passed_pkts"].as_u64().unwrap()).collect()
+    fleet_lab::counters(labs).unwrap().into_iter().map(|(_, passed)| passed).collect()
 }
 
 /// Every lab's client sends for `secs` at its rate, together, and halfway
@@ -47,7 +39,7 @@ fn traffic(labs: &[Lab], secs: f64, during: &(dyn Fn() + Sync)) -> f64 {
             .iter()
             .zip(OFFERED)
             .map(|(lab, pps)| {
-                s.spawn(move || blast_from(lab, SRC, 7000, pps, secs, (pps as f64 * secs) as u64))
+                s.spawn(move || blast_from(lab, SRC, DPORT, pps, secs, (pps as f64 * secs) as u64))
             })
             .collect();
         let spans: Vec<(Instant, Instant)> =
@@ -76,25 +68,16 @@ fn phase(labs: &[Lab], what: &str, secs: f64, during: &(dyn Fn() + Sync)) -> Vec
 }
 
 pub fn global_limit_holds_across_three_agents_through_redis() {
-    let mut redis = Redis::start("frd");
-    let labs: Vec<Lab> = (0..3u8).map(|i| Lab::new(&format!("fgl{i}"), 233 + i)).collect();
-    let mut agents = Vec::new();
-    let mut profiles = Vec::new();
-    for (i, lab) in labs.iter().enumerate() {
-        sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{SRC}/32"), "dev", &lab.veth_cli]);
-        let url = redis.link(lab, 233 + i as u8);
-        let p = TempFile::profile(&profile(&url));
-        agents.push(Agent::start(lab, p.path(), &[]));
-        profiles.push(p);
-    }
+    let mut fleet = Fleet::start("frd", "fgl", [233, 234, 235]);
+    let (labs, redis) = (&fleet.labs, &fleet.redis);
     // A fresh store learns for one lease (2 s): nothing is granted then
     // (the hosts hold nothing to echo) and `none` admits nothing before a
     // lease. The bound holds through it.
-    let warm = phase(&labs, "first lease (learning)", 4.0, &|| {});
+    let warm = phase(labs, "first lease (learning)", 4.0, &|| {});
     // Then the leases follow the demand; status shows the store and each
     // host's lease of the key.
     let shows_leases = || {
-        for lab in &labs {
+        for lab in labs {
             let l = attachment(&lab.veth_srv).unwrap()["leases"].clone();
             assert_eq!(l["store"]["up"], true, "{l}");
             assert_eq!(l["store"]["hosts"].as_u64(), Some(3), "three live hosts: {l}");
@@ -105,7 +88,7 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
             assert!(lease["demand"].as_u64().is_some_and(|d| d > 0), "{l}");
         }
     };
-    let steady = phase(&labs, "steady", 6.0, &shows_leases);
+    let steady = phase(labs, "steady", 6.0, &shows_leases);
     let total: u64 = steady.iter().sum();
     assert!(
         total as f64 >= 0.6 * RATE * 6.0,
@@ -123,14 +106,12 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
         let l = attachment(&labs[0].veth_srv).unwrap()["leases"].clone();
         assert_eq!(l["store"]["up"], false, "the outage shows: {l}");
     };
-    phase(&labs, "store paused", 4.0, &shows_outage);
+    phase(labs, "store paused", 4.0, &shows_outage);
     redis.server.resume();
     // Back: no spike.
-    phase(&labs, "store back", 4.0, &|| {});
+    phase(labs, "store back", 4.0, &|| {});
     // Flushed: a new epoch, learning again.
     assert!(redis.cli(&["FLUSHALL"]).contains("OK"));
-    phase(&labs, "store flushed", 5.0, &|| {});
-    for a in agents {
-        a.stop();
-    }
+    phase(labs, "store flushed", 5.0, &|| {});
+    fleet.stop_agents();
 }
