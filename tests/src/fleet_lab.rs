@@ -102,6 +102,17 @@ impl Fleet {
     /// in `subnets` (also their links' subnets to Redis); returns once
     /// every agent is ready.
     pub fn start(redis_tag: &str, lab_tag: &str, subnets: [u8; 3]) -> Self {
+        Self::start_with(redis_tag, lab_tag, &subnets, profile)
+    }
+
+    /// [`start`](Self::start) with one lab per subnet and each agent on
+    /// `profile(redis_url)`.
+    pub fn start_with(
+        redis_tag: &str,
+        lab_tag: &str,
+        subnets: &[u8],
+        profile: impl Fn(&str) -> String,
+    ) -> Self {
         let mut redis = Redis::start(redis_tag);
         let labs: Vec<Lab> = subnets
             .iter()
@@ -110,7 +121,7 @@ impl Fleet {
             .collect();
         let mut agents = Vec::new();
         let mut profiles = Vec::new();
-        for (lab, &s) in labs.iter().zip(&subnets) {
+        for (lab, &s) in labs.iter().zip(subnets) {
             add_source(lab);
             let url = redis.link(lab, s);
             let p = TempFile::profile(&profile(&url));

@@ -8,19 +8,16 @@
 //! is there again; agents that stop give their leases back.
 
 use flowctl_tests::{
-    agent::Agent,
     cli::{attachment, rule},
-    lab::{sh, Lab},
-    redis::Redis,
-    tempfile::TempFile,
+    fleet_lab::{Fleet, SRC},
+    lab::Lab,
     traffic::blast_from,
 };
 use std::time::{Duration, Instant};
 
-/// Q per source per window, fleet-wide; the window; L.
+/// Q per source per window, fleet-wide; the window.
 const QUOTA: u64 = 200;
 const WINDOW_S: f64 = 12.0;
-const SRC: &str = "10.250.0.10";
 
 fn profile(url: &str) -> String {
     format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nglobal_key_entries = 4096\n[fleet]\nredis = \"{url}\"\nlease = \"2s\"\nrefresh = \"500ms\"\n[[rule]]\nname = \"metered\"\nproto = \"udp\"\ndport = 7001\nrate = \"400/s\"\nburst = 40\nquota = {QUOTA}\nquota_window = \"{WINDOW_S}s\"\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"none\"\n")
@@ -39,17 +36,8 @@ fn send(lab: &Lab, secs: f64) -> u64 {
 }
 
 pub fn global_quota_moves_between_hosts_without_being_spent_twice() {
-    let mut redis = Redis::start("fqr");
-    let labs: Vec<Lab> = (0..2u8).map(|i| Lab::new(&format!("fgq{i}"), 238 + i)).collect();
-    let mut agents = Vec::new();
-    let mut profiles = Vec::new();
-    for (i, lab) in labs.iter().enumerate() {
-        sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{SRC}/32"), "dev", &lab.veth_cli]);
-        let url = redis.link(lab, 238 + i as u8);
-        let p = TempFile::profile(&profile(&url));
-        agents.push(Agent::start(lab, p.path(), &[]));
-        profiles.push(p);
-    }
+    let mut fleet = Fleet::start_with("fqr", "fgq", &[238, 239], profile);
+    let (labs, redis) = (&fleet.labs, &fleet.redis);
     let start = Instant::now();
     // Host 0 alone: past the fresh store's learning (one 2 s lease), its
     // lease carries the whole quota, which it spends.
@@ -85,7 +73,8 @@ pub fn global_quota_moves_between_hosts_without_being_spent_twice() {
         let lab = &labs[1];
         let traffic = s.spawn(move || blast_from(lab, SRC, 7001, 300, 2.5, 750));
         std::thread::sleep(Duration::from_millis(1200));
-        for a in agents {
+        // The agents field alone: the traffic thread borrows the labs.
+        for a in fleet.agents.drain(..) {
             a.stop();
         }
         traffic.join().unwrap();
