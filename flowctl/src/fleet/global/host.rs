@@ -271,11 +271,9 @@ impl Manager {
     /// on the store's clock.
     pub fn observe_used(&mut self, rule: &str, key: &str, used: u64, clear_in: Micros) {
         let Some(r) = self.rules.get_mut(rule) else { return };
-        let eps = r.spec.epsilon_ppm;
+        let used_for = r.spec.on_store_clock(clear_in);
         if let Some(k) = r.keys.get_mut(key) {
-            k.used = used;
-            k.used_for =
-                clear_in + (clear_in as u128 * eps as u128).div_ceil(super::PPM as u128) as u64;
+            (k.used, k.used_for) = (used, used_for);
         }
     }
 

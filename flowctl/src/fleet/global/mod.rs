@@ -161,15 +161,20 @@ impl GlobalRule {
         self.quota.unwrap_or(0)
     }
 
-    /// How long the store keeps a host's reported used quota reserved: W
-    /// measured on the host's clock is at most `W * (1 + epsilon)` of the
-    /// store's, rounded up (0 without a quota).
+    /// A duration `d` measured on a host's clock, as long as it can be on
+    /// the store's: `d * (1 + epsilon)`, rounded up (the counterpart of
+    /// [`local_lease`](Self::local_lease)'s shortening).
+    pub fn on_store_clock(&self, d: Micros) -> Micros {
+        d + ((d as u128 * self.epsilon_ppm as u128).div_ceil(PPM as u128)) as u64
+    }
+
+    /// How long the store keeps a host's reported used quota reserved, at
+    /// most: W on the store's clock (0 without a quota).
     pub fn store_quota_window(&self) -> Micros {
-        if self.quota.is_none() {
-            return 0;
+        match self.quota {
+            Some(_) => self.on_store_clock(self.quota_window),
+            None => 0,
         }
-        let w = self.quota_window as u128;
-        (w + (w * self.epsilon_ppm as u128).div_ceil(PPM as u128)) as u64
     }
 }
 
@@ -226,6 +231,9 @@ mod tests {
         let ok = GlobalRule::new("web", 1000, 100);
         assert_eq!(ok.validate(), Ok(()));
         assert_eq!(ok.local_lease(), 9_990_000);
+        // The lengthening, rounded up: 1000 ppm of 10 s, and of 1 us.
+        assert_eq!(ok.on_store_clock(10_000_000), 10_010_000);
+        assert_eq!(ok.on_store_clock(1), 2);
         let bad = |f: fn(&mut GlobalRule)| {
             let mut r = ok.clone();
             f(&mut r);
