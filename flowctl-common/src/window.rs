@@ -166,6 +166,9 @@ pub fn spent(words: &[u64], w: &Window, now_ns: u64) -> (u64, u64) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
     #[test]
     fn spent_says_how_long_until_the_ring_clears() {
         let w = Window { bucket_ns: 1_000, buckets: 4 };
@@ -183,9 +186,6 @@ mod tests {
         assert_eq!(spent(&words, &w, 15_100).0, 2);
         assert_eq!(spent(&[0; crate::QUOTA_RING_SLOTS], &w, 15_100), (0, 0));
     }
-
-    use super::*;
-    use proptest::prelude::*;
 
     /// A single-threaded model of the kernel ring.
     struct Ring {

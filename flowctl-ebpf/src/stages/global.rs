@@ -4,8 +4,8 @@
 //! none. The grant lives in `FLOWCTL_GRANTS`, written by the agent; the
 //! bucket keeps a copy it re-reads at most every `grant::REFRESH_NS`, so a
 //! hot key costs one map lookup per packet like a local rule's (and one
-//! more for a quota, as a local rule's quota does). A new grant changes the rate and
-//! depth, never the TAT: the bucket is not reset. Keys that are refused, or
+//! more for a quota, as a local rule's quota does). A new grant changes the
+//! rate and depth, never the TAT: the bucket is not reset. Keys that are refused, or
 //! that use more than half their default burst, are reported to the agent
 //! (`FLOWCTL_HOT_KEYS`), at most every `grant::HOT_EVERY_NS` each, so it
 //! asks for their leases; and every key counts what it offers, which the
@@ -178,10 +178,12 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
 }
 
 /// The key's grant word: the bucket's copy, re-read from the map when it is
-/// older than `grant::REFRESH_NS` (with the quota share beside it). Racing
-/// CPUs store the same word or a newer one, each a single 8-byte store. When the word changed, the
-/// bucket's debt is carried over in units (`gcra::rescale`), so a new rate
-/// neither refills the key nor charges it for time at the old one.
+/// older than `grant::REFRESH_NS` (with the quota share and the lease's end
+/// beside it), or at once when the cached lease has ended. Racing CPUs
+/// store the same word or a newer one, each a single 8-byte store. When the
+/// word changed, the bucket's debt is carried over in units
+/// (`gcra::rescale`), so a new rate neither refills the key nor charges it
+/// for time at the old one.
 #[inline(always)]
 fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64) -> u64 {
     let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
