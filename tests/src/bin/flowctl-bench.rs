@@ -30,7 +30,8 @@
 //!    dropped), with section 1's spreader at its key counts; then the real
 //!    three-agent lab (`flowctl_tests::fleet_bench`: real agents and a real
 //!    Redis, accuracy from the kernels' counters, convergence after a
-//!    shift, Redis operations per agent).
+//!    shift, Redis operations per agent). `fleet packet` runs the
+//!    per-packet cost alone, `fleet lab` the lab alone.
 
 use aya::{
     maps::{Array, ProgramArray},
@@ -203,6 +204,14 @@ fn main() {
             eprintln!("bench: {e}");
             std::process::exit(1);
         }
+        return;
+    }
+    if std::env::args().any(|a| a == "fleet") && std::env::args().any(|a| a == "packet") {
+        // `bench fleet packet`: the per-packet cost of a global rule (8b) alone.
+        flowctl_tests::testrun::pin_to_cpu(0);
+        let mut refs = Refs::load();
+        println!("8b. Per-packet cost of a global rule over a local one (BPF_PROG_TEST_RUN, kernel-reported ns/packet)");
+        fleet_packet_cost(&mut refs, &bench_profile(), &bench_frame(), quick);
         return;
     }
     if std::env::args().any(|a| a == "fleet") {
