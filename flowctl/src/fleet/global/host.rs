@@ -22,6 +22,24 @@ use super::allocator::{BatchReply, Call, Item, Limits};
 use super::{GlobalRule, Grant, Micros};
 use std::collections::{BTreeMap, VecDeque};
 
+/// A demand is measured over a window holding at least this many units
+/// (when the history reaches back that far): an eighth of the rate's
+/// resolution.
+const DEMAND_MIN_UNITS: u64 = 8;
+
+/// What a key with a measured demand of `d` units per second asks for:
+/// `d + d/16 + 1`. The excess is bounded (a sixteenth, and one unit), costs
+/// only utilisation where capacity is contended (the others' fair shares
+/// are computed against it), and never the bound (the allocator caps every
+/// grant by what the others leave). Zero stays zero: a release.
+pub fn demand_headroom(d: u64) -> u64 {
+    if d == 0 {
+        0
+    } else {
+        d.saturating_add(d / 16).saturating_add(1)
+    }
+}
+
 /// Where grants go: the lead's implementation writes them into the key's
 /// bucket in the BPF map; the simulator's is a token bucket per key.
 pub trait GrantSink {
@@ -330,22 +348,34 @@ impl Manager {
 
     /// Demand in units per second: the offered rate over the most recent
     /// quarter of a refresh interval (recent, so that a key whose traffic
-    /// moved away gives its share back at its next batch). A key not
-    /// measured yet asks for the whole rate (the allocator gives it its
-    /// fair share). A measured zero releases the lease (no demand, no
-    /// grant); once that is acknowledged the key is forgotten.
+    /// moved away gives its share back at its next batch), or further back,
+    /// up to the whole history, until the window holds at least
+    /// [`DEMAND_MIN_UNITS`] (a light key's quarter interval holds two or
+    /// three packets, and a rate measured from them swings by a third
+    /// between batches). What the store is asked for is that plus
+    /// [`demand_headroom`]: a grant of exactly the measured rate would
+    /// refuse whatever the measurement missed. A key not measured yet asks
+    /// for the whole rate (the allocator gives it its fair share). A
+    /// measured zero releases the lease (no demand, no grant); once that is
+    /// acknowledged the key is forgotten.
     fn measure(k: &mut KeyState, refresh: Micros, ask: u64) -> u64 {
         if k.release {
             return 0;
         }
         if let Some((n1, at1)) = k.last {
-            let since = k.history.iter().rev().find(|(_, at)| at1 >= at + refresh / 4);
-            if let Some(&(n0, at0)) = since {
+            let mut window = None;
+            for &(n0, at0) in k.history.iter().rev().filter(|(_, at)| at1 >= at + refresh / 4) {
+                window = Some((n0, at0));
+                if n1 - n0 >= DEMAND_MIN_UNITS {
+                    break;
+                }
+            }
+            if let Some((n0, at0)) = window {
                 let d = (n1 - n0) as u128 * 1_000_000 / (at1 - at0) as u128;
                 k.demand = Some(d.min(u64::MAX as u128) as u64);
             }
         }
-        k.demand.unwrap_or(ask)
+        k.demand.map_or(ask, demand_headroom)
     }
 
     fn mark_unreachable(r: &mut RuleState, since: Micros) {
@@ -613,6 +643,33 @@ mod tests {
         exchange(&mut m, &mut store, &rule, 0, &mut sink);
         m.observe("web", "k", 300, rule.refresh);
         let b = m.poll(rule.refresh, &mut sink);
-        assert_eq!(b[0].items[0].demand, 300);
+        assert_eq!(b[0].items[0].demand, demand_headroom(300));
+        assert_eq!(m.leases()[0].demand, Some(300), "status shows what was measured");
+    }
+
+    #[test]
+    fn a_light_key_asks_for_at_least_its_paced_rate() {
+        // 20 units per second, one every 50 ms, refresh 500 ms: a quarter
+        // interval holds two or three units (16/s or 24/s measured); the
+        // window grows until it holds eight.
+        let (mut m, rule, mut store) = setup(10);
+        let mut sink = Sink::default();
+        m.note_hot("web", "k", 0);
+        let step = rule.refresh / 16;
+        let mut asked = Vec::new();
+        let mut now = 0;
+        while now < 20 * rule.refresh {
+            m.observe("web", "k", now / 50_000, now);
+            for b in m.poll(now, &mut sink) {
+                if now >= 2 * rule.refresh {
+                    asked.push(b.items[0].demand);
+                }
+                let r = store.run_batch(&b.call(&rule, "x"), now + 10_000_000);
+                m.on_reply(&b.rule, b.seq, &r, now + 1000, &mut sink);
+            }
+            now += step;
+        }
+        assert!(asked.len() >= 15, "{asked:?}");
+        assert!(asked.iter().all(|d| (20..=24).contains(d)), "asked for {asked:?}");
     }
 }
