@@ -9,6 +9,7 @@
 /// Agent-side only (128-bit arithmetic the BPF target does not need).
 #[cfg(not(target_arch = "bpf"))]
 pub mod bbr;
+pub mod booking;
 pub mod breaker;
 pub mod consts;
 pub mod gcra;
