@@ -80,6 +80,11 @@ pub const EGRESS_COUNTERS_PER_TARGET: usize = 2;
 /// and most leased keys (`FLOWCTL_GRANTS`) an agent holds at once.
 pub const DEFAULT_GLOBAL_KEY_ENTRIES: u32 = 1 << 16;
 pub const MAX_GRANTS: u32 = 1 << 16;
+/// Refused SYNs' bookings (`FLOWCTL_BOOKINGS`, flow -> slot) held at once,
+/// over every rule with `book_retransmits`. A rule of rate r holds at most
+/// about r * (`booking::HORIZON_NS` + `booking::LIFETIME_NS`) of them;
+/// an evicted booking loses its token (never admits more).
+pub const BOOKING_ENTRIES: u32 = 1 << 16;
 /// Bytes of the hot-key ring buffer (52-byte reports, at most 10 per key
 /// per second: `grant::HOT_EVERY_NS`).
 pub const HOT_KEY_RING_BYTES: u32 = 1 << 18;
@@ -112,7 +117,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -143,13 +148,14 @@ pub mod map_names {
     pub const GLOBAL_KEYS: &str = "FLOWCTL_GLOBAL_KEYS";
     pub const GRANTS: &str = "FLOWCTL_GRANTS";
     pub const HOT_KEYS: &str = "FLOWCTL_HOT_KEYS";
+    pub const BOOKINGS: &str = "FLOWCTL_BOOKINGS";
     /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
     pub const BREAKER_TARGETS: &str = "FLOWCTL_BREAKER_TARGETS";
     pub const BREAKER_CONTROL: &str = "FLOWCTL_BREAKER_CONTROL";
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -173,6 +179,7 @@ pub mod map_names {
         GLOBAL_KEYS,
         GRANTS,
         HOT_KEYS,
+        BOOKINGS,
     ];
 }
 

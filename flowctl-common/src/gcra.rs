@@ -77,23 +77,45 @@ pub fn burst_ns(interval_fp: u64, burst: u64) -> u64 {
     }
 }
 
-/// The TAT of a bucket whose emission interval changes from `old` to `new`
-/// (fixed point) at `now`: the debt it carries (`tat - now`) is kept in
-/// units, not in nanoseconds, so a key that spent half its burst still has
-/// half of it at the new rate. Units round up (the key owes at least what it
-/// owed); a bucket with no debt stays as it is.
+/// `ns` of `units` at `interval_fp`, rounded down: [`increment_ns`] less
+/// the rounding up (the low 8 bits of the product are exact even when it
+/// wraps).
 #[inline(always)]
-pub fn rescale(tat: u64, now: u64, old: u64, new: u64) -> u64 {
-    if tat <= now || old == 0 {
-        return tat;
+fn units_ns_floor(interval_fp: u64, units: u64) -> u64 {
+    let up = increment_ns(interval_fp, units);
+    if up != u64::MAX >> FRAC_BITS && units.wrapping_mul(interval_fp) & ((1 << FRAC_BITS) - 1) != 0
+    {
+        up - 1
+    } else {
+        up
     }
-    let debt_ns = tat - now;
-    // Units owed: debt / interval, the debt scaled to the interval's fixed
-    // point, rounded up. The shift saturates rather than wrap for debts
-    // past 2^56 ns (two years).
-    let scaled = if debt_ns >> (64 - FRAC_BITS) != 0 { u64::MAX } else { debt_ns << FRAC_BITS };
-    let units = scaled / old + (scaled % old != 0) as u64;
-    now.saturating_add(increment_ns(new, units))
+}
+
+/// The TAT of a bucket re-rated at `now` from `old` to `new`, each
+/// `(interval_fp, depth_ns)`: the credit it held, in whole units (rounded
+/// down), is kept, capped at the new depth; it is never scaled with the
+/// rate. Keeping the TAT's nanoseconds instead would turn a credit of `x`
+/// ns into `x * new_rate` units, and keeping the debt would hand a full
+/// bucket the whole of a deeper one: either way a rate or burst share moved
+/// from an empty bucket on one host to a full one on another would admit
+/// more than L*t + B fleet-wide (docs/design.md, C3). A bucket re-rated
+/// from a share that refuses everything (`interval_fp = u64::MAX`, depth
+/// 0) starts empty. No 128-bit arithmetic: the kernel runs it.
+#[inline(always)]
+pub fn retarget(tat: u64, now: u64, old: (u64, u64), new: (u64, u64)) -> u64 {
+    let ((old_interval, old_depth), (new_interval, new_depth)) = (old, new);
+    let debt = tat.saturating_sub(now);
+    let debt = if debt < old_depth { debt } else { old_depth };
+    let credit_ns = old_depth - debt;
+    if old_interval == 0 || credit_ns == 0 {
+        return now.saturating_add(new_depth);
+    }
+    // Whole units of credit: credit_ns * 256 / old_interval (saturating
+    // for credits past 2^56 ns).
+    let scaled = if credit_ns >> (64 - FRAC_BITS) != 0 { u64::MAX } else { credit_ns << FRAC_BITS };
+    let credit = units_ns_floor(new_interval, scaled / old_interval);
+    let credit = if credit < new_depth { credit } else { new_depth };
+    now.saturating_add(new_depth - credit)
 }
 
 #[cfg(test)]
@@ -204,20 +226,51 @@ mod tests {
         }
     }
 
+    fn params(rate: u64, burst: u64) -> (u64, u64) {
+        let i = interval_fp(rate, 1);
+        (i, burst_ns(i, burst))
+    }
+
+    /// How many single units a bucket at `tat` admits at once at `now`.
+    fn credit(tat: u64, now: u64, (interval, depth): (u64, u64)) -> u64 {
+        let (mut t, mut n) = (tat, 0);
+        while let Some(next) = admit(t, now, increment_ns(interval, 1), depth) {
+            t = next;
+            n += 1;
+        }
+        n
+    }
+
     #[test]
-    fn rescaling_keeps_the_debt_in_units() {
-        let (slow, fast) = (interval_fp(1, 60), interval_fp(1000, 1));
-        let now = 1_000_000_000_000;
-        // One unit owed at 1/min (60 s of debt) is one unit at 1000/s (1 ms).
-        assert_eq!(rescale(now + 60_000_000_000, now, slow, fast), now + 1_000_000);
-        // Half a unit rounds up to a whole one.
-        assert_eq!(rescale(now + 30_000_000_000, now, slow, fast), now + 1_000_000);
-        // No debt: unchanged, whatever the rates.
-        assert_eq!(rescale(now - 5, now, slow, fast), now - 5);
-        // And back: 3 units at 1000/s are 3 minutes at 1/min.
-        assert_eq!(rescale(now + 3_000_000, now, fast, slow), now + 180_000_000_000);
-        // Any debt under a refuse-everything share (u64::MAX) is at most a
-        // unit, rounded up to one.
-        assert_eq!(rescale(now + 10, now, u64::MAX, fast), now + 1_000_000);
+    fn retargeting_keeps_the_credit_in_units() {
+        let now = 50 * SEC;
+        // Full at 10/s depth 10, re-rated to 100/s depth 100: still 10
+        // units of credit, not 100.
+        let to = params(100, 100);
+        assert_eq!(credit(retarget(now - SEC, now, params(10, 10), to), now, to), 10);
+        // Lowered: capped at the new depth.
+        let to = params(10, 5);
+        assert_eq!(credit(retarget(0, now, params(100, 100), to), now, to), 5);
+        // Half spent (5 of 10 owed) and raised: 5 units left, the rest owed.
+        let from = params(10, 10);
+        let half = now + increment_ns(from.0, 5);
+        let to = params(1000, 1000);
+        assert_eq!(credit(retarget(half, now, from, to), now, to), 5);
+        // An empty bucket stays empty; from refusing everything, empty.
+        assert_eq!(retarget(now + from.1, now, from, to), now + to.1);
+        assert_eq!(retarget(0, now, (u64::MAX, 0), to), now + to.1);
+        // To refusing everything: nothing admitted.
+        assert_eq!(credit(retarget(0, now, from, (u64::MAX, 0)), now, (u64::MAX, 0)), 0);
+        // Unchanged parameters keep a whole-unit credit exactly.
+        let tat = now + increment_ns(from.0, 3);
+        assert_eq!(retarget(tat, now, from, from), tat);
+    }
+
+    #[test]
+    fn floor_rounds_down_only_a_fraction() {
+        let i = interval_fp(3, 1); // 333,333,333.33 ns
+        assert_eq!(increment_ns(i, 1), 333_333_334);
+        assert_eq!(units_ns_floor(i, 1), 333_333_333);
+        assert_eq!(units_ns_floor(interval_fp(1, 1), 2), 2_000_000_000);
     }
 }

@@ -45,6 +45,22 @@ pub fn in_prefix(a: &[u32; 4], p: &[u32; 4], len: u8, family: u8) -> bool {
     true
 }
 
+/// The flow of `meta` (its 5-tuple) under the rule state `state_id`: the
+/// key of a refused SYN's booking (`booking`), whatever the rule's key kind.
+#[inline(always)]
+pub fn flow_key(meta: &PacketMeta, state_id: u32) -> BucketKey {
+    BucketKey {
+        state_id,
+        family: meta.family,
+        proto: meta.proto,
+        sport: meta.sport,
+        dport: meta.dport,
+        _pad: 0,
+        src: meta.src,
+        dst: meta.dst,
+    }
+}
+
 /// The bucket key of `meta` under `rule`. Fields the key kind does not use stay
 /// zero, so all packets that share a bucket build the same key. Every field is
 /// computed on its own (no `..Default::default()`): zero-filling a 44-byte

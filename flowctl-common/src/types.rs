@@ -140,7 +140,11 @@ pub struct RuleConfig {
     /// key without one runs at `interval_fp` and `burst_ns`, the rule's
     /// default share (refusing everything with `default_share = "none"`).
     pub global: u8,
-    pub _pad: [u8; 3],
+    /// 1: a SYN the bucket refuses books the next token for its
+    /// retransmission (`booking`, docs/algorithms.md 1.7); the rule's
+    /// bucket then runs in `flowctl_book_decide`.
+    pub book_syns: u8,
+    pub _pad: [u8; 2],
     /// Quota bucket length L in ns (0: no quota).
     pub quota_bucket_ns: u64,
     /// Quota: at most this many units per window.
@@ -393,6 +397,12 @@ pub struct RuleCounters {
     /// against every rule that could apply (docs/classification.md).
     /// Global only.
     pub unparsed_pkts: u64,
+    /// Refused SYNs that booked a token for their retransmission (counted
+    /// as `rate` drops too).
+    pub booked_syns: u64,
+    /// Retransmitted SYNs admitted on their booking (counted as passed
+    /// too, and charged nothing more).
+    pub redeemed_syns: u64,
     pub dropped_pkts: [u64; reason::COUNT],
     pub dropped_bytes: [u64; reason::COUNT],
 }
@@ -412,6 +422,8 @@ impl RuleCounters {
         self.malformed_pkts += o.malformed_pkts;
         self.fragment_pkts += o.fragment_pkts;
         self.unparsed_pkts += o.unparsed_pkts;
+        self.booked_syns += o.booked_syns;
+        self.redeemed_syns += o.redeemed_syns;
         for i in 0..reason::COUNT {
             self.dropped_pkts[i] += o.dropped_pkts[i];
             self.dropped_bytes[i] += o.dropped_bytes[i];
@@ -634,7 +646,7 @@ assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
 assert_layout!(EgressTarget, 24, 4);
-assert_layout!(RuleCounters, 232, 8);
+assert_layout!(RuleCounters, 248, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
 assert_layout!(SrcEntry, 24, 8);

@@ -38,6 +38,9 @@ pub enum Outcome {
     /// A global rule's bucket decides, in `flowctl_global_decide`, called
     /// from the entry point (nothing is counted before it).
     Global,
+    /// A SYN of a rule with `book_retransmits`: its booking and bucket
+    /// decide, in `flowctl_book_decide`, called from the entry point.
+    Book,
 }
 
 /// An outcome as one scalar for `flowctl_account`: 0 pass, 1 would-drop,
@@ -49,18 +52,22 @@ pub fn outcome_code(o: Outcome) -> u32 {
         Outcome::WouldDrop => 1,
         Outcome::Drop(why) => 2 + why as u32,
         Outcome::Global => 0xff,
+        Outcome::Book => 0xfe,
     }
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
 /// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
-/// table index (32-47, 0xffff: none), "a global rule's bucket decides"
-/// (60), the rule's BBR flags (61-62) and "sample this packet" (63).
+/// table index (32-47, 0xffff: none), "the booking stage decides" (59),
+/// "a global rule's bucket decides" (60), the rule's BBR flags (61-62) and "sample this packet" (63).
 pub mod packed {
     pub const SAMPLE: u64 = 1 << 63;
     /// Not decided yet: the entry point calls the global stage, which
     /// decides, counts and packs the result again.
     pub const GLOBAL: u64 = 1 << 60;
+    /// Not decided yet: the entry point calls the booking stage, which
+    /// decides, counts and packs the result again.
+    pub const BOOK: u64 = 1 << 59;
     /// The deciding rule's `bbr_flags` sit in bits 61 (ON: track its
     /// connections) and 62 (RESET: answer its refused SYNs with a RST).
     pub const BBR_ON: u64 = (flowctl_common::bbr_flags::ON as u64) << 61;

@@ -80,6 +80,9 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     if v & packed::GLOBAL != 0 {
         v = stages::global::flowctl_global_decide(v);
     }
+    if v & packed::BOOK != 0 {
+        v = stages::booking::flowctl_book_decide(v);
+    }
     if v & packed::SAMPLE != 0 {
         sampler::flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
     }
@@ -110,7 +113,8 @@ pub extern "C" fn flowctl_decide(parsed: u32, len: u64) -> u64 {
 /// The decision's top level: frames the parser did not class as IP are
 /// counted against the global record; an IP packet gets its rule and that
 /// rule's stages (`stages::enforce`, which classifies first); either way
-/// the verdict is counted once (`flowctl_account`) and packed.
+/// the verdict is counted once (`flowctl_account`) and packed, except where
+/// a stage beside it decides (a global rule's bucket, a booking rule's SYN).
 #[inline(always)]
 fn decide(parsed: u32, wire_len: u64) -> u64 {
     let Some(global) = FLOWCTL_GLOBAL.get(0) else {
@@ -150,10 +154,14 @@ fn decide(parsed: u32, wire_len: u64) -> u64 {
     };
     let d = stages::enforce(global, meta, now);
     let sample = global.key_sample_every != 0;
-    if let Outcome::Global = d.outcome {
-        return packed::pack(0, 0, d.record, d.rule_at, sample)
-            | packed::GLOBAL
-            | (d.bbr as u64 & 3) << 61;
+    // Undecided: the entry point calls the stage that decides.
+    let later = match d.outcome {
+        Outcome::Global => packed::GLOBAL,
+        Outcome::Book => packed::BOOK,
+        _ => 0,
+    };
+    if later != 0 {
+        return packed::pack(0, 0, d.record, d.rule_at, sample) | later | (d.bbr as u64 & 3) << 61;
     }
     let code = outcome_code(d.outcome);
     let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };

@@ -13,11 +13,12 @@ use aya_ebpf::{
 use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
     GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, RuleBitmap, RuleConfig,
-    RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, COUNTER_RECORDS, DEBT_SLOTS,
-    DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS,
-    DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES,
-    KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS, MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS,
-    MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, SLOTS,
+    RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES, COUNTER_RECORDS,
+    DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES,
+    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
+    EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
+    MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
+    PROTO_INDICES, RULE_SETS, SLOTS,
 };
 
 // The profile, as the agent applied it: two slots of everything it reads
@@ -77,6 +78,9 @@ pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::wit
 /// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);
+/// Refused SYNs' bookings (`stages::booking`): flow -> slot (ns).
+#[map]
+pub static FLOWCTL_BOOKINGS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(BOOKING_ENTRIES, 0);
 /// Hot keys of global rules, for the agent (`HotKey`).
 #[map]
 pub static FLOWCTL_HOT_KEYS: RingBuf = RingBuf::pinned(HOT_KEY_RING_BYTES, 0);

@@ -227,6 +227,49 @@ fn connections_unit_counts_only_syns() {
     }
 }
 
+/// `book_retransmits`: 10/s, burst 2. Two SYNs pass; the third flow's SYN
+/// is refused and books the token at +100 ms; its retransmission before
+/// then is refused (the booking kept), after it admitted without a charge;
+/// flows past the one-second horizon book nothing. Per source key: the
+/// bucket lives in the source's cache entry.
+fn refused_syns_book_their_retransmissions() {
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"conns\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"10/s\"\nburst = 2\nkey = \"src\"\nbook_retransmits = true\n",
+    ));
+    let v = V4::new([10, 3, 0, 9]);
+    let syn = |sport: u16| v.build(L4::Tcp { sport, dport: 80, flags: 0x02 }, 0);
+    let t0 = std::time::Instant::now();
+    assert_eq!([p.run(&syn(1)), p.run(&syn(2))], [XDP_PASS, XDP_PASS]);
+    assert_eq!(p.run(&syn(3)), XDP_DROP, "refused, and booked at +100 ms");
+    // Eight more flows fill the horizon (slots at +200 ms ... +900 ms and
+    // +1 s); the next books nothing.
+    for sport in 4..=12 {
+        assert_eq!(p.run(&syn(sport)), XDP_DROP);
+    }
+    assert_eq!(p.run(&syn(13)), XDP_DROP);
+    let c = p.counters("conns");
+    assert_eq!(c.booked_syns, 10, "flows 3-12 booked, 13 past the horizon");
+    if t0.elapsed() < std::time::Duration::from_millis(90) {
+        assert_eq!(p.run(&syn(3)), XDP_DROP, "before its slot: early");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(110).saturating_sub(t0.elapsed()));
+    assert_eq!(p.run(&syn(3)), XDP_PASS, "its retransmission, on its booking");
+    // Used up: the same flow again is judged by the bucket, which is
+    // booked a second ahead, so refused (it may book the slot at +1.1 s,
+    // which the 110 ms since brought within the horizon).
+    assert_eq!(p.run(&syn(3)), XDP_DROP);
+    // A flow that never booked finds no token either: bookings were
+    // charged.
+    assert_eq!(p.run(&syn(14)), XDP_DROP);
+    let c = p.counters("conns");
+    assert_eq!(c.redeemed_syns, 1);
+    assert_eq!(c.passed_pkts, 3);
+    // One slot per 100 ms the test took past 110 ms at most.
+    let late = (t0.elapsed().as_millis() as u64).saturating_sub(110) / 100;
+    assert!((11..=12 + late).contains(&c.booked_syns), "{} booked", c.booked_syns);
+    assert_eq!(c.dropped_pkts[reason::RATE], c.offered_pkts - 3);
+}
+
 fn dry_run_counts_would_drop_and_passes() {
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"dry\"\nrate = \"1/min\"\nburst = 1\naction = \"dry-run\"\n",
@@ -988,12 +1031,14 @@ fn global_rule_runs_at_its_grant_and_reports_hot_keys() {
     let interval = flowctl_common::gcra::interval_fp(1000, 1);
     gk.set_grant(&key, interval, 5).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
-    // Not reset: the unit the share spent is still owed, now at 1 ms, so
-    // the burst of 5 has 4 left (one more for the time the test takes).
+    // Re-rated keeping the credit in units (docs/design.md C3): the share
+    // had spent its one unit, so the lease starts empty and fills at
+    // 1000/s; a deeper lease mints no burst (one unit more for the
+    // millisecond the packets may take).
     assert!(tat > flowctl::system::clock::monotonic_ns(), "the share's unit is owed");
     let v: Vec<u32> = (0..8).map(|_| p.run(&f)).collect();
     let passed = v.iter().filter(|x| **x == XDP_PASS).count();
-    assert!((4..=5).contains(&passed), "the grant's burst of 5 less the unit owed: {v:?}");
+    assert!(passed <= 1, "nothing of the grant's burst of 5 before it fills: {v:?}");
     let b = gk.bucket(&key).unwrap();
     assert_eq!(b.grant, flowctl_common::grant::encode(interval, 5), "the bucket cached the grant");
     // Cleared: back to the share. 60 ms at 1000/s refilled the bucket, so
@@ -1021,8 +1066,12 @@ fn global_rule_without_a_share_waits_for_its_lease() {
     let ends = flowctl::system::clock::monotonic_ns() + 300_000_000;
     gk.set_lease(&hot[0].key, flowctl_common::gcra::interval_fp(100, 1), 2, 0, ends).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
-    assert_eq!(p.run(&f), XDP_PASS, "the lease arrived");
-    assert_eq!(p.counters("g").dropped_pkts[reason::RATE], 1);
+    // The first packet after 50 ms re-reads the grant: the lease starts
+    // with the credit the share had, none (C3), and fills at 100/s.
+    assert_eq!(p.run(&f), XDP_DROP, "the lease's bucket starts empty");
+    std::thread::sleep(std::time::Duration::from_millis(15));
+    assert_eq!(p.run(&f), XDP_PASS, "the lease arrived and filled a unit");
+    assert_eq!(p.counters("g").dropped_pkts[reason::RATE], 2);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(p.run(&f), XDP_DROP, "the lease ended in the kernel: nothing before the next");
     assert_eq!(gk.bucket(&hot[0].key).unwrap().grant, flowctl_common::grant::NO_LEASE);
@@ -1076,6 +1125,7 @@ fn main() {
         bucket_drains_then_refuses_and_counts: [Root],
         byte_buckets_charge_frame_length: [Root],
         connections_unit_counts_only_syns: [Root],
+        refused_syns_book_their_retransmissions: [Root],
         dry_run_counts_would_drop_and_passes: [Root],
         pass_rule_exempts_before_later_rules: [Root],
         header_layouts_are_parsed: [Root],

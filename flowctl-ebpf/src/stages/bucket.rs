@@ -15,7 +15,7 @@ use crate::{
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    gcra, key_kind,
+    booking, gcra, key_kind,
     keys::{bucket_key, debt_slot},
     reason, BucketKey, PacketMeta, RuleConfig, SrcEntry, CAS_RETRIES,
 };
@@ -115,6 +115,38 @@ pub fn admit<Q: QuotaStage>(
     verdict(rule, reason::CONTENDED)
 }
 
+/// Books the next token of the rule's bucket for a SYN it just refused
+/// (`flowctl_common::booking::book`): the TAT moves as for an admission at
+/// the slot, by compare-and-swap, and the slot is returned for the flow's
+/// booking. None: nothing booked (no bucket, past the horizon, contended).
+#[inline(always)]
+pub(super) fn book(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    entry: *mut SrcEntry,
+    now: u64,
+) -> Option<u64> {
+    let BucketRef::Ptr(tat_ptr) = bucket_tat(rule, meta, entry, now) else { return None };
+    let inc = gcra::increment_ns(rule.interval_fp, 1);
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let (new, slot) = booking::book(old, now, inc, rule.burst_ns, booking::HORIZON_NS)?;
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr,
+                old,
+                unmarked(new),
+            )
+        };
+        if ok {
+            return Some(slot);
+        }
+        tries += 1;
+    }
+    None
+}
+
 /// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
 /// key that keeps being refused pays for the debt slot once, not per packet.
 /// The mark makes the TAT 1 ns later, never earlier.
@@ -201,6 +233,15 @@ const DEBT_MARK: u64 = 1;
 #[inline(always)]
 pub(super) fn unmarked(tat: u64) -> u64 {
     tat.saturating_add(1) & !DEBT_MARK
+}
+
+/// A re-rated TAT (`gcra::retarget`) with the debt mark clear, rounded
+/// down: the 1 ns it gives is less than the fraction of a unit the re-rating
+/// already rounded away, so no whole unit is ever added; rounding up would
+/// take a whole unit from a bucket whose credit is exactly whole.
+#[inline(always)]
+pub(super) fn unmarked_down(tat: u64) -> u64 {
+    tat & !DEBT_MARK
 }
 
 /// Where a bucket starts: the debt remembered for its key's slot when that is

@@ -11,7 +11,7 @@
 //! asks for their leases; and every key counts what it offers, which the
 //! agent reads as its demand.
 
-use super::bucket::{initial_tat, refuse_key_at, unmarked};
+use super::bucket::{initial_tat, refuse_key_at, unmarked, unmarked_down};
 use super::quota::{NoQuota, Quota, QuotaCommit, QuotaStage};
 use crate::{
     accounting::{counters, flowctl_account},
@@ -81,7 +81,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     };
     let b = unsafe { &mut *b };
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
-    let word = current_grant(b, key, rule.interval_fp, now);
+    let word = current_grant(b, key, (rule.interval_fp, rule.burst_ns), now);
     let (interval_fp, burst_ns, leased) = match grant::decode(word) {
         Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
         None => (rule.interval_fp, rule.burst_ns, false),
@@ -181,11 +181,12 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
 /// older than `grant::REFRESH_NS` (with the quota share and the lease's end
 /// beside it), or at once when the cached lease has ended. Racing CPUs
 /// store the same word or a newer one, each a single 8-byte store. When the
-/// word changed, the bucket's debt is carried over in units
-/// (`gcra::rescale`), so a new rate neither refills the key nor charges it
-/// for time at the old one.
+/// word changed, the bucket's credit is carried over in whole units, capped
+/// at the new depth (`gcra::retarget`, docs/design.md C3), so a new lease
+/// never mints a burst: a key's first lease starts from what its default
+/// share had left (nothing with `default_share = "none"`).
 #[inline(always)]
-fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64) -> u64 {
+fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: u64) -> u64 {
     let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
     let cached = unsafe { core::ptr::read_volatile(&b.grant) };
     let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
@@ -200,14 +201,15 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share_fp: u64, now: u64)
         _ => (grant::NO_LEASE, 0, 0),
     };
     if word != cached {
-        let interval = |w: u64| grant::decode(w).map_or(share_fp, |(i, _)| i);
-        let (from, to) = (interval(cached), interval(word));
+        let params =
+            |w: u64| grant::decode(w).map_or(share, |(i, units)| (i, gcra::increment_ns(i, units)));
+        let (from, to) = (params(cached), params(word));
         // A compare-and-swap loop like the admission's: a TAT another CPU
-        // moves meanwhile is rescaled from where it moved to.
+        // moves meanwhile is re-rated from where it moved to.
         let mut tries = 0;
         while tries < CAS_RETRIES {
             let tat = unsafe { core::ptr::read_volatile(&b.tat) };
-            let moved = unmarked(gcra::rescale(tat, now, from, to));
+            let moved = unmarked_down(gcra::retarget(tat, now, from, to));
             if moved == tat {
                 break;
             }

@@ -17,6 +17,7 @@
 
 mod admission;
 pub mod bbr;
+pub mod booking;
 mod bucket;
 pub mod global;
 mod quota;
@@ -70,6 +71,12 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // frame is not stacked on this one.
     if rule.global != 0 {
         return Decision::of(rule, Outcome::Global);
+    }
+    // A SYN of a rule that books refused SYNs' tokens: its booking, then
+    // its bucket, in `booking::flowctl_book_decide` (no quota: the profile
+    // refuses one with `book_retransmits`; in dry-run nothing is booked).
+    if rule.book_syns != 0 && rule.action != action::DRY_RUN {
+        return Decision::of(rule, Outcome::Book);
     }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)

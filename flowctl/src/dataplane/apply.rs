@@ -108,7 +108,8 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             bbr: r.bbr.as_ref().map(|b| b.kernel_flags()).unwrap_or(0),
             at: slot * MAX_RULES as u32 + i as u32,
             global: r.global.is_some() as u8,
-            _pad: [0; 3],
+            book_syns: r.book_retransmits as u8,
+            _pad: [0; 2],
             quota_bucket_ns: r.quota_bucket_ns,
             // A global rule's quota here is its default share's, like its
             // bucket (a lease's quota share replaces it per key).

@@ -181,6 +181,9 @@ pub struct Rule {
     pub priority_span: Option<std::ops::Range<usize>>,
     /// `scope = "global"`: one limit across the fleet (`None`: this host's).
     pub global: Option<GlobalScope>,
+    /// `book_retransmits = true`: a refused SYN books the next token for
+    /// its retransmission (docs/algorithms.md, 1.7).
+    pub book_retransmits: bool,
 }
 
 impl Rule {

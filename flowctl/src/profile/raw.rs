@@ -91,6 +91,7 @@ pub struct RawRule {
     pub priority: Option<Spanned<f64>>,
     pub scope: Option<Spanned<String>>,
     pub default_share: Option<Spanned<String>>,
+    pub book_retransmits: Option<Spanned<bool>>,
 }
 
 /// A rule's `bbr = { ... }`.

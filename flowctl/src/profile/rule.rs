@@ -57,6 +57,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         priority: 0.0,
         priority_span: None,
         global: None,
+        book_retransmits: false,
     };
     if action == action::PASS {
         nothing_to_limit(cx, r)?;
@@ -83,7 +84,30 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
     }
     (rule.key_kind, rule.prefix_v4, rule.prefix_v6) = key(cx, r)?;
     rule.global = scope(cx, r, &rule)?;
+    rule.book_retransmits = book_retransmits(cx, r, &rule)?;
     Ok(rule)
+}
+
+/// `book_retransmits = true`: for a `connections` rule with a rate of its
+/// own, on this host, without a quota (a booked SYN is charged to the
+/// bucket when it is refused; a quota would have to be booked with it).
+fn book_retransmits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<bool, ProfileError> {
+    let Some(b) = &r.book_retransmits else { return Ok(false) };
+    if !*b.get_ref() {
+        return Ok(false);
+    }
+    let why = if rule.unit != unit::CONNECTIONS {
+        "book_retransmits books tokens for retransmitted TCP SYNs: it needs unit = \"connections\""
+    } else if rule.interval_fp == 0 {
+        "book_retransmits books the bucket's tokens: the rule needs a `rate`"
+    } else if rule.quota_bucket_ns != 0 {
+        "book_retransmits does not combine with a quota (a booked SYN would have to book its quota too): drop one of them"
+    } else if rule.global.is_some() {
+        "book_retransmits is for local rules (a global rule's bucket runs at its lease's rate): drop it or scope = \"global\""
+    } else {
+        return Ok(true);
+    };
+    Err(cx.err(b.span(), why))
 }
 
 /// `scope`: `"local"` (the default: the limit is this host's) or
@@ -573,6 +597,36 @@ mod tests {
                 5,
                 "belongs to a `rate`",
             ),
+        ] {
+            let e = err(text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn book_retransmits_is_for_local_connection_rates() {
+        let base = "[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\nburst = 10\n";
+        let s = parse("p", &format!("{base}book_retransmits = true\n")).unwrap();
+        assert!(s.rules[0].book_retransmits);
+        assert!(!parse("p", base).unwrap().rules[0].book_retransmits);
+        for (text, line, needle) in [
+            (
+                "[[rule]]\nname = \"c\"\nrate = \"50/s\"\nbook_retransmits = true\n",
+                4,
+                "unit = \"connections\"",
+            ),
+            (
+                &format!("{base}quota = 100\nquota_window = \"1min\"\nbook_retransmits = true\n"),
+                9,
+                "does not combine with a quota",
+            ),
+            (
+                &format!("{base}scope = \"global\"\nbook_retransmits = true\n[fleet]\nredis = \"redis://127.0.0.1:6379\"\n"),
+                8,
+                "for local rules",
+            ),
+            (&format!("{base}book_retransmits = \"yes\"\n"), 7, "boolean"),
         ] {
             let e = err(text);
             assert_eq!(e.line, line, "{text}: {e}");

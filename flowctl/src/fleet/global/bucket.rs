@@ -16,20 +16,11 @@ pub fn params(rate: u64, burst: u64) -> (u64, u64) {
 }
 
 /// The TAT that gives a bucket re-rated from `old` to `new` (each
-/// `(interval_fp, depth_ns)`) at `now` the credit it held, in units, capped
-/// at the new depth; rounded towards less credit.
+/// `(interval_fp, depth_ns)`) at `now` the credit it held, in whole units,
+/// capped at the new depth: the kernel's own arithmetic
+/// (`gcra::retarget`), so the simulator's buckets are the kernel's.
 pub fn retarget_tat(tat: u64, now: u64, old: (u64, u64), new: (u64, u64)) -> u64 {
-    let (old_interval, old_depth) = old;
-    let (new_interval, new_depth) = new;
-    let debt = tat.saturating_sub(now).min(old_depth);
-    let credit_ns = (old_depth - debt) as u128;
-    // credit in units = credit_ns * 256 / old_interval; in new ns, times
-    // new_interval / 256.
-    let credit_new = match old_interval {
-        0 => 0,
-        _ => (credit_ns * new_interval as u128 / old_interval as u128).min(new_depth as u128),
-    } as u64;
-    now.saturating_add(new_depth - credit_new)
+    gcra::retarget(tat, now, old, new)
 }
 
 #[cfg(test)]
