@@ -26,6 +26,12 @@ struct RuleLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BookingLabels {
+    rule: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VerdictLabels {
     rule: String,
     verdict: String,
@@ -312,6 +318,7 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     let bytes = Family::<VerdictLabels, Counter>::default();
     let insert_failures = Family::<RuleLabel, Counter>::default();
     let key_inserts = Family::<RuleLabel, Counter>::default();
+    let syn_bookings = Family::<BookingLabels, Counter>::default();
     let ratio = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
     let bbr_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
     let bbr_max_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
@@ -329,6 +336,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         offered_bytes.get_or_create(&rule).inc_by(c.offered_bytes);
         insert_failures.get_or_create(&rule).inc_by(c.insert_failures);
         key_inserts.get_or_create(&rule).inc_by(c.key_inserts);
+        if c.booked_syns + c.redeemed_syns > 0 {
+            let b = |outcome: &str| BookingLabels { rule: r.name.clone(), outcome: outcome.into() };
+            syn_bookings.get_or_create(&b("booked")).inc_by(c.booked_syns);
+            syn_bookings.get_or_create(&b("redeemed")).inc_by(c.redeemed_syns);
+        }
         let l = |verdict: &str, reason: &str| VerdictLabels {
             rule: r.name.clone(),
             verdict: verdict.into(),
@@ -457,6 +469,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         insert_failures,
     );
     reg.register("flowctl_key_inserts", "Buckets the rule created in the key table", key_inserts);
+    reg.register(
+        "flowctl_syn_bookings",
+        "book_retransmits: refused SYNs that booked a token (booked), retransmissions admitted on one (redeemed)",
+        syn_bookings,
+    );
     reg.register(
         "flowctl_bbr_in_flight",
         "BBR: established connections not yet completed",

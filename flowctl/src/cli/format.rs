@@ -44,9 +44,10 @@ pub fn limit_text(r: &profile::Rule) -> String {
         ),
     };
     format!(
-        "{} per {}{scope}{}",
+        "{} per {}{scope}{}{}",
         parts.join(", "),
         r.key_name(),
+        if r.book_retransmits { ", refused SYNs book their retransmission" } else { "" },
         if r.action == flowctl_common::action::DRY_RUN { " (dry-run)" } else { "" }
     )
 }
@@ -148,6 +149,7 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "insert_failures": c.insert_failures,
         "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
         "unparsed_pkts": c.unparsed_pkts,
+        "booked_syns": c.booked_syns, "redeemed_syns": c.redeemed_syns,
     })
 }
 

@@ -26,9 +26,11 @@ pub fn fixed_table_bytes() -> u64 {
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
         + HOT_KEY_RING_BYTES as usize;
     let grants = MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
+    let bookings =
+        BOOKING_ENTRIES as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let counters = COUNTER_RECORDS * size_of::<RuleCounters>() * ncpu;
-    (arrays + counters) as u64 + grants
+    (arrays + counters) as u64 + grants + bookings
 }
 
 impl StatsSettings {
