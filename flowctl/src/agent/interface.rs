@@ -340,6 +340,9 @@ impl Service for InterfaceAgent<'_> {
     }
 
     fn wind_down(&mut self) {
+        // A new agent for the attachment now waits for this one instead of
+        // refusing to start.
+        dataplane::pins::note_phase(&self.state.id, crate::system::lock::phase::STOPPING);
         if let Some(g) = self.leases.as_mut() {
             g.release_all();
         }

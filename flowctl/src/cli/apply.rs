@@ -37,9 +37,10 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     // No agent: apply to the kept data plane directly, holding the lock so an
     // agent cannot start halfway.
     preflight::agentless_apply(&set, path, iface)?;
-    let Some(_lock) = pins::lock_attachment(&id)? else {
+    let Some(lock) = pins::lock_attachment(&id)? else {
         bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
     };
+    lock.note(crate::system::lock::phase::APPLYING);
     let Some(mut state) = AttachState::load(&id)? else {
         bail!(
             "nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`",
