@@ -2,18 +2,25 @@
 
 use crate::{
     agent::{breakers::published_all, socket::socket_path},
-    cli::format::{breaker_lines, counters_json},
+    cli::{
+        format::{breaker_lines, counters_json},
+        Only,
+    },
     dataplane::{self, pins, state::AttachState, Maps},
     profile::human_bytes,
 };
 use anyhow::Result;
 use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX};
 
-pub fn status(json: bool) -> Result<()> {
+pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
+    let only = Only::resolve(None, netns)?;
     let atts = pins::list_attachments();
     let mut out = Vec::new();
     for id in atts {
         let state = AttachState::load(&id)?;
+        if !only.is_all() && !state.as_ref().is_some_and(|s| only.shows(&id, &s.iface)) {
+            continue;
+        }
         let maps = Maps::open(&id);
         let mut rules = Vec::new();
         let (generation, global) = match &maps {
@@ -51,7 +58,8 @@ pub fn status(json: bool) -> Result<()> {
             "leases": state.as_ref().and_then(|s| crate::agent::leases::published(s, pins::agent_running(&id))),
         }));
     }
-    let breakers = published_all();
+    // Breakers belong to cgroups, not namespaces: shown unless one is asked for.
+    let breakers = if only.is_all() { published_all() } else { Vec::new() };
     if json {
         // Interface attachments as before; cgroup attachments (breakers)
         // follow, told apart by their `cgroup` field.
@@ -63,7 +71,7 @@ pub fn status(json: bool) -> Result<()> {
         return Ok(());
     }
     if out.is_empty() && breakers.is_empty() {
-        out!("no flowctl attachments");
+        out!("no flowctl attachments{}", only.describe(netns));
         return Ok(());
     }
     for c in &breakers {
