@@ -18,6 +18,7 @@ pub mod occupancy;
 pub mod preflight;
 pub mod serve;
 pub mod socket;
+pub mod syn_totals;
 
 use crate::{
     agent::{
@@ -151,6 +152,10 @@ fn run_interface(
         other => other?,
     };
     let adopted = !held.owns_pins();
+    if !adopted {
+        // Totals of an earlier data plane would go on counting in this one.
+        let _ = std::fs::remove_file(syn_totals::SynTotals::path(&id));
+    }
     let mut state = match AttachState::load(&id)? {
         Some(s) if adopted => s,
         _ => AttachState {

@@ -1,9 +1,10 @@
-//! `flowctl status`: attachments, memory, per-rule counters, breakers.
+//! `flowctl status`: attachments, memory, per-rule counters (packets and,
+//! from the statistics rings, SYNs since attach), breakers.
 
 use crate::{
-    agent::{breakers::published_all, socket::socket_path},
+    agent::{breakers::published_all, socket::socket_path, syn_totals},
     cli::{
-        format::{breaker_lines, counters_json},
+        format::{breaker_lines, counter_table, counters_json, syn_json, syn_line},
         Only,
     },
     dataplane::{self, pins, state::AttachState, Maps},
@@ -23,12 +24,18 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
         }
         let maps = Maps::open(&id);
         let mut rules = Vec::new();
+        let mut syns = None;
         let (generation, global) = match &maps {
             Ok(m) => {
                 if let Some(st) = &state {
+                    let t = syn_totals::now(m, st).ok();
                     for r in &st.rules {
-                        rules.push((r.name.clone(), m.counters(r.record).unwrap_or_default()));
+                        let mut j =
+                            counters_json(&r.name, &m.counters(r.record).unwrap_or_default());
+                        syn_json(&mut j, t.as_ref().and_then(|t| t.rule(&r.name, r.record)));
+                        rules.push(j);
                     }
+                    syns = t;
                 }
                 (
                     m.global().map(|g| g.generation).unwrap_or(0),
@@ -37,6 +44,11 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             }
             Err(_) => (0, RuleCounters::default()),
         };
+        let mut unmatched = counters_json("unmatched", &global);
+        syn_json(
+            &mut unmatched,
+            syns.as_ref().and_then(|t| t.rule(syn_totals::UNMATCHED, GLOBAL_COUNTER_INDEX)),
+        );
         out.push(serde_json::json!({
             "iface": state.as_ref().map(|s| s.iface.clone()),
             "netns": state.as_ref().and_then(|s| s.netns.clone()),
@@ -50,8 +62,18 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "profile": state.as_ref().map(|s| s.profile_path.clone()),
             "generation": generation,
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
-            "rules": rules.iter().map(|(n, c)| counters_json(n, c)).collect::<Vec<_>>(),
-            "unmatched": counters_json("unmatched", &global),
+            "rules": rules,
+            "unmatched": unmatched,
+            // SYNs (new TCP connections) since attach, every record's.
+            "syn_totals": syns.as_ref().map(|t| {
+                let total = t.total();
+                serde_json::json!({
+                    "seen": total.seen,
+                    "passed": total.passed,
+                    "dropped": total.dropped(),
+                    "uncounted_s": total.uncounted_ns as f64 / 1e9,
+                })
+            }),
             // A profile from etcd: what is applied, the newest seen, the error.
             "etcd": pins::agent_running(&id).then(|| crate::fleet::etcd::follower::published(&id.run_dir())).flatten(),
             // Global rules: the store, and the leases this host holds.
@@ -116,23 +138,13 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                 out!("  {line}");
             }
         }
-        out!(
-            "  {:<20} {:>12} {:>12} {:>12} {:>12}",
-            "rule",
-            "offered",
-            "passed",
-            "dropped",
-            "would-drop"
-        );
-        for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
-            out!(
-                "  {:<20} {:>12} {:>12} {:>12} {:>12}",
-                r["rule"].as_str().unwrap_or(""),
-                r["offered_pkts"].to_string(),
-                r["passed_pkts"].to_string(),
-                r["dropped_pkts"].to_string(),
-                r["would_drop_pkts"].to_string()
-            );
+        let rows: Vec<&serde_json::Value> =
+            a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])).collect();
+        for line in counter_table(&rows) {
+            out!("  {line}");
+        }
+        if let Some(line) = syn_line(&a["syn_totals"]) {
+            out!("  {line}");
         }
     }
     Ok(())

@@ -150,7 +150,7 @@ pub fn detach(id: &AttachId) -> Result<bool> {
     }
     fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     // What describes the pins goes with them; the lock stays (see above).
-    for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET] {
+    for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {
         let _ = fs::remove_file(id.run_dir().join(f));
     }
     Ok(true)

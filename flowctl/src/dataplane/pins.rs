@@ -6,7 +6,7 @@
 //! global record, so a newer flowctl never misreads an older layout):
 //!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/ifaces/<netns-ino>-<ifindex>/{link, FLOWCTL_*}
 //!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/cgroups/, egress/ (links of those hooks)
-//!   /run/flowctl/<netns-ino>-<ifindex>/{state.json, agent.lock, agent.sock, profile.toml, ...}
+//!   /run/flowctl/<netns-ino>-<ifindex>/{state.json, agent.lock, agent.sock, profile.toml, syn-totals.json, ...}
 //!   /run/flowctl/cgroup-<id>/{agent.lock, agent.sock, profile.toml, breakers.json}
 //!
 //! The lock file exists while something holds it (an agent, an agent-less
@@ -43,6 +43,9 @@ pub mod run_file {
     pub const SOCKET: &str = "agent.sock";
     /// The profile last applied, for `status`, `top` and `explain`.
     pub const PROFILE: &str = "profile.toml";
+    /// SYNs since attach per rule, which the kernel counts only in its
+    /// statistics rings (`agent::syn_totals`).
+    pub const SYN_TOTALS: &str = "syn-totals.json";
 }
 
 impl AttachId {
