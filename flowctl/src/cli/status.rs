@@ -56,6 +56,9 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "ifindex": id.ifindex,
             "mode": state.as_ref().map(|s| s.mode.clone()),
             "agent_running": pins::agent_running(&id),
+            // Who holds the attachment's lock (an agent, or briefly an
+            // agent-less apply or a detach).
+            "agent_pid": pins::lock_holder(&id).and_then(|h| h.pid),
             // The agent binds its socket once attached and applied, and removes
             // any stale one first: lock held + socket present = serving.
             "agent_ready": pins::agent_running(&id) && socket_path(&id).exists(),
