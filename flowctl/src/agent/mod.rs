@@ -263,8 +263,14 @@ fn take_lock(
             }
             return Ok(l);
         }
-        let Some(h) = pins::lock_holder(id) else { continue };
         let waited = start.elapsed();
+        let Some(h) = pins::lock_holder(id) else {
+            // Let go between the two looks: try again, within bounds.
+            if waited >= STOP_WAIT {
+                bail!("the lock of {iface} ({}) stays taken", pins::lock_path(id).display());
+            }
+            continue;
+        };
         if phase::is_transient(&h.phase) && waited < STOP_WAIT {
             if !said {
                 eprintln!("flowctl: waiting for the lock of {iface} ({h}) to be let go");
