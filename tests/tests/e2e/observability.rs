@@ -67,6 +67,10 @@ pub fn metrics_endpoint_matches_status() {
         r["dropped_by_reason"]["rate"].as_u64().unwrap()
     );
     assert_eq!(get("flowctl_admission_ratio{rule=\"udp\"}"), 1.0);
+    // A UDP rule sees no SYNs; the series are there (the SYN counts are
+    // checked in status_counts_connections_since_attach).
+    assert_eq!(get("flowctl_syns_total{rule=\"udp\",verdict=\"passed\"}"), 0.0);
+    assert_eq!(get("flowctl_syns_total{rule=\"udp\",verdict=\"dropped\"}"), 0.0);
     assert_eq!(get("flowctl_rules"), 1.0);
     assert!(get("flowctl_kernel_memory_bytes") > 0.0);
     let missing = http_get(&lab.ns_srv, "127.0.0.1:19464", "/nope");
@@ -534,8 +538,13 @@ pub fn status_counts_connections_since_attach() {
     let (ok2, attempts2, _) = connect_many(&lab, 7400, 10, Duration::from_secs(1));
     check("kept, no agent", attempts + attempts2, ok + ok2);
     // A new agent adopts and counts from where the file stopped.
-    let agent = Agent::start(&lab, prof.path(), &[]);
+    let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19465"]);
     check("re-adopted", attempts + attempts2, ok + ok2);
+    let metrics = http_get(&lab.ns_srv, "127.0.0.1:19465", "/metrics");
+    for (verdict, n) in [("passed", ok + ok2), ("dropped", attempts + attempts2 - ok - ok2)] {
+        let series = format!("flowctl_syns_total{{rule=\"conns\",verdict=\"{verdict}\"}} {n}");
+        assert!(metrics.lines().any(|l| l == series), "{series} in\n{metrics}");
+    }
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while on_file() != Some(attempts + attempts2) && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
