@@ -405,6 +405,29 @@ mod tests {
     }
 
     #[test]
+    fn a_dry_run_rule_shows_its_would_drops_next_to_dropped_from_80_columns() {
+        let dry = RuleRow {
+            would_drop_pps: 900.0,
+            limit: "100/s packets burst 20 per src (dry-run)".into(),
+            ..RuleRow::example("dry", 1000.0, 0.0)
+        };
+        let rows = vec![rule_cells(&dry, None, None)];
+        let text = text_table(RULE_COLUMNS, &rows, 78);
+        let header: Vec<&str> =
+            text[0].split("  ").map(str::trim).filter(|s| !s.is_empty()).collect();
+        let row: Vec<&str> = text[1].split("  ").map(str::trim).filter(|s| !s.is_empty()).collect();
+        let at = |h: &str| {
+            header.iter().position(|x| *x == h).unwrap_or_else(|| panic!("{h}: {text:?}"))
+        };
+        assert_eq!(at("would-drop pps"), at("dropped pps") + 1, "{text:?}");
+        assert_eq!((row[at("would-drop pps")], row[at("dropped pps")]), ("900", "0"));
+        // Narrower, it goes before the four that always show.
+        let narrow = layout(RULE_COLUMNS, &rows, 50);
+        assert!(narrow.iter().all(|&(i, _)| RULE_COLUMNS[i].header != "would-drop pps"));
+        assert!(narrow.len() >= 4);
+    }
+
+    #[test]
     fn a_too_long_rule_name_is_ellipsized_not_the_numbers() {
         let rows = vec![vec!["a-very-long-rule-name-indeed".to_string(); RULE_COLUMNS.len()]];
         let lay = layout(RULE_COLUMNS, &rows, 10);
