@@ -7,7 +7,7 @@
 use crate::UDP_RULE;
 use flowctl_tests::{
     agent::{Agent, DetachOnDrop},
-    cli::{attachment, bin, flowctl, leftovers, map_ids, pin_dir, rule, run_dir},
+    cli::{agent_ready, attachment, bin, flowctl, leftovers, map_ids, pin_dir, rule, run_dir},
     lab::{attach_pass_xdp, sh_ns, Lab},
     tempfile::TempFile,
     traffic::blast,
@@ -304,4 +304,38 @@ pub fn detach_leaves_nothing_behind() {
     // Again: nothing to do, and nothing made by asking.
     assert!(detach().contains("nothing attached"));
     assert_eq!(leftovers(&a), none, "after a detach of nothing");
+}
+
+/// Without TCX (taken away here; absent on 6.1) the egress counter is a
+/// netlink filter on a clsact qdisc: `detach` with the agent running stops
+/// the agent first, whose end removes its filter and the qdisc it added,
+/// and then leaves nothing of the attachment either.
+pub fn detach_stops_the_agent_before_its_egress_filters_go() {
+    let lab = Lab::new("fdeg", 247);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(&format!(
+        "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
+[[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
+[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\"]\n\
+source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
+        lab.veth_srv, lab.ip_cli
+    ));
+    let mut cmd = Agent::attach(&lab, prof.path(), &["--keep"]);
+    cmd.env("FLOWCTL_DISABLE_FEATURES", "tcx");
+    let veth = lab.veth_srv.clone();
+    let agent = Agent::spawn_until(cmd, move || agent_ready(&veth));
+    let tc = |what: &str| sh_ns(&lab.ns_srv, &["tc", what, "show", "dev", &lab.veth_srv]);
+    let filters = || sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+    assert!(filters().contains("flowctl_egress"), "{}", filters());
+    assert!(tc("qdisc").contains("clsact"));
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert!(std::path::Path::new(&format!("{}/egress-netlink.json", run_dir(&a))).exists());
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("stopped its agent"), "{text}");
+    agent.exited_within(Duration::from_secs(5));
+    assert!(!filters().contains("flowctl_egress"), "the filter is gone: {}", filters());
+    assert!(!tc("qdisc").contains("clsact"), "the clsact flowctl added is gone: {}", tc("qdisc"));
+    assert_eq!(leftovers(&a), Vec::<String>::new());
 }
