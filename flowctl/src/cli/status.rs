@@ -44,6 +44,7 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             }
             Err(_) => (0, RuleCounters::default()),
         };
+        let holder = pins::lock_holder(&id);
         let mut unmatched = counters_json("unmatched", &global);
         syn_json(
             &mut unmatched,
@@ -57,8 +58,10 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "mode": state.as_ref().map(|s| s.mode.clone()),
             "agent_running": pins::agent_running(&id),
             // Who holds the attachment's lock (an agent, or briefly an
-            // agent-less apply or a detach).
-            "agent_pid": pins::lock_holder(&id).and_then(|h| h.pid),
+            // agent-less apply or a detach), and what it says it does
+            // (starting, serving, stopping, applying, detaching).
+            "agent_pid": holder.as_ref().and_then(|h| h.pid),
+            "agent_phase": holder.as_ref().map(|h| h.phase.clone()),
             // The agent binds its socket once attached and applied, and removes
             // any stale one first: lock held + socket present = serving.
             "agent_ready": pins::agent_running(&id) && socket_path(&id).exists(),
@@ -119,7 +122,9 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             a["netns"].as_str().map(|n| format!(" `{n}`")).unwrap_or_default(),
             a["ifindex"],
             a["mode"].as_str().unwrap_or("?"),
-            if a["agent_running"].as_bool() == Some(true) {
+            if a["agent_phase"] == crate::system::lock::phase::STOPPING {
+                "stopping"
+            } else if a["agent_running"].as_bool() == Some(true) {
                 "running"
             } else {
                 "not running (kept data plane)"
