@@ -14,6 +14,7 @@ use crate::{
     system::lock::{phase, FileLock},
 };
 use anyhow::{bail, Result};
+use std::time::{Duration, Instant};
 
 pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
     require_root()?;
@@ -21,10 +22,7 @@ pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
     let id = AttachId::of(iface)?;
     let (lock, stopped) = match pins::lock_attachment(&id)? {
         Some(l) => (l, None),
-        None => {
-            let (l, pid) = stop_holder(&id, iface)?;
-            (l, pid)
-        }
+        None => stop_holder(&id, iface)?,
     };
     lock.note(phase::DETACHING);
     // Only now, holding the lock: egress filters a killed agent left
@@ -43,37 +41,54 @@ pub fn detach(iface: &str, netns: &Option<String>) -> Result<()> {
     Ok(())
 }
 
-/// Something holds the attachment's lock: an agent is asked to stop
-/// (SIGTERM: it winds down and ends as on Ctrl-C), whatever else holds it
-/// (an agent-less `apply`, another `detach`) is waited for. Returns the
-/// lock and the pid of the agent stopped.
+/// Something holds the attachment's lock: an agent (starting or serving)
+/// is asked to stop (SIGTERM: it winds down and ends as on Ctrl-C); one
+/// already stopping, an agent-less `apply` or another `detach` is waited
+/// for; a holder that does not say what it is (a flowctl older than this
+/// one) is not signalled. Returns the lock and the pid of the agent stopped.
 fn stop_holder(id: &AttachId, iface: &str) -> Result<(FileLock, Option<u32>)> {
-    let Some(h) = pins::lock_holder(id) else {
-        // Let go between the two looks.
-        return match pins::wait_for_lock(id, STOP_WAIT)? {
-            Some(l) => Ok((l, None)),
-            None => bail!("the lock of {iface} is taken again and again; try again"),
-        };
-    };
-    let signalled = match h.pid {
-        Some(pid) if !phase::is_transient(&h.phase) || h.phase == phase::STOPPING => {
-            if h.phase != phase::STOPPING {
-                eprintln!("flowctl: stopping the agent of {iface} (pid {pid})");
-                if unsafe { libc::kill(pid as i32, libc::SIGTERM) } != 0 {
-                    let e = std::io::Error::last_os_error();
-                    bail!("stopping the agent of {iface} (pid {pid}): {e}; nothing was detached");
+    // What the holder says, given a moment to say it (a lock just taken).
+    let deadline = Instant::now() + Duration::from_millis(500);
+    let h = loop {
+        match pins::lock_holder(id) {
+            // Let go between the two looks.
+            None => {
+                return match pins::wait_for_lock(id, STOP_WAIT)? {
+                    Some(l) => Ok((l, None)),
+                    None => bail!("the lock of {iface} is taken again and again; try again"),
                 }
+            }
+            Some(h)
+                if [phase::LOCKED, ""].contains(&h.phase.as_str()) && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Some(h) => break h,
+        }
+    };
+    let hint = h.pid.map(|p| format!(" (if it hangs: kill -9 {p}, then detach again)"));
+    let signalled = match (h.pid, h.phase.as_str()) {
+        (Some(pid), phase::STARTING | phase::SERVING) => {
+            eprintln!("flowctl: stopping the agent of {iface} (pid {pid})");
+            if unsafe { libc::kill(pid as i32, libc::SIGTERM) } != 0 {
+                let e = std::io::Error::last_os_error();
+                bail!("stopping the agent of {iface} (pid {pid}): {e}; nothing was detached");
             }
             Some(pid)
         }
-        _ => None,
+        (pid, phase::STOPPING) => pid,
+        (_, p) if phase::is_transient(p) => None,
+        _ => bail!(
+            "the lock of {iface} is held by {h}, which does not say it is an agent of this flowctl (an older one?); stop it (Ctrl-C{}) and run detach again; nothing was detached",
+            h.pid.map(|p| format!(", or kill {p}")).unwrap_or_default()
+        ),
     };
     match pins::wait_for_lock(id, STOP_WAIT)? {
         Some(l) => Ok((l, signalled)),
         None => bail!(
             "the agent of {iface} ({h}) did not let go of its lock within {} s; nothing was detached{}",
             STOP_WAIT.as_secs(),
-            h.pid.map(|p| format!(" (if it hangs: kill -9 {p}, then detach again)")).unwrap_or_default()
+            hint.unwrap_or_default()
         ),
     }
 }

@@ -17,6 +17,8 @@ use std::{
 
 /// What a lock's holder says it is doing (the second word of its note).
 pub mod phase {
+    /// Just taken; its holder says what it does next.
+    pub const LOCKED: &str = "locked";
     /// An agent loading and attaching.
     pub const STARTING: &str = "starting";
     /// An agent serving its attachment.
@@ -65,7 +67,7 @@ impl FileLock {
             }
             if same_file(&f, path) {
                 let lock = Self { file: f, path: path.to_path_buf() };
-                lock.note("locked");
+                lock.note(phase::LOCKED);
                 return Ok(Some(lock));
             }
         }
