@@ -171,7 +171,9 @@ fn ring_read(
 
 /// The agent's loop: counts the settled buckets (one bucket behind the
 /// current one, so a CPU still finishing a packet of it is not missed)
-/// and saves the totals when they moved.
+/// and saves the totals with the epoch they reach (a small file on tmpfs,
+/// rewritten each period: a reader must never find the epoch older than
+/// the ring, or it would report seconds the agent did count as lost).
 pub struct SynCounter {
     totals: SynTotals,
     saved: Option<SynTotals>,
