@@ -103,6 +103,9 @@ enum Cmd {
         /// against the newest, and its error.
         #[arg(long, value_name = "URL")]
         fleet: Option<String>,
+        /// Only the attachments in this network namespace (from `ip netns add`).
+        #[arg(long, conflicts_with = "fleet")]
+        netns: Option<String>,
         #[command(flatten)]
         etcd: EtcdArgs,
     },
@@ -112,6 +115,10 @@ enum Cmd {
     Top {
         /// Only this interface.
         iface: Option<String>,
+        /// Only the attachments in this network namespace (from `ip netns
+        /// add`); with IFACE, the interface there.
+        #[arg(long)]
+        netns: Option<String>,
         /// Refresh period in seconds.
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
@@ -253,12 +260,12 @@ fn main() {
             (_, None) => Err(anyhow::anyhow!("give `flowctl apply IFACE PROFILE`, or `flowctl apply --cgroup PATH PROFILE` for a breakers-only agent")),
             (_, Some(_)) => Err(anyhow::anyhow!("with --cgroup, give only the profile (an agent with an interface takes `flowctl apply IFACE PROFILE` for both)")),
         },
-        Cmd::Status { json, fleet: Some(url), etcd } => match etcd.access().and_then(|a| cli::rollout::show(&url, a, json)) {
+        Cmd::Status { json, fleet: Some(url), etcd, .. } => match etcd.access().and_then(|a| cli::rollout::show(&url, a, json)) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(1),
             Err(e) => Err(e),
         },
-        Cmd::Status { json, fleet: None, .. } => cli::status::status(json),
+        Cmd::Status { json, fleet: None, netns, .. } => cli::status::status(json, &netns),
         Cmd::Check { profile } => cli::check::check(&profile),
         Cmd::Doctor { profile, json } => match cli::doctor::run(profile.as_deref(), json) {
             Ok(true) => Ok(()),
@@ -266,19 +273,21 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Simulate { scenario, out } => cli::simulate::command(&scenario, &out),
-        Cmd::Top { iface, interval, once, json, keys, count, width } => {
+        Cmd::Top { iface, netns, interval, once, json, keys, count, width } => {
             let interval = std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
-            if let Some(rule) = keys {
-                if once {
-                    cli::top::keys::once(interval, iface.as_deref(), &rule, count, json)
+            cli::Only::resolve(iface.as_deref(), &netns).and_then(|only| {
+                if let Some(rule) = keys {
+                    if once {
+                        cli::top::keys::once(interval, &only, &rule, count, json)
+                    } else {
+                        cli::top::keys::run(interval, &only, &rule, count)
+                    }
+                } else if once {
+                    cli::top::once(interval, &only, json, width)
                 } else {
-                    cli::top::keys::run(interval, iface.as_deref(), &rule, count)
+                    cli::top::run(interval, &only)
                 }
-            } else if once {
-                cli::top::once(interval, iface.as_deref(), json, width)
-            } else {
-                cli::top::run(interval, iface.as_deref())
-            }
+            })
         }
         Cmd::Explain { iface, proto, src, dport, netns } => cli::explain::explain(&iface, &proto, &src, dport, &netns),
     };

@@ -93,6 +93,62 @@ impl Agent {
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();
     }
+
+    /// Waits (at most 15 s; 180 s in a VM) until `ready`, failing at once
+    /// if the agent exits.
+    pub fn wait_until(&mut self, what: &str, ready: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(if in_vm() { 180 } else { 15 });
+        while !ready() {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("agent exited ({st}) before {what}");
+            }
+            assert!(Instant::now() < deadline, "the agent did not get to {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The agent's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits (at most `within`) for the agent to exit on its own (another
+    /// process stopped it); it must exit successfully.
+    pub fn exited_within(mut self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "agent exit: {st}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "the agent did not exit within {within:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Detaches the lab's protected interface when dropped, so a kept data
+/// plane (`--keep`, a SIGKILLed agent) goes also when a test fails before
+/// its own detach (`flowctl detach` stops an agent still running). Create
+/// it after the lab: it must be dropped while the namespace is there.
+pub struct DetachOnDrop {
+    iface: String,
+    netns: String,
+}
+
+impl DetachOnDrop {
+    pub fn new(lab: &Lab) -> Self {
+        Self { iface: lab.veth_srv.clone(), netns: lab.ns_srv.clone() }
+    }
+}
+
+impl Drop for DetachOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new(bin())
+            .args(["detach", &self.iface, "--netns", &self.netns])
+            .stdout(Stdio::null())
+            .status();
+    }
 }
 
 impl Drop for Agent {

@@ -88,6 +88,27 @@ pub fn pin_dir(attachment: &Value) -> String {
     )
 }
 
+/// The run directory of an attachment (an entry of `status --json`).
+pub fn run_dir(attachment: &Value) -> String {
+    format!("{}/{}-{}", flowctl_common::RUN_ROOT, attachment["netns_inode"], attachment["ifindex"])
+}
+
+/// What is left of an attachment (an entry of `status --json` taken while
+/// it was attached): its run directory and pin directory, where they exist
+/// still, with what is in them.
+pub fn leftovers(attachment: &Value) -> Vec<String> {
+    [run_dir(attachment), pin_dir(attachment)]
+        .into_iter()
+        .filter(|d| std::path::Path::new(d).exists())
+        .map(|d| {
+            let files: Vec<String> = std::fs::read_dir(&d)
+                .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into()).collect())
+                .unwrap_or_default();
+            format!("{d} {files:?}")
+        })
+        .collect()
+}
+
 /// The ids of an attached `iface`'s pinned maps (the same ids: the same maps).
 pub fn map_ids(iface: &str) -> Vec<u32> {
     let dir = pin_dir(&attachment(iface).unwrap());

@@ -6,11 +6,14 @@
 //! enforcing, and it goes on doing so). Once the agent serves, its end
 //! detaches unless `--keep`. Both happen in `Drop`, so every early return
 //! and every panic cleans up the same way; `finish` is the normal end, which
-//! reports a failed detach instead of only logging it.
+//! reports a failed detach instead of only logging it. A detach removes the
+//! run directory too, the lock file last as the lock is let go, so nothing
+//! of the attachment stays; a kept data plane keeps its run directory (what
+//! the next agent adopts) and loses only the lock file.
 
 use crate::{
-    dataplane::{self, pins::AttachId, Egress},
-    system::lock::FileLock,
+    dataplane::{self, pins, pins::AttachId, Egress},
+    system::lock::{phase, FileLock},
 };
 use anyhow::Result;
 
@@ -32,6 +35,7 @@ impl Attachment {
     /// pins are there already (a kept data plane); a failed start then
     /// leaves them. Otherwise a failed start removes what loading created.
     pub fn new(id: AttachId, iface: &str, lock: FileLock, adopting: bool) -> Self {
+        lock.note(phase::STARTING);
         Self {
             id,
             iface: iface.to_string(),
@@ -68,19 +72,21 @@ impl Attachment {
     pub fn serve(&mut self, keep: bool) {
         self.detach_on_drop = !keep;
         self.serving = true;
+        if let Some(l) = &self.lock {
+            l.note(phase::SERVING);
+        }
     }
 
     /// The normal end: the egress filters go (also under `--keep`: nothing
     /// reads their counts without the agent), then the detach or the kept
     /// data plane is reported.
     pub fn finish(mut self) -> Result<()> {
-        self.egress.release();
-        let detach = std::mem::replace(&mut self.detach_on_drop, false);
-        self.serving = false;
+        let detach = self.detach_on_drop;
+        let serving = std::mem::replace(&mut self.serving, false);
+        self.end()?;
         if detach {
-            dataplane::detach(&self.id)?;
             eprintln!("flowctl: detached from {}", self.iface);
-        } else {
+        } else if serving {
             eprintln!(
                 "flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)",
                 self.iface
@@ -88,21 +94,36 @@ impl Attachment {
         }
         Ok(())
     }
+
+    /// Egress filters, the detach (when due), the program's fds, then the
+    /// run directory and the lock: another agent may start only once this
+    /// one's data plane is gone or left as it should be. Runs once.
+    fn end(&mut self) -> Result<()> {
+        if let Some(l) = &self.lock {
+            l.note(phase::STOPPING);
+        }
+        self.egress.release();
+        let detach = std::mem::replace(&mut self.detach_on_drop, false);
+        let detached = if detach { dataplane::detach(&self.id).map(|_| true) } else { Ok(false) };
+        drop(self.ebpf.take());
+        match (self.lock.take(), &detached) {
+            (Some(lock), Ok(true)) => pins::remove_run_dir(&self.id, lock),
+            (lock, _) => drop(lock),
+        }
+        detached.map(|_| ())
+    }
 }
 
 impl Drop for Attachment {
     fn drop(&mut self) {
-        self.egress.release();
-        if self.detach_on_drop {
-            match dataplane::detach(&self.id) {
-                Ok(_) if self.serving => eprintln!("flowctl: detached from {}", self.iface),
-                Ok(_) => {}
-                Err(e) => eprintln!("flowctl: detaching from {}: {e:#}", self.iface),
-            }
+        if self.lock.is_none() {
+            return; // ended already
         }
-        // The program's fds, then the lock: another agent may start only
-        // once this one's data plane is gone or left as it should be.
-        drop(self.ebpf.take());
-        drop(self.lock.take());
+        let detach = self.detach_on_drop;
+        match self.end() {
+            Ok(()) if detach && self.serving => eprintln!("flowctl: detached from {}", self.iface),
+            Ok(()) => {}
+            Err(e) => eprintln!("flowctl: detaching from {}: {e:#}", self.iface),
+        }
     }
 }

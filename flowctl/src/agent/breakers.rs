@@ -720,7 +720,10 @@ impl BreakerAgent {
 impl Drop for BreakerAgent {
     fn drop(&mut self) {
         // Readers stop showing it at once; the links go with the object.
+        // With the profile's copy gone the directory is empty, and goes
+        // with the lock.
         let _ = std::fs::remove_file(self.point.run_dir().join("breakers.json"));
+        let _ = std::fs::remove_file(self.point.run_dir().join(run_file::PROFILE));
     }
 }
 

@@ -3,7 +3,8 @@
 //! Every 500 ms the heartbeat (the kernel fails open without it) and the
 //! record `top` and the metrics read; every 250 ms the CPU signal and, while
 //! someone asks, the key samples; once per statistics bucket the BBR loop;
-//! at KLimiter's sample period its loop; at the breakers' period theirs; and
+//! every second (a quarter of the statistics ring's span, if shorter) the
+//! SYN totals; at KLimiter's sample period its loop; at the breakers' period theirs; and
 //! now and then a walk of the key tables for their occupancy.
 
 use crate::{
@@ -17,6 +18,7 @@ use crate::{
         preflight::{self, BreakerChange},
         serve::{Every, Service},
         socket::{self, Request, Response},
+        syn_totals::SynCounter,
     },
     controllers::cpu::{self, CpuSignal},
     dataplane::{self, state::AttachState, Egress, Maps},
@@ -60,6 +62,9 @@ struct Loops {
     klimiter: Every,
     klimiter_loop: Option<KlimiterLoop>,
     breakers: Every,
+    /// SYNs since attach, out of the statistics rings.
+    syns: Every,
+    syn_counter: SynCounter,
     next_walk: Instant,
     published: AgentRecord,
     watcher: Option<KeyWatcher>,
@@ -97,6 +102,8 @@ impl<'a> InterfaceAgent<'a> {
             breakers: Every::new(
                 breakers.as_ref().map(|b| b.tick_period()).unwrap_or(Duration::from_secs(1)),
             ),
+            syns: Every::new(SynCounter::period(&state.stats)),
+            syn_counter: SynCounter::new(&state),
             next_walk: Instant::now(),
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
@@ -285,6 +292,11 @@ impl Service for InterfaceAgent<'_> {
                 }
             }
         }
+        if l.syns.due(now) {
+            if let Err(e) = l.syn_counter.tick(maps, &self.state) {
+                tracing::warn!("counting SYNs: {e:#}");
+            }
+        }
         if l.keys.due(now) {
             if let Some(w) = l.watcher.as_mut().filter(|w| w.active()) {
                 if let Err(e) = w.poll(maps) {
@@ -300,7 +312,8 @@ impl Service for InterfaceAgent<'_> {
                 }
             }
         }
-        let mut next = l.beat.next().min(l.next_walk).min(l.cpu.next()).min(l.keys.next());
+        let mut next =
+            l.beat.next().min(l.next_walk).min(l.cpu.next()).min(l.keys.next()).min(l.syns.next());
         if let Some(g) = self.leases.as_mut() {
             next = next.min(Instant::from_std(g.tick()));
         }
@@ -340,6 +353,9 @@ impl Service for InterfaceAgent<'_> {
     }
 
     fn wind_down(&mut self) {
+        // A new agent for the attachment now waits for this one instead of
+        // refusing to start.
+        dataplane::pins::note_phase(&self.state.id, crate::system::lock::phase::STOPPING);
         if let Some(g) = self.leases.as_mut() {
             g.release_all();
         }
@@ -358,6 +374,11 @@ impl Service for InterfaceAgent<'_> {
         }
         if let Some(w) = self.loops.watcher.as_mut() {
             let _ = w.stop(&mut self.maps);
+        }
+        // The SYN totals as far as the ring has settled, for a next agent
+        // (or `status`) of a kept data plane.
+        if let Err(e) = self.loops.syn_counter.tick(&self.maps, &self.state) {
+            tracing::warn!("counting SYNs: {e:#}");
         }
         // Readers show "agent not running" at once, not after the grace
         // period.

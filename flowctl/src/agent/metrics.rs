@@ -39,6 +39,12 @@ struct VerdictLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SynLabels {
+    rule: String,
+    verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: String,
 }
@@ -367,6 +373,17 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
             bbr_overloaded.get_or_create(&rule).set(ctl.bbr_overloaded as i64);
         }
     }
+    // SYNs since attach: the agent's totals plus the ring since (as status).
+    let syns = Family::<SynLabels, Counter>::default();
+    if let Ok(t) = crate::agent::syn_totals::now(&maps, &state) {
+        for r in &state.rules {
+            let s = t.rule(&r.name, r.record).cloned().unwrap_or_default();
+            for (verdict, v) in [("passed", s.passed), ("dropped", s.dropped())] {
+                syns.get_or_create(&SynLabels { rule: r.name.clone(), verdict: verdict.into() })
+                    .inc_by(v);
+            }
+        }
+    }
     let g = maps.counters(GLOBAL_COUNTER_INDEX)?;
     for (kind, v) in [
         ("non_ip", g.non_ip_pkts),
@@ -463,6 +480,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     reg.register("flowctl_offered_bytes", "Bytes that matched the rule", offered_bytes);
     reg.register("flowctl_packets", "Packets by rule, verdict and drop reason", packets);
     reg.register("flowctl_bytes", "Bytes by rule, verdict and drop reason", bytes);
+    reg.register(
+        "flowctl_syns",
+        "TCP SYNs without ACK (new connections) since attach, by rule and verdict (a dry-run's would-drops pass)",
+        syns,
+    );
     reg.register(
         "flowctl_key_insert_failures",
         "Bucket inserts the kernel refused",

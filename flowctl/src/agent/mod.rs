@@ -18,6 +18,7 @@ pub mod occupancy;
 pub mod preflight;
 pub mod serve;
 pub mod socket;
+pub mod syn_totals;
 
 use crate::{
     agent::{
@@ -125,9 +126,7 @@ fn run_interface(
     pins::ensure_bpffs()?;
     pins::ensure_layout()?;
     let id = AttachId::of(iface)?;
-    let Some(lock) = pins::lock_attachment(&id)? else {
-        bail!("another flowctl agent is already running for {} (lock {}); stop it first or use `flowctl apply` to change its profile", iface, id.run_dir().join(pins::run_file::LOCK).display());
-    };
+    let lock = take_lock(&id, iface, args.netns.as_deref())?;
     // A socket left by an agent that was killed: gone before anything else, so
     // `status` never mistakes it for this agent being ready.
     let _ = std::fs::remove_file(socket::socket_path(&id));
@@ -153,6 +152,10 @@ fn run_interface(
         other => other?,
     };
     let adopted = !held.owns_pins();
+    if !adopted {
+        // Totals of an earlier data plane would go on counting in this one.
+        let _ = std::fs::remove_file(syn_totals::SynTotals::path(&id));
+    }
     let mut state = match AttachState::load(&id)? {
         Some(s) if adopted => s,
         _ => AttachState {
@@ -235,6 +238,60 @@ fn run_interface(
     drop(agent);
     held.finish()?;
     result
+}
+
+/// How long a new agent waits for the lock's holder to let go when it is on
+/// its way out (an agent stopping, a `detach`, an agent-less `apply`).
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The attachment's lock for this agent: at once when free; when an agent,
+/// a `detach` or an agent-less `apply` is finishing with it, after it lets
+/// go (at most [`STOP_WAIT`]); else an error naming the agent that runs.
+fn take_lock(
+    id: &AttachId,
+    iface: &str,
+    netns: Option<&str>,
+) -> Result<crate::system::lock::FileLock> {
+    use crate::system::lock::phase;
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let mut said = false;
+    loop {
+        if let Some(l) = pins::lock_attachment(id)? {
+            if said {
+                eprintln!("flowctl: {iface} is free now");
+            }
+            return Ok(l);
+        }
+        let waited = start.elapsed();
+        let Some(h) = pins::lock_holder(id) else {
+            // Let go between the two looks: try again, within bounds.
+            if waited >= STOP_WAIT {
+                bail!("the lock of {iface} ({}) stays taken", pins::lock_path(id).display());
+            }
+            continue;
+        };
+        if phase::is_transient(&h.phase) && waited < STOP_WAIT {
+            if !said {
+                eprintln!("flowctl: waiting for the lock of {iface} ({h}) to be let go");
+                said = true;
+            }
+        } else if phase::is_transient(&h.phase) {
+            bail!(
+                "the lock of {iface} ({h}) was not let go within {} s; is that process hung? (lock {})",
+                STOP_WAIT.as_secs(),
+                pins::lock_path(id).display()
+            );
+        } else if waited >= Duration::from_millis(500) {
+            // Given a moment: a signal may be on its way to it.
+            bail!(
+                "another flowctl agent is already running for {iface} ({h}; lock {}); stop it first (`flowctl detach {iface}{ns}` stops it and detaches), or use `flowctl apply` to change its profile",
+                pins::lock_path(id).display(),
+                ns = netns.map(|n| format!(" --netns {n}")).unwrap_or_default(),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Loads the object (or adopts the pins) and attaches it to the interface;

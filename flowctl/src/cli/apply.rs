@@ -15,6 +15,7 @@ use crate::{
         Maps,
     },
     profile,
+    system::lock::phase,
 };
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -37,9 +38,23 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     // No agent: apply to the kept data plane directly, holding the lock so an
     // agent cannot start halfway.
     preflight::agentless_apply(&set, path, iface)?;
-    let Some(_lock) = pins::lock_attachment(&id)? else {
-        bail!("an agent holds the lock for {iface} but does not answer on its socket; try again");
+    let lock = match pins::lock_attachment(&id)? {
+        Some(l) => l,
+        // An agent on its way out (or a detach, another apply): wait for it.
+        None => match pins::lock_holder(&id) {
+            Some(h) if phase::is_transient(&h.phase) => {
+                eprintln!("flowctl: waiting for the lock of {iface} ({h}) to be let go");
+                let Some(l) = pins::wait_for_lock(&id, crate::agent::STOP_WAIT)? else {
+                    bail!("the lock of {iface} ({h}) was not let go in time; nothing was applied");
+                };
+                l
+            }
+            _ => bail!(
+                "an agent holds the lock for {iface} but does not answer on its socket; try again"
+            ),
+        },
     };
+    lock.note(phase::APPLYING);
     let Some(mut state) = AttachState::load(&id)? else {
         bail!(
             "nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`",

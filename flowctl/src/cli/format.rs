@@ -2,7 +2,10 @@
 //! by `check`, `status`, `top` and `explain` alike.
 
 use crate::{
-    agent::breakers::{Published, PublishedBreaker},
+    agent::{
+        breakers::{Published, PublishedBreaker},
+        syn_totals::RecordSyns,
+    },
     profile,
 };
 use flowctl_common::{reason, RuleCounters};
@@ -153,6 +156,77 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
     })
 }
 
+/// A counter record's SYNs since attach into its `status --json` entry:
+/// `syn_seen`, `syn_passed`, `syn_dropped` (0 when not counted).
+pub fn syn_json(entry: &mut serde_json::Value, syns: Option<&RecordSyns>) {
+    let s = syns.cloned().unwrap_or_default();
+    if let Some(o) = entry.as_object_mut() {
+        o.insert("syn_seen".into(), s.seen.into());
+        o.insert("syn_passed".into(), s.passed.into());
+        o.insert("syn_dropped".into(), s.dropped().into());
+    }
+}
+
+/// `status`'s table of counters since attach, one line per entry of
+/// `status --json`'s `rules` (and `unmatched`): packets, then SYNs (new
+/// TCP connections: what `unit = "connections"` rules limit).
+pub fn counter_table(rows: &[&serde_json::Value]) -> Vec<String> {
+    let line = |cells: [&str; 8]| {
+        format!(
+            "{:<20} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6], cells[7]
+        )
+    };
+    let mut out = vec![line([
+        "rule",
+        "offered",
+        "passed",
+        "dropped",
+        "would-drop",
+        "SYNs",
+        "SYNs passed",
+        "SYNs dropped",
+    ])];
+    for r in rows {
+        let n = |k: &str| r[k].as_u64().unwrap_or(0).to_string();
+        let cells = [
+            n("offered_pkts"),
+            n("passed_pkts"),
+            n("dropped_pkts"),
+            n("would_drop_pkts"),
+            n("syn_seen"),
+            n("syn_passed"),
+            n("syn_dropped"),
+        ];
+        let name = r["rule"].as_str().unwrap_or("");
+        out.push(
+            line([
+                name, &cells[0], &cells[1], &cells[2], &cells[3], &cells[4], &cells[5], &cells[6],
+            ])
+            .trim_end()
+            .to_string(),
+        );
+    }
+    out[0] = out[0].trim_end().to_string();
+    out
+}
+
+/// The attachment's SYN totals (`status --json`'s `syn_totals`) as a line,
+/// with the seconds the rings lost while no agent counted.
+pub fn syn_line(t: &serde_json::Value) -> Option<String> {
+    let n = |k: &str| t[k].as_u64();
+    let (seen, passed, dropped) = (n("seen")?, n("passed")?, n("dropped")?);
+    let lost = t["uncounted_s"].as_f64().unwrap_or(0.0);
+    Some(format!(
+        "SYNs since attach (new TCP connections, every rule): {seen} seen, {passed} passed, {dropped} dropped{}",
+        if lost > 0.0 {
+            format!(" ({lost:.1} s not counted: no agent read the statistics ring then)")
+        } else {
+            String::new()
+        }
+    ))
+}
+
 /// A one-line sparkline of `points` scaled to `max` (their own largest
 /// when `None`), for titles and table cells where a widget cannot go:
 /// `▁` is zero, `▂` to `█` above zero (any traffic shows), `·` a second
@@ -257,5 +331,37 @@ mod tests {
         // A fixed scale: 50 of 1000 is low but not zero.
         assert_eq!(spark_text(&[Some(50.0), Some(1000.0), Some(2000.0)], Some(1000.0)), "▂██");
         assert_eq!(spark_text(&[Some(0.0), Some(0.0)], None), "▁▁");
+    }
+
+    #[test]
+    fn status_shows_syns_since_attach_next_to_the_packets() {
+        let mut conn = counters_json(
+            "new-https-connections",
+            &RuleCounters { offered_pkts: 130, passed_pkts: 100, ..Default::default() },
+        );
+        let syns = RecordSyns { seen: 42, passed: 30, ..Default::default() };
+        syn_json(&mut conn, Some(&syns));
+        assert_eq!((conn["syn_seen"].clone(), conn["syn_dropped"].clone()), (42.into(), 12.into()));
+        let mut quiet = counters_json("unmatched", &RuleCounters::default());
+        syn_json(&mut quiet, None);
+        assert_eq!(quiet["syn_seen"], 0);
+        let t = counter_table(&[&conn, &quiet]);
+        assert_eq!(
+            t[0],
+            "rule                      offered       passed      dropped   would-drop         SYNs  SYNs passed SYNs dropped"
+        );
+        let cells: Vec<&str> = t[1].split_whitespace().collect();
+        assert_eq!(cells, ["new-https-connections", "130", "100", "0", "0", "42", "30", "12"]);
+        assert!(t.iter().all(|l| l == l.trim_end()));
+        let j = serde_json::json!({"seen": 42, "passed": 30, "dropped": 12, "uncounted_s": 0.0});
+        assert_eq!(
+            syn_line(&j).unwrap(),
+            "SYNs since attach (new TCP connections, every rule): 42 seen, 30 passed, 12 dropped"
+        );
+        let lost = serde_json::json!({"seen": 1, "passed": 1, "dropped": 0, "uncounted_s": 12.5});
+        assert!(syn_line(&lost)
+            .unwrap()
+            .ends_with("(12.5 s not counted: no agent read the statistics ring then)"));
+        assert_eq!(syn_line(&serde_json::Value::Null), None);
     }
 }

@@ -1,27 +1,41 @@
-//! `flowctl status`: attachments, memory, per-rule counters, breakers.
+//! `flowctl status`: attachments, memory, per-rule counters (packets and,
+//! from the statistics rings, SYNs since attach), breakers.
 
 use crate::{
-    agent::{breakers::published_all, socket::socket_path},
-    cli::format::{breaker_lines, counters_json},
+    agent::{breakers::published_all, socket::socket_path, syn_totals},
+    cli::{
+        format::{breaker_lines, counter_table, counters_json, syn_json, syn_line},
+        Only,
+    },
     dataplane::{self, pins, state::AttachState, Maps},
     profile::human_bytes,
 };
 use anyhow::Result;
 use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX};
 
-pub fn status(json: bool) -> Result<()> {
+pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
+    let only = Only::resolve(None, netns)?;
     let atts = pins::list_attachments();
     let mut out = Vec::new();
     for id in atts {
         let state = AttachState::load(&id)?;
+        if !only.is_all() && !state.as_ref().is_some_and(|s| only.shows(&id, &s.iface)) {
+            continue;
+        }
         let maps = Maps::open(&id);
         let mut rules = Vec::new();
+        let mut syns = None;
         let (generation, global) = match &maps {
             Ok(m) => {
                 if let Some(st) = &state {
+                    let t = syn_totals::now(m, st).ok();
                     for r in &st.rules {
-                        rules.push((r.name.clone(), m.counters(r.record).unwrap_or_default()));
+                        let mut j =
+                            counters_json(&r.name, &m.counters(r.record).unwrap_or_default());
+                        syn_json(&mut j, t.as_ref().and_then(|t| t.rule(&r.name, r.record)));
+                        rules.push(j);
                     }
+                    syns = t;
                 }
                 (
                     m.global().map(|g| g.generation).unwrap_or(0),
@@ -30,6 +44,12 @@ pub fn status(json: bool) -> Result<()> {
             }
             Err(_) => (0, RuleCounters::default()),
         };
+        let holder = pins::lock_holder(&id);
+        let mut unmatched = counters_json("unmatched", &global);
+        syn_json(
+            &mut unmatched,
+            syns.as_ref().and_then(|t| t.rule(syn_totals::UNMATCHED, GLOBAL_COUNTER_INDEX)),
+        );
         out.push(serde_json::json!({
             "iface": state.as_ref().map(|s| s.iface.clone()),
             "netns": state.as_ref().and_then(|s| s.netns.clone()),
@@ -37,21 +57,37 @@ pub fn status(json: bool) -> Result<()> {
             "ifindex": id.ifindex,
             "mode": state.as_ref().map(|s| s.mode.clone()),
             "agent_running": pins::agent_running(&id),
+            // Who holds the attachment's lock (an agent, or briefly an
+            // agent-less apply or a detach), and what it says it does
+            // (starting, serving, stopping, applying, detaching).
+            "agent_pid": holder.as_ref().and_then(|h| h.pid),
+            "agent_phase": holder.as_ref().map(|h| h.phase.clone()),
             // The agent binds its socket once attached and applied, and removes
             // any stale one first: lock held + socket present = serving.
             "agent_ready": pins::agent_running(&id) && socket_path(&id).exists(),
             "profile": state.as_ref().map(|s| s.profile_path.clone()),
             "generation": generation,
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
-            "rules": rules.iter().map(|(n, c)| counters_json(n, c)).collect::<Vec<_>>(),
-            "unmatched": counters_json("unmatched", &global),
+            "rules": rules,
+            "unmatched": unmatched,
+            // SYNs (new TCP connections) since attach, every record's.
+            "syn_totals": syns.as_ref().map(|t| {
+                let total = t.total();
+                serde_json::json!({
+                    "seen": total.seen,
+                    "passed": total.passed,
+                    "dropped": total.dropped(),
+                    "uncounted_s": total.uncounted_ns as f64 / 1e9,
+                })
+            }),
             // A profile from etcd: what is applied, the newest seen, the error.
             "etcd": pins::agent_running(&id).then(|| crate::fleet::etcd::follower::published(&id.run_dir())).flatten(),
             // Global rules: the store, and the leases this host holds.
             "leases": state.as_ref().and_then(|s| crate::agent::leases::published(s, pins::agent_running(&id))),
         }));
     }
-    let breakers = published_all();
+    // Breakers belong to cgroups, not namespaces: shown unless one is asked for.
+    let breakers = if only.is_all() { published_all() } else { Vec::new() };
     if json {
         // Interface attachments as before; cgroup attachments (breakers)
         // follow, told apart by their `cgroup` field.
@@ -63,7 +99,7 @@ pub fn status(json: bool) -> Result<()> {
         return Ok(());
     }
     if out.is_empty() && breakers.is_empty() {
-        out!("no flowctl attachments");
+        out!("no flowctl attachments{}", only.describe(netns));
         return Ok(());
     }
     for c in &breakers {
@@ -86,7 +122,9 @@ pub fn status(json: bool) -> Result<()> {
             a["netns"].as_str().map(|n| format!(" `{n}`")).unwrap_or_default(),
             a["ifindex"],
             a["mode"].as_str().unwrap_or("?"),
-            if a["agent_running"].as_bool() == Some(true) {
+            if a["agent_phase"] == crate::system::lock::phase::STOPPING {
+                "stopping"
+            } else if a["agent_running"].as_bool() == Some(true) {
                 "running"
             } else {
                 "not running (kept data plane)"
@@ -108,23 +146,13 @@ pub fn status(json: bool) -> Result<()> {
                 out!("  {line}");
             }
         }
-        out!(
-            "  {:<20} {:>12} {:>12} {:>12} {:>12}",
-            "rule",
-            "offered",
-            "passed",
-            "dropped",
-            "would-drop"
-        );
-        for r in a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])) {
-            out!(
-                "  {:<20} {:>12} {:>12} {:>12} {:>12}",
-                r["rule"].as_str().unwrap_or(""),
-                r["offered_pkts"].to_string(),
-                r["passed_pkts"].to_string(),
-                r["dropped_pkts"].to_string(),
-                r["would_drop_pkts"].to_string()
-            );
+        let rows: Vec<&serde_json::Value> =
+            a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])).collect();
+        for line in counter_table(&rows) {
+            out!("  {line}");
+        }
+        if let Some(line) = syn_line(&a["syn_totals"]) {
+            out!("  {line}");
         }
     }
     Ok(())

@@ -50,8 +50,10 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
             }
             Err(e) => return Err(anyhow!("re-pointing the pinned XDP link at {name}: {e}")),
         };
-        let link = prog.take_link(link_id)?;
-        std::mem::forget(link); // stays pinned
+        // Closing this fd leaves the link pinned and attached; holding it
+        // would keep the program on the interface after a `detach`
+        // unpinned it, until this process exits.
+        drop(prog.take_link(link_id)?);
         return Ok("adopted".into());
     }
     let try_mode = |prog: &mut Xdp, m: XdpMode| prog.attach_to_if_index(id.ifindex, m);
@@ -131,12 +133,13 @@ fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
     }
 }
 
-/// Removes the link and every pin of an attachment. Idempotent: returns false
-/// when there was nothing to remove.
+/// Removes the link and every pin of an attachment, and the run files that
+/// describe them. Idempotent: returns false when there was nothing to
+/// remove. The run directory and its lock stay: whoever holds the lock
+/// removes them (`pins::remove_run_dir`).
 pub fn detach(id: &AttachId) -> Result<bool> {
     let dir = id.pin_dir();
     if !dir.exists() {
-        let _ = fs::remove_dir_all(id.run_dir());
         return Ok(false);
     }
     let link_path = dir.join("link");
@@ -146,8 +149,8 @@ pub fn detach(id: &AttachId) -> Result<bool> {
         drop(fd);
     }
     fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-    // Keep the lock file (an agent may hold it); drop the rest.
-    for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET] {
+    // What describes the pins goes with them; the lock stays (see above).
+    for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {
         let _ = fs::remove_file(id.run_dir().join(f));
     }
     Ok(true)

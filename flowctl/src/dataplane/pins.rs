@@ -6,11 +6,16 @@
 //! global record, so a newer flowctl never misreads an older layout):
 //!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/ifaces/<netns-ino>-<ifindex>/{link, FLOWCTL_*}
 //!   /sys/fs/bpf/flowctl/v<LAYOUT_VERSION>/cgroups/, egress/ (links of those hooks)
-//!   /run/flowctl/<netns-ino>-<ifindex>/{state.json, agent.lock, agent.sock, profile.toml}
+//!   /run/flowctl/<netns-ino>-<ifindex>/{state.json, agent.lock, agent.sock, profile.toml, syn-totals.json, ...}
 //!   /run/flowctl/cgroup-<id>/{agent.lock, agent.sock, profile.toml, breakers.json}
+//!
+//! The lock file exists while something holds it (an agent, an agent-less
+//! `apply`, a `detach`); the run directory of an interface as long as its
+//! data plane is pinned (or an agent is starting). `detach` removes both
+//! and every pin: nothing of the attachment stays.
 
 use crate::system::{
-    lock::{lock_held, FileLock},
+    lock::{self, lock_held, FileLock, Holder},
     netns::{current_netns_ino, ifindex},
 };
 use anyhow::{bail, Context, Result};
@@ -38,6 +43,9 @@ pub mod run_file {
     pub const SOCKET: &str = "agent.sock";
     /// The profile last applied, for `status`, `top` and `explain`.
     pub const PROFILE: &str = "profile.toml";
+    /// SYNs since attach per rule, which the kernel counts only in its
+    /// statistics rings (`agent::syn_totals`).
+    pub const SYN_TOTALS: &str = "syn-totals.json";
 }
 
 impl AttachId {
@@ -114,12 +122,54 @@ pub fn list_attachments() -> Vec<AttachId> {
 }
 
 /// The exclusive agent lock of an attachment: held for the agent's lifetime
-/// (and briefly by an agent-less `apply`); `Ok(None)` when another holds it.
+/// (and briefly by an agent-less `apply` or a `detach`); `Ok(None)` when
+/// another holds it. Tries again for a moment: a reader asking whether it
+/// is held (`agent_running`) holds it for an instant.
 pub fn lock_attachment(id: &AttachId) -> Result<Option<FileLock>> {
-    FileLock::try_acquire(&id.run_dir().join(run_file::LOCK))
+    FileLock::acquire_within(&lock_path(id), std::time::Duration::from_millis(100))
+}
+
+/// The same, waiting up to `within` for its holder to let go.
+pub fn wait_for_lock(id: &AttachId, within: std::time::Duration) -> Result<Option<FileLock>> {
+    FileLock::acquire_within(&lock_path(id), within)
+}
+
+pub fn lock_path(id: &AttachId) -> PathBuf {
+    id.run_dir().join(run_file::LOCK)
+}
+
+/// Who holds the attachment's lock (its pid and phase), if anyone does.
+pub fn lock_holder(id: &AttachId) -> Option<Holder> {
+    lock::holder(&lock_path(id))
+}
+
+/// The agent of `id` (this process, holding its lock) says what it does
+/// now (`system::lock::phase`).
+pub fn note_phase(id: &AttachId, phase: &str) {
+    lock::note_held(&lock_path(id), phase);
 }
 
 /// True when an agent holds the attachment's lock.
 pub fn agent_running(id: &AttachId) -> bool {
-    lock_held(&id.run_dir().join(run_file::LOCK))
+    lock_held(&lock_path(id))
+}
+
+/// Removes the attachment's run directory, holding its lock: every file in
+/// it, the lock file last, as the lock is let go. Never without the lock:
+/// removing a lock file another holds would let a second agent start.
+pub fn remove_run_dir(id: &AttachId, lock: FileLock) {
+    let dir = id.run_dir();
+    debug_assert_eq!(lock.path(), lock_path(id));
+    if let Ok(rd) = fs::read_dir(&dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_name() == run_file::LOCK {
+                continue;
+            }
+            let _ = if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) };
+        }
+    }
+    drop(lock);
+    // Empty now, unless a new agent has just made its lock here.
+    let _ = fs::remove_dir(&dir);
 }

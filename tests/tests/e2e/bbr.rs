@@ -2,7 +2,7 @@
 //! the CPU signal is high, failing open without an agent, and re-adopted.
 
 use flowctl_tests::{
-    agent::Agent,
+    agent::{Agent, DetachOnDrop},
     cli::{flowctl, map_ids, rule, top_once},
     lab::{attach_pass_xdp, sh, sh_ns, Lab},
     tempfile::TempFile,
@@ -18,6 +18,7 @@ use std::time::Duration;
 /// agent adopts the data plane, and below the threshold refuses nothing.
 pub fn bbr_refuses_connections_beyond_the_limit_and_fails_open() {
     let lab = Lab::new("fbbr", 223);
+    let _detach = DetachOnDrop::new(&lab);
     // XDP_TX replies on a veth reach the peer only when the peer runs its
     // NAPI; an XDP program there turns it on (GRO alone did not, here).
     let dev = lab.veth_cli.clone();

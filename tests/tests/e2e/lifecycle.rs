@@ -1,13 +1,14 @@
 //! An attachment's life: a kept data plane outliving a SIGKILLed agent and
 //! re-adopted by the next, hot reloads through the agent (all or nothing),
 //! what the errors say, someone else's XDP program, one agent per
-//! attachment and the pins' layout version.
+//! attachment and the pins' layout version, a new agent waiting for a
+//! stopping one, and `detach` leaving nothing behind.
 
 use crate::UDP_RULE;
 use flowctl_tests::{
-    agent::Agent,
-    cli::{attachment, bin, flowctl, map_ids, pin_dir, rule},
-    lab::{attach_pass_xdp, Lab},
+    agent::{Agent, DetachOnDrop},
+    cli::{agent_ready, attachment, bin, flowctl, leftovers, map_ids, pin_dir, rule, run_dir},
+    lab::{attach_pass_xdp, sh_ns, Lab},
     tempfile::TempFile,
     traffic::blast,
 };
@@ -22,6 +23,7 @@ use std::{
 /// ids) with their state (the drained key stays refused).
 pub fn keep_survives_sigkill_and_restart_adopts_state() {
     let lab = Lab::new("fkeep", 212);
+    let _detach = DetachOnDrop::new(&lab);
     // One token an hour: the test can take minutes under TCG (two agent
     // starts, each verifying the program), and must never see a refill.
     let prof = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"slow\"\nproto = \"udp\"\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\n");
@@ -169,6 +171,7 @@ pub fn foreign_xdp_program_is_not_replaced() {
 /// `--replace` starts over.
 pub fn one_agent_per_attachment_and_layout_versions_are_checked() {
     let lab = Lab::new("flock", 217);
+    let _detach = DetachOnDrop::new(&lab);
     let prof = TempFile::profile(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
@@ -198,4 +201,141 @@ pub fn one_agent_per_attachment_and_layout_versions_are_checked() {
     let agent = Agent::start(&lab, prof.path(), &["--replace"]);
     assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 1, "started over");
     agent.stop();
+}
+
+/// A new agent started while the last one stops waits for it and starts
+/// (adopting its kept data plane, or attaching afresh after its detach),
+/// never "already running"; one started while an agent serves is refused,
+/// naming that agent's pid and how to stop it.
+pub fn a_new_agent_waits_for_a_stopping_one() {
+    let lab = Lab::new("fwait", 228);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(UDP_RULE);
+    let mut agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("already running")
+            && err.contains(&format!("pid {}, serving", agent.pid()))
+            && err.contains(&format!("flowctl detach {} --netns {}", lab.veth_srv, lab.ns_srv)),
+        "{err}"
+    );
+    let veth = lab.veth_srv.clone();
+    let serving = |pid: u32| {
+        let veth = veth.clone();
+        move || attachment(&veth).is_some_and(|a| a["agent_ready"] == true && a["agent_pid"] == pid)
+    };
+    // Each stops (SIGINT) as the next starts: after a kept one the next
+    // adopts, after one that detaches the next attaches afresh.
+    for extra in [&[][..], &["--keep"], &[]] {
+        agent.signal(libc::SIGINT);
+        let mut next = Agent::spawn(
+            Agent::attach(&lab, prof.path(), extra),
+            Duration::from_secs(15),
+            Duration::from_secs(3),
+            || true,
+        );
+        next.wait_until("serving", serving(next.pid()));
+        let previous = std::mem::replace(&mut agent, next);
+        previous.exited_within(Duration::from_secs(10));
+        blast(&lab, 7000, 100, 0.2, 20);
+        assert!(rule(&lab.veth_srv, "udp")["offered_pkts"].as_u64().unwrap() > 0, "enforcing");
+    }
+    let a = attachment(&lab.veth_srv).unwrap();
+    agent.stop();
+    assert_eq!(leftovers(&a), Vec::<String>::new(), "the last one detached everything");
+}
+
+/// `detach` leaves nothing of an attachment in /run/flowctl or on bpffs:
+/// with its agent running (stopped first, exiting cleanly; its data plane
+/// kept until then), after an agent's own detach (SIGINT), for a kept data
+/// plane whose agent was SIGKILLed, and run again (nothing attached,
+/// nothing made by asking).
+pub fn detach_leaves_nothing_behind() {
+    let lab = Lab::new("fdet", 227);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(UDP_RULE);
+    let detach = || {
+        let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    let xdp_on = || sh_ns(&lab.ns_srv, &["ip", "link", "show", &lab.veth_srv]).contains("xdp");
+    let none = Vec::<String>::new();
+
+    // A running agent that keeps its data plane: only detach removes it.
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let a = attachment(&lab.veth_srv).unwrap();
+    let run = run_dir(&a);
+    for f in ["agent.lock", "state.json", "profile.toml", "agent.sock"] {
+        assert!(std::path::Path::new(&format!("{run}/{f}")).exists(), "{run}/{f}");
+    }
+    assert!(xdp_on());
+    blast(&lab, 7000, 200, 0.3, 60);
+    let pid = agent.pid();
+    let text = detach();
+    assert!(
+        text.contains(&format!("stopped its agent (pid {pid}) and detached from {}", lab.veth_srv)),
+        "{text}"
+    );
+    agent.exited_within(Duration::from_secs(5));
+    assert_eq!(leftovers(&a), none, "after detaching a running agent");
+    assert!(!xdp_on(), "the program is off the interface");
+    assert!(attachment(&lab.veth_srv).is_none());
+
+    // An agent's own detach (Ctrl-C) leaves no lock file either.
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let a = attachment(&lab.veth_srv).unwrap();
+    agent.stop();
+    assert_eq!(leftovers(&a), none, "after SIGINT");
+    assert!(!xdp_on());
+
+    // A kept data plane whose agent was killed: its files stay until detach.
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let a = attachment(&lab.veth_srv).unwrap();
+    agent.kill9();
+    assert_ne!(leftovers(&a), none, "kept");
+    assert!(detach().contains(&format!("detached from {}", lab.veth_srv)));
+    assert_eq!(leftovers(&a), none, "after detaching a kept data plane");
+    assert!(!xdp_on());
+
+    // Again: nothing to do, and nothing made by asking.
+    assert!(detach().contains("nothing attached"));
+    assert_eq!(leftovers(&a), none, "after a detach of nothing");
+}
+
+/// Without TCX (taken away here; absent on 6.1) the egress counter is a
+/// netlink filter on a clsact qdisc: `detach` with the agent running stops
+/// the agent first, whose end removes its filter and the qdisc it added,
+/// and then leaves nothing of the attachment either.
+pub fn detach_stops_the_agent_before_its_egress_filters_go() {
+    let lab = Lab::new("fdeg", 247);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(&format!(
+        "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
+[[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
+[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\"]\n\
+source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
+        lab.veth_srv, lab.ip_cli
+    ));
+    let mut cmd = Agent::attach(&lab, prof.path(), &["--keep"]);
+    cmd.env("FLOWCTL_DISABLE_FEATURES", "tcx");
+    let veth = lab.veth_srv.clone();
+    let agent = Agent::spawn_until(cmd, move || agent_ready(&veth));
+    let tc = |what: &str| sh_ns(&lab.ns_srv, &["tc", what, "show", "dev", &lab.veth_srv]);
+    let filters = || sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
+    assert!(filters().contains("flowctl_egress"), "{}", filters());
+    assert!(tc("qdisc").contains("clsact"));
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert!(std::path::Path::new(&format!("{}/egress-netlink.json", run_dir(&a))).exists());
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("stopped its agent"), "{text}");
+    agent.exited_within(Duration::from_secs(5));
+    assert!(!filters().contains("flowctl_egress"), "the filter is gone: {}", filters());
+    assert!(!tc("qdisc").contains("clsact"), "the clsact flowctl added is gone: {}", tc("qdisc"));
+    assert_eq!(leftovers(&a), Vec::<String>::new());
 }

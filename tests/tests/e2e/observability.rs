@@ -1,15 +1,16 @@
 //! What flowctl shows: the Prometheus endpoint, `top --once --json` (rules,
 //! the CPU signal, the key tables), `top --keys` (the heaviest sources,
-//! with and without an agent) and `top` in a real terminal.
+//! with and without an agent), `top` in a real terminal, `status`'s SYNs
+//! since attach, and `status` and `top` narrowed to a namespace.
 
 use crate::UDP_RULE;
 use flowctl_tests::{
-    agent::Agent,
-    cli::{flowctl, rule, top_once},
+    agent::{Agent, DetachOnDrop},
+    cli::{attachment, flowctl, rule, run_dir, top_once},
     lab::Lab,
     tempfile::TempFile,
     tmux::TopPane,
-    traffic::{blast, blast_from, http_get},
+    traffic::{blast, blast_from, connect_many, http_get, TcpServer},
 };
 use serde_json::Value;
 use std::time::Duration;
@@ -66,6 +67,10 @@ pub fn metrics_endpoint_matches_status() {
         r["dropped_by_reason"]["rate"].as_u64().unwrap()
     );
     assert_eq!(get("flowctl_admission_ratio{rule=\"udp\"}"), 1.0);
+    // A UDP rule sees no SYNs; the series are there (the SYN counts are
+    // checked in status_counts_connections_since_attach).
+    assert_eq!(get("flowctl_syns_total{rule=\"udp\",verdict=\"passed\"}"), 0.0);
+    assert_eq!(get("flowctl_syns_total{rule=\"udp\",verdict=\"dropped\"}"), 0.0);
     assert_eq!(get("flowctl_rules"), 1.0);
     assert!(get("flowctl_kernel_memory_bytes") > 0.0);
     let missing = http_get(&lab.ns_srv, "127.0.0.1:19464", "/nope");
@@ -142,6 +147,7 @@ pub fn top_once_json_agrees_with_traffic() {
 /// sampling itself.
 pub fn top_keys_finds_the_heaviest_sources() {
     let lab = Lab::new("fkey", 222);
+    let _detach = DetachOnDrop::new(&lab);
     let srcs = ["10.201.222.10", "10.201.222.11", "10.201.222.12"];
     for a in srcs {
         lab.add_client_address(a);
@@ -258,6 +264,7 @@ const TOP_HEADERS: &[(&str, Option<&str>)] = &[
     ("passed pps", Some("passed_pps")),
     ("passed bit/s", Some("passed_bps")),
     ("dropped pps", Some("dropped_pps")),
+    ("would-drop pps", Some("would_drop_pps")),
     ("drop %", Some("drop_pct")),
     ("offered pkts", Some("offered_total")),
     ("dropped pkts", Some("dropped_total")),
@@ -323,6 +330,7 @@ fn check_top_table(header: &str, row: &str, json_rule: &Value, what: &str) -> Ve
 /// prints every column into a pipe.
 pub fn top_fits_small_terminals_and_agrees_with_json() {
     let lab = Lab::new("ftfit", 226);
+    let _detach = DetachOnDrop::new(&lab);
     let prof = TempFile::profile(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--keep"]);
     blast(&lab, 7000, 2000, 1.0, 1500);
@@ -394,13 +402,16 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
         let header = lines.iter().find(|l| is_header(l)).expect("a header");
         let row = lines.iter().find(|l| is_row(l)).unwrap();
         let shown = check_top_table(header, row, &rule, &format!("{w}x{h}"));
+        if w >= 80 {
+            assert!(shown.iter().any(|s| s == "would-drop pps"), "{w}x{h}: would-drop fits:\n{s}");
+        }
         if w >= 120 {
-            for more in ["offered pkts", "dropped pkts", "match"] {
+            for more in ["offered pkts", "dropped pkts", "top reason"] {
                 assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
             }
         }
         if w >= 220 {
-            for more in ["key", "limit", "drops 20 s", "offered bit/s"] {
+            for more in ["match", "key", "limit", "drops 20 s", "offered bit/s"] {
                 assert!(shown.iter().any(|s| s == more), "{w}x{h}: `{more}` fits:\n{s}");
             }
         }
@@ -451,4 +462,188 @@ pub fn top_fits_small_terminals_and_agrees_with_json() {
     }
     let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `status` counts SYNs since attach (new TCP connections: what a
+/// `connections` rule limits) per rule and per attachment, in the JSON and
+/// the text: exactly the connects made (each one SYN), split into passed
+/// and dropped as the connects succeeded or not; with the agent killed (a
+/// kept data plane) and again after a new agent adopts it, nothing is lost
+/// or counted twice, and the agent's file in the run directory agrees.
+pub fn status_counts_connections_since_attach() {
+    let lab = Lab::new("fsyn", 229);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7400\nunit = \"connections\"\nrate = \"20/s\"\nburst = 5\nkey = \"src\"\n");
+    let server = TcpServer::start(&lab, 7400);
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let (ok, attempts, _) = connect_many(&lab, 7400, 60, Duration::from_secs(2));
+    println!("{attempts} connects, {ok} established");
+    assert!(ok >= 5 && ok < attempts, "the limit refused some: {ok} of {attempts}");
+    let check = |label: &str, seen: u64, passed: u64| {
+        let a = attachment(&lab.veth_srv).expect("attached");
+        let r = rule(&lab.veth_srv, "conns");
+        let got = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{label}: no {k} in {r}"));
+        assert_eq!(
+            (got("syn_seen"), got("syn_passed"), got("syn_dropped")),
+            (seen, passed, seen - passed),
+            "{label}: {r}"
+        );
+        // Only SYNs are refused by a connections rule.
+        assert_eq!(got("dropped_pkts"), seen - passed, "{label}: {r}");
+        let t = &a["syn_totals"];
+        assert_eq!(
+            (t["seen"].clone(), t["dropped"].clone()),
+            (seen.into(), (seen - passed).into()),
+            "{label}: {a}"
+        );
+        assert_eq!(t["uncounted_s"], 0.0, "{label}");
+        // The text: the rule's row ends with its SYN totals.
+        let out = flowctl(&["status", "--netns", &lab.ns_srv]);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let header = text.lines().find(|l| l.trim_start().starts_with("rule ")).expect(&text);
+        assert!(header.trim_end().ends_with("SYNs  SYNs passed SYNs dropped"), "{label}: {header}");
+        let row: Vec<&str> = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("conns "))
+            .expect(&text)
+            .split_whitespace()
+            .collect();
+        assert_eq!(
+            row[5..],
+            [seen.to_string(), passed.to_string(), (seen - passed).to_string()],
+            "{label}:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("SYNs since attach (new TCP connections, every rule): {seen} seen, {passed} passed, {} dropped", seen - passed)),
+            "{label}:\n{text}"
+        );
+        println!("{label}:\n{text}");
+    };
+    check("with the agent", attempts, ok);
+    // The agent's own count, in the run directory, catches up within its
+    // period (a second, one bucket behind).
+    let file = format!("{}/syn-totals.json", run_dir(&attachment(&lab.veth_srv).unwrap()));
+    let on_file = || -> Option<u64> {
+        let v: Value = serde_json::from_slice(&std::fs::read(&file).ok()?).ok()?;
+        v["records"].as_array()?.iter().find(|r| r["rule"] == "conns")?["seen"].as_u64()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while on_file() != Some(attempts) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(on_file(), Some(attempts), "{file}");
+    // Killed: the kept data plane goes on counting in its ring; status adds
+    // that to the file's.
+    agent.kill9();
+    let (ok2, attempts2, _) = connect_many(&lab, 7400, 10, Duration::from_secs(1));
+    check("kept, no agent", attempts + attempts2, ok + ok2);
+    // A new agent adopts and counts from where the file stopped.
+    let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19465"]);
+    check("re-adopted", attempts + attempts2, ok + ok2);
+    let metrics = http_get(&lab.ns_srv, "127.0.0.1:19465", "/metrics");
+    for (verdict, n) in [("passed", ok + ok2), ("dropped", attempts + attempts2 - ok - ok2)] {
+        let series = format!("flowctl_syns_total{{rule=\"conns\",verdict=\"{verdict}\"}} {n}");
+        assert!(metrics.lines().any(|l| l == series), "{series} in\n{metrics}");
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while on_file() != Some(attempts + attempts2) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(on_file(), Some(attempts + attempts2), "the adopting agent's file");
+    check("re-adopted, counted", attempts + attempts2, ok + ok2);
+    assert_eq!(server.stop(), ok + ok2);
+    agent.stop();
+}
+
+/// `status --netns` and `top --netns` (with or without an interface) show
+/// that namespace's attachments only, and an interface is looked up there
+/// (another namespace's is not found); a dry-run rule under traffic shows
+/// its would-drops in `top --once` (JSON and an 80-column table) while it
+/// drops nothing.
+pub fn status_and_top_take_netns_and_show_would_drops() {
+    let lab = Lab::new("fdry", 245);
+    let _detach = DetachOnDrop::new(&lab);
+    let other = Lab::new("fdro", 246);
+    let _detach_other = DetachOnDrop::new(&other);
+    let dry = TempFile::profile("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"dry\"\nproto = \"udp\"\ndport = 7000\nrate = \"100/s\"\nburst = 20\nkey = \"src\"\naction = \"dry-run\"\n");
+    let plain = TempFile::profile(UDP_RULE);
+    let agent = Agent::start(&lab, dry.path(), &[]);
+    let agent_other = Agent::start(&other, plain.path(), &[]);
+    let ifaces = |args: &[&str]| -> Vec<String> {
+        let out = flowctl(args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let list =
+            v.as_array().cloned().unwrap_or_else(|| v["attachments"].as_array().unwrap().clone());
+        list.iter().filter_map(|a| a["iface"].as_str().map(String::from)).collect()
+    };
+    for (l, o) in [(&lab, &other), (&other, &lab)] {
+        let only = std::slice::from_ref(&l.veth_srv);
+        assert_eq!(ifaces(&["status", "--json", "--netns", &l.ns_srv]), only);
+        let text =
+            String::from_utf8_lossy(&flowctl(&["status", "--netns", &l.ns_srv]).stdout).to_string();
+        assert!(text.contains(&l.veth_srv) && !text.contains(&o.veth_srv), "{text}");
+        let top = ["top", "--once", "--json", "--interval", "0.1", "--netns", &l.ns_srv];
+        assert_eq!(ifaces(&top), only);
+        let top_one =
+            ["top", &l.veth_srv, "--once", "--json", "--interval", "0.1", "--netns", &l.ns_srv];
+        assert_eq!(ifaces(&top_one), only);
+    }
+    let all = ifaces(&["status", "--json"]);
+    assert!(all.contains(&lab.veth_srv) && all.contains(&other.veth_srv), "{all:?}");
+    let out = flowctl(&["status", "--netns", "nosuchns-flowctl"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no network namespace `nosuchns-flowctl`")
+    );
+    let out = flowctl(&["top", &other.veth_srv, "--netns", &lab.ns_srv, "--once"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("no interface named `{}`", other.veth_srv)), "{err}");
+    // 1000 pps against a dry-run 100/s: about 900 would-drops per second.
+    let (json, text) = std::thread::scope(|scope| {
+        let sender = scope.spawn(|| blast(&lab, 7000, 1000, 3.5, 3500));
+        std::thread::sleep(Duration::from_millis(300));
+        let j = flowctl(&["top", "--once", "--json", "--interval", "1", "--netns", &lab.ns_srv]);
+        let t = flowctl(&[
+            "top",
+            &lab.veth_srv,
+            "--netns",
+            &lab.ns_srv,
+            "--once",
+            "--interval",
+            "1",
+            "--width",
+            "80",
+        ]);
+        sender.join().unwrap();
+        (j, t)
+    });
+    assert!(json.status.success() && text.status.success());
+    let v: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let r = &v["attachments"][0]["rules"][0];
+    println!("top --once --json, rule dry: {r}");
+    assert_eq!(r["rule"], "dry");
+    let would = r["would_drop_pps"].as_f64().unwrap();
+    assert!(would > 450.0 && would < 1300.0, "would-drop {would} pps, about 900 expected");
+    assert_eq!(r["dropped_pps"].as_f64().unwrap(), 0.0, "a dry-run drops nothing");
+    let text = String::from_utf8_lossy(&text.stdout).to_string();
+    println!("top --once --width 80:\n{text}");
+    assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
+    let cells = |l: &str| -> Vec<String> {
+        l.split("  ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect()
+    };
+    let header = cells(text.lines().find(|l| l.trim_start().starts_with("rule  ")).expect(&text));
+    let row = cells(text.lines().find(|l| l.trim_start().starts_with("dry  ")).expect(&text));
+    assert_eq!(header.len(), row.len(), "{text}");
+    let at = |h: &str| {
+        row[header.iter().position(|x| x == h).unwrap_or_else(|| panic!("no {h}:\n{text}"))].clone()
+    };
+    let would: f64 = at("would-drop pps").trim_end_matches('k').parse().unwrap();
+    assert!(would > 450.0 || at("would-drop pps").ends_with('k'), "would-drop {would}:\n{text}");
+    assert_eq!(at("dropped pps"), "0", "{text}");
+    let st = rule(&lab.veth_srv, "dry");
+    assert!(st["would_drop_pkts"].as_u64().unwrap() > 1000 && st["dropped_pkts"] == 0, "{st}");
+    agent.stop();
+    agent_other.stop();
 }

@@ -49,23 +49,24 @@ const fn col(header: &'static str, priority: u8, numeric: bool, legend: &'static
 /// The rule table's columns, in display order.
 pub const RULE_COLUMNS: &[Column] = &[
     col("rule", 0, false, "the rule's name in the profile"),
-    col("match", 8, false, "what the rule matches (protocol, source, port)"),
-    col("key", 9, false, "what buckets are kept per (src, src_prefix, dport, ...)"),
-    col("limit", 10, false, "rate, burst and quota per key, or pass (exempt)"),
+    col("match", 9, false, "what the rule matches (protocol, source, port)"),
+    col("key", 10, false, "what buckets are kept per (src, src_prefix, dport, ...)"),
+    col("limit", 11, false, "rate, burst and quota per key, or pass (exempt)"),
     col("offered pps", 1, true, "packets/s matched by the rule over the interval"),
-    col("offered bit/s", 12, true, "bits/s matched by the rule over the interval"),
+    col("offered bit/s", 13, true, "bits/s matched by the rule over the interval"),
     col("passed pps", 4, true, "packets/s let through over the interval"),
-    col("passed bit/s", 13, true, "bits/s let through over the interval"),
+    col("passed bit/s", 14, true, "bits/s let through over the interval"),
     col("dropped pps", 2, true, "packets/s dropped over the interval (every reason)"),
+    col("would-drop pps", 5, true, "packets/s a dry-run limit would drop (they pass)"),
     col("drop %", 3, true, "dropped / offered over the interval, 0 to 100"),
-    col("offered pkts", 6, true, "packets matched since attach"),
-    col("dropped pkts", 7, true, "packets dropped since attach"),
-    col("ratio", 14, true, "admission ratio set by the agent (1: all admitted)"),
-    col("SYN/s", 15, true, "TCP SYNs (no ACK) offered per second, last second"),
-    col("BBR in/max", 16, false, "BBR: in flight / its limit (- no data), ! overloaded"),
-    col("KLimiter", 17, false, "why KLimiter last changed the ratio (- not an entry)"),
-    col("top reason", 5, false, "the reason of most drops over the interval (rate, ...)"),
-    col("drops 20 s", 11, false, "dropped pps, a mark per second, newest right (▁ 0, · unseen)"),
+    col("offered pkts", 7, true, "packets matched since attach"),
+    col("dropped pkts", 8, true, "packets dropped since attach"),
+    col("ratio", 15, true, "admission ratio set by the agent (1: all admitted)"),
+    col("SYN/s", 16, true, "TCP SYNs (no ACK) offered per second, last second"),
+    col("BBR in/max", 17, false, "BBR: in flight / its limit (- no data), ! overloaded"),
+    col("KLimiter", 18, false, "why KLimiter last changed the ratio (- not an entry)"),
+    col("top reason", 6, false, "the reason of most drops over the interval (rate, ...)"),
+    col("drops 20 s", 12, false, "dropped pps, a mark per second, newest right (▁ 0, · unseen)"),
 ];
 
 /// The breakers table's columns, in display order.
@@ -126,6 +127,7 @@ pub fn rule_cells(
         si(r.passed_pps),
         si(r.passed_bps),
         si(r.dropped_pps),
+        si(r.would_drop_pps),
         format!("{:.1}", r.drop_pct),
         si(r.offered_total as f64),
         si(r.dropped_total as f64),
@@ -400,6 +402,29 @@ mod tests {
         // Display order is kept.
         assert_eq!(at80[0], "rule");
         assert_eq!(headers(400), RULE_COLUMNS.iter().map(|c| c.header).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_dry_run_rule_shows_its_would_drops_next_to_dropped_from_80_columns() {
+        let dry = RuleRow {
+            would_drop_pps: 900.0,
+            limit: "100/s packets burst 20 per src (dry-run)".into(),
+            ..RuleRow::example("dry", 1000.0, 0.0)
+        };
+        let rows = vec![rule_cells(&dry, None, None)];
+        let text = text_table(RULE_COLUMNS, &rows, 78);
+        let header: Vec<&str> =
+            text[0].split("  ").map(str::trim).filter(|s| !s.is_empty()).collect();
+        let row: Vec<&str> = text[1].split("  ").map(str::trim).filter(|s| !s.is_empty()).collect();
+        let at = |h: &str| {
+            header.iter().position(|x| *x == h).unwrap_or_else(|| panic!("{h}: {text:?}"))
+        };
+        assert_eq!(at("would-drop pps"), at("dropped pps") + 1, "{text:?}");
+        assert_eq!((row[at("would-drop pps")], row[at("dropped pps")]), ("900", "0"));
+        // Narrower, it goes before the four that always show.
+        let narrow = layout(RULE_COLUMNS, &rows, 50);
+        assert!(narrow.iter().all(|&(i, _)| RULE_COLUMNS[i].header != "would-drop pps"));
+        assert!(narrow.len() >= 4);
     }
 
     #[test]

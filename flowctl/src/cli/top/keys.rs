@@ -46,11 +46,11 @@ impl Drop for Source {
 }
 
 impl Source {
-    fn open(iface: Option<&str>) -> Result<Self> {
+    fn open(only: &crate::cli::Only) -> Result<Self> {
         let mut found = Vec::new();
         for id in pins::list_attachments() {
             if let Some(s) = AttachState::load(&id)? {
-                if iface.is_none_or(|i| i == s.iface) {
+                if only.shows(&id, &s.iface) {
                     found.push((id, s));
                 }
             }
@@ -58,7 +58,7 @@ impl Source {
         let (id, _) = match found.len() {
             0 => bail!(
                 "no flowctl attachment{}",
-                iface.map(|i| format!(" on {i}")).unwrap_or_default()
+                only.iface().map(|i| format!(" on {i}")).unwrap_or_default()
             ),
             1 => found.remove(0),
             _ => bail!(
@@ -135,12 +135,12 @@ pub enum KeysNow {
 /// `--once`: start sampling, wait `interval`, print one report.
 pub fn once(
     interval: Duration,
-    iface: Option<&str>,
+    only: &crate::cli::Only,
     rule: &str,
     n: usize,
     json: bool,
 ) -> Result<()> {
-    let mut src = Source::open(iface)?;
+    let mut src = Source::open(only)?;
     src.report(rule, n)?; // validates the rule name and starts the agent's sampling
     let end = Instant::now() + interval;
     while Instant::now() < end {
@@ -188,8 +188,8 @@ fn text(r: &HeavyKeys) -> Vec<String> {
 }
 
 /// The live view: refreshes every `interval`; q, Esc or Ctrl-C quits.
-pub fn run(interval: Duration, iface: Option<&str>, rule: &str, n: usize) -> Result<()> {
-    let mut src = Source::open(iface)?;
+pub fn run(interval: Duration, only: &crate::cli::Only, rule: &str, n: usize) -> Result<()> {
+    let mut src = Source::open(only)?;
     let mut report = src.report(rule, n)?;
     let mut terminal = ratatui::try_init()?;
     let _guard = super::TerminalGuard;

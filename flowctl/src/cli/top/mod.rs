@@ -30,14 +30,14 @@ impl Drop for TerminalGuard {
 /// stdout is not a terminal).
 pub fn once(
     interval: Duration,
-    iface: Option<&str>,
+    only: &super::Only,
     json: bool,
     width: Option<usize>,
 ) -> Result<()> {
     let a = state::sample();
     std::thread::sleep(interval);
     let b = state::sample();
-    let top = state::compute(&a, &b, iface)?;
+    let top = state::compute(&a, &b, only)?;
     // What the statistics rings still hold (the drops column).
     let mut hist = history::History::default();
     hist.update(&top);
@@ -79,7 +79,7 @@ pub fn once(
 /// that fills between reads).
 const KEYS_POLL: Duration = Duration::from_millis(250);
 
-pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
+pub fn run(interval: Duration, only: &super::Only) -> Result<()> {
     let mut terminal = ratatui::try_init()?;
     let _guard = TerminalGuard;
     let mut screen = Screen::default();
@@ -88,7 +88,7 @@ pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
     // A first picture at once, from a short interval.
     std::thread::sleep(Duration::from_millis(200));
     let mut cur = state::sample();
-    let mut top = state::compute(&prev, &cur, iface)?;
+    let mut top = state::compute(&prev, &cur, only)?;
     hist.update(&top);
     let mut keys = HeavyKeysPanel::default();
     let mut next = Instant::now() + interval;
@@ -127,7 +127,7 @@ pub fn run(interval: Duration, iface: Option<&str>) -> Result<()> {
         if !screen.paused {
             prev = cur;
             cur = state::sample();
-            top = state::compute(&prev, &cur, iface)?;
+            top = state::compute(&prev, &cur, only)?;
             hist.update(&top);
             keys.refresh();
         }

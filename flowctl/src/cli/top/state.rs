@@ -187,19 +187,19 @@ pub fn sample() -> Sample {
 
 /// Rates between two samples, with the rule details from each attachment's
 /// active profile.
-pub fn compute(before: &Sample, after: &Sample, only_iface: Option<&str>) -> Result<Top> {
+pub fn compute(before: &Sample, after: &Sample, only: &crate::cli::Only) -> Result<Top> {
     let dt = after.at.duration_since(before.at).as_secs_f64().max(1e-9);
     let mut attachments = Vec::new();
     for id in pins::list_attachments() {
         let Some(state) = AttachState::load(&id)? else { continue };
-        if only_iface.is_some_and(|i| i != state.iface) {
+        if !only.shows(&id, &state.iface) {
             continue;
         }
         attachments.push(attachment(&id, &state, before, after, dt)?);
     }
-    // Breakers belong to cgroups, not interfaces: shown unless one is asked for.
-    let breakers =
-        if only_iface.is_none() { crate::agent::breakers::published_all() } else { Vec::new() };
+    // Breakers belong to cgroups, not interfaces or namespaces: shown
+    // unless one of those is asked for.
+    let breakers = if only.is_all() { crate::agent::breakers::published_all() } else { Vec::new() };
     Ok(Top { schema: SCHEMA, interval_s: dt, attachments, breakers })
 }
 
