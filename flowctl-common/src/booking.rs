@@ -37,10 +37,14 @@
 //! costs a client 1 s whatever the limiter does); far more clients back
 //! off to 8 s and 16 s and outlive their bookings ([`LIFETIME_NS`]), whose
 //! tokens are then lost (a lifetime of 3 s gave 36/s at 200 clients and
-//! burst 10, 15 s gave 45/s at a bound twice as loose). A booking is
-//! looked up before the bucket: judging the bucket first charges a
-//! retransmission that finds a token again, and its booked token is lost
-//! (10 clients, burst 10: 10/s instead of 20/s).
+//! burst 10, 15 s gave 45/s at a bound twice as loose). The kernel judges
+//! the bucket first (the decision does) and the booking after: a due
+//! booking admits a SYN the bucket refused, and a SYN the bucket admitted
+//! gives its flow's booked token back (the TAT moves back one unit). That
+//! leaves the bucket as if the booking had been redeemed, so every
+//! admission is charged once; without the give-back a retransmission that
+//! finds a free token is charged twice and its booked token lost (10
+//! clients, burst 10: 10/s instead of 20/s).
 //!
 //! Bounds (to be stated in docs/algorithms.md with the kernel stage;
 //! checked here by
@@ -146,35 +150,51 @@ mod tests {
             }
         }
 
-        /// A SYN of `flow` at `now`: admitted?
+        /// A SYN of `flow` at `now`: admitted? In the kernel's order
+        /// (`flowctl-ebpf/src/stages/booking.rs`): the bucket first, then
+        /// the flow's booking: redeemed when the bucket refused and it is
+        /// due, given back when the bucket admitted.
         fn syn(&mut self, flow: u64, now: u64) -> bool {
-            if let Some(&slot) = self.slots.get(&flow) {
-                match redeem(slot, now) {
-                    Redeem::Due => {
-                        self.slots.remove(&flow);
-                        self.admissions.push(now);
-                        return true;
-                    }
-                    Redeem::Early => return false,
-                    Redeem::Expired => {
-                        self.slots.remove(&flow);
-                    }
-                }
-            }
-            if let Some(t) = gcra::admit(self.tat, now, self.inc, self.burst_ns) {
+            let direct = gcra::admit(self.tat, now, self.inc, self.burst_ns);
+            if let Some(t) = direct {
                 self.tat = t;
                 self.charges.push(now);
                 self.admissions.push(now);
-                return true;
             }
-            if self.booking {
-                if let Some((t, slot)) = book(self.tat, now, self.inc, self.burst_ns, HORIZON_NS) {
-                    self.tat = t;
-                    self.charges.push(slot);
-                    self.slots.insert(flow, slot);
+            if !self.booking {
+                return direct.is_some();
+            }
+            match (direct.is_some(), self.slots.get(&flow).map(|s| redeem(*s, now))) {
+                (true, Some(_)) => {
+                    // Given back: the TAT is what it was before this SYN,
+                    // the booking's charge stands for this admission (as
+                    // if it had been redeemed, early when it is early).
+                    self.slots.remove(&flow);
+                    self.tat = self.tat.saturating_sub(self.inc);
+                    self.charges.pop();
+                    true
+                }
+                (true, None) => true,
+                (false, Some(Redeem::Early)) => false,
+                (false, Some(Redeem::Due)) => {
+                    self.slots.remove(&flow);
+                    self.admissions.push(now);
+                    true
+                }
+                (false, expired_or_none) => {
+                    if expired_or_none.is_some() {
+                        self.slots.remove(&flow);
+                    }
+                    if let Some((t, slot)) =
+                        book(self.tat, now, self.inc, self.burst_ns, HORIZON_NS)
+                    {
+                        self.tat = t;
+                        self.charges.push(slot);
+                        self.slots.insert(flow, slot);
+                    }
+                    false
                 }
             }
-            false
         }
     }
 

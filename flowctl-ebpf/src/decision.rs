@@ -16,17 +16,20 @@ pub struct Decision {
     pub rule_at: u32,
     /// The deciding rule's `bbr_flags` (0: none).
     pub bbr: u8,
+    /// 1: a SYN its rule's bucket judged, of a rule with
+    /// `book_retransmits`: the booking stage finishes the decision.
+    pub book: u8,
 }
 
 impl Decision {
     #[inline(always)]
     pub fn unmatched(outcome: Outcome) -> Self {
-        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX, bbr: 0 }
+        Self { record: GLOBAL_COUNTER_INDEX, outcome, rule_at: u32::MAX, bbr: 0, book: 0 }
     }
 
     #[inline(always)]
     pub fn of(rule: &RuleConfig, outcome: Outcome) -> Self {
-        Self { record: rule.record, outcome, rule_at: rule.at, bbr: rule.bbr }
+        Self { record: rule.record, outcome, rule_at: rule.at, bbr: rule.bbr, book: 0 }
     }
 }
 
@@ -38,9 +41,6 @@ pub enum Outcome {
     /// A global rule's bucket decides, in `flowctl_global_decide`, called
     /// from the entry point (nothing is counted before it).
     Global,
-    /// A SYN of a rule with `book_retransmits`: its booking and bucket
-    /// decide, in `flowctl_book_decide`, called from the entry point.
-    Book,
 }
 
 /// An outcome as one scalar for `flowctl_account`: 0 pass, 1 would-drop,
@@ -52,21 +52,21 @@ pub fn outcome_code(o: Outcome) -> u32 {
         Outcome::WouldDrop => 1,
         Outcome::Drop(why) => 2 + why as u32,
         Outcome::Global => 0xff,
-        Outcome::Book => 0xfe,
     }
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
 /// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
-/// table index (32-47, 0xffff: none), "the booking stage decides" (59),
+/// table index (32-47, 0xffff: none), "the booking stage finishes" (59),
 /// "a global rule's bucket decides" (60), the rule's BBR flags (61-62) and "sample this packet" (63).
 pub mod packed {
     pub const SAMPLE: u64 = 1 << 63;
     /// Not decided yet: the entry point calls the global stage, which
     /// decides, counts and packs the result again.
     pub const GLOBAL: u64 = 1 << 60;
-    /// Not decided yet: the entry point calls the booking stage, which
-    /// decides, counts and packs the result again.
+    /// Judged by the bucket (its outcome code in bits 8-15), not counted
+    /// yet: the entry point calls the booking stage, which finishes the
+    /// decision, counts and packs it again.
     pub const BOOK: u64 = 1 << 59;
     /// The deciding rule's `bbr_flags` sit in bits 61 (ON: track its
     /// connections) and 62 (RESET: answer its refused SYNs with a RST).
@@ -92,6 +92,16 @@ pub mod packed {
     #[inline(always)]
     pub fn record(v: u64) -> u32 {
         (v >> 16 & 0xffff) as u32
+    }
+    /// The outcome a code stands for (`outcome_code`'s inverse, for the
+    /// stages that finish a decision).
+    #[inline(always)]
+    pub fn outcome(code: u32) -> super::Outcome {
+        match code {
+            0 => super::Outcome::Pass,
+            1 => super::Outcome::WouldDrop,
+            c => super::Outcome::Drop(c.saturating_sub(2) as usize),
+        }
     }
     #[inline(always)]
     pub fn rule_at(v: u64) -> u32 {

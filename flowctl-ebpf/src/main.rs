@@ -154,16 +154,18 @@ fn decide(parsed: u32, wire_len: u64) -> u64 {
     };
     let d = stages::enforce(global, meta, now);
     let sample = global.key_sample_every != 0;
-    // Undecided: the entry point calls the stage that decides.
-    let later = match d.outcome {
-        Outcome::Global => packed::GLOBAL,
-        Outcome::Book => packed::BOOK,
-        _ => 0,
-    };
-    if later != 0 {
-        return packed::pack(0, 0, d.record, d.rule_at, sample) | later | (d.bbr as u64 & 3) << 61;
+    if let Outcome::Global = d.outcome {
+        return packed::pack(0, 0, d.record, d.rule_at, sample)
+            | packed::GLOBAL
+            | (d.bbr as u64 & 3) << 61;
     }
     let code = outcome_code(d.outcome);
+    if d.book != 0 {
+        // The booking stage finishes (and counts) the bucket's verdict.
+        return packed::pack(0, code, d.record, d.rule_at, sample)
+            | packed::BOOK
+            | (d.bbr as u64 & 3) << 61;
+    }
     let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
     let action = flowctl_account(d.record, code, meta.len as u64, tcp, now);
     // The rule's BBR flags go along as they are (no branch here: every

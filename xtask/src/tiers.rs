@@ -41,6 +41,10 @@ pub const E2E_SUBSET: &[E2e] = &[
     // KLimiter egress: the TC egress counter, attached with TCX (6.6+) or a
     // clsact qdisc (6.1), as the baseline's level.
     E2e { name: "klimiter_holds_an_egress_level_by_cutting_low_priority_first", xdp: true },
+    // detach with an agent running: the agent stops before its egress
+    // filters go, and nothing is left in /run or bpffs (6.1 has no TCX, so
+    // the clsact path is the one exercised there).
+    E2e { name: "detach_stops_the_agent_before_its_egress_filters_go", xdp: true },
     // Breakers: the cgroup connect4 and sock_ops programs, bpf_set_retval
     // (5.18+), on the VMs' pure cgroup v2 hierarchy; no XDP. State mode
     // covers both hooks (local refusals with the configured errno, handshake

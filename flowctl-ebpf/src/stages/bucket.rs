@@ -147,6 +147,25 @@ pub(super) fn book(
     None
 }
 
+/// Gives back the token a flow had booked when it got in without its
+/// booking (a token was free when its retransmission came): one charge per
+/// admission, as if the booking had been redeemed. The TAT moves back by
+/// one unit, by compare-and-swap; lost to contention, the token is lost
+/// (never more admitted).
+#[inline(always)]
+pub(super) fn refund(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u64) {
+    let BucketRef::Ptr(tat_ptr) = bucket_tat(rule, meta, entry, now) else { return };
+    let inc = gcra::increment_ns(rule.interval_fp, 1);
+    let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+    unsafe {
+        let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            tat_ptr,
+            old,
+            unmarked(old.saturating_sub(inc)),
+        );
+    }
+}
+
 /// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
 /// key that keeps being refused pays for the debt slot once, not per packet.
 /// The mark makes the TAT 1 ns later, never earlier.

@@ -204,24 +204,21 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: 
         let params =
             |w: u64| grant::decode(w).map_or(share, |(i, units)| (i, gcra::increment_ns(i, units)));
         let (from, to) = (params(cached), params(word));
-        // A compare-and-swap loop like the admission's: a TAT another CPU
-        // moves meanwhile is re-rated from where it moved to.
-        let mut tries = 0;
-        while tries < CAS_RETRIES {
-            let tat = unsafe { core::ptr::read_volatile(&b.tat) };
-            let moved = unmarked_down(gcra::retarget(tat, now, from, to));
-            if moved == tat {
-                break;
-            }
+        // One compare-and-swap, no loop (a loop multiplied the re-rating's
+        // branches by its tries on 6.1's verifier): a TAT another CPU moved
+        // meanwhile leaves the old word in place, and the next packet
+        // re-rates from where it moved to.
+        let tat = unsafe { core::ptr::read_volatile(&b.tat) };
+        let moved = unmarked_down(gcra::retarget(tat, now, from, to));
+        if moved != tat {
             let (_, ok) = unsafe {
                 atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
                     &mut b.tat, tat, moved,
                 )
             };
-            if ok {
-                break;
+            if !ok {
+                return cached;
             }
-            tries += 1;
         }
     }
     unsafe {

@@ -72,20 +72,17 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     if rule.global != 0 {
         return Decision::of(rule, Outcome::Global);
     }
-    // A SYN of a rule that books refused SYNs' tokens: its booking, then
-    // its bucket, in `booking::flowctl_book_decide` (no quota: the profile
-    // refuses one with `book_retransmits`; in dry-run nothing is booked).
-    if rule.book_syns != 0 && rule.action != action::DRY_RUN {
-        return Decision::of(rule, Outcome::Book);
-    }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)
     // only once the bucket has admitted on a read, and rolled back if the
     // bucket's own compare-and-swap then refuses.
     if rule.quota_bucket_ns == 0 {
         // Most rules: the bucket alone (stage 4), with the quota steps
-        // compiled away.
-        return bucket::admit(rule, meta, entry_ptr, record, cost, now, &mut NoQuota);
+        // compiled away. A rule with `book_retransmits` (never with a
+        // quota) has its SYN's verdict finished by `booking`.
+        let mut d = bucket::admit(rule, meta, entry_ptr, record, cost, now, &mut NoQuota);
+        d.book = rule.book_syns;
+        return d;
     }
     let mut quota = Quota::of(rule, meta, record, now);
     if !quota.has_room(cost) {

@@ -1,6 +1,8 @@
 //! Limits end to end: a per-source UDP token bucket, a TCP connection rate
 //! (`unit = "connections"`) and a connection quota, each admitting within
-//! bounds computed from the harness's own timestamps.
+//! bounds computed from the harness's own timestamps; and what real TCP
+//! clients get from a connection rate with a small burst, with and
+//! without `book_retransmits`.
 
 use crate::UDP_RULE;
 use flowctl_tests::{
@@ -92,4 +94,77 @@ pub fn tcp_connection_quota() {
     assert_eq!(r["dropped_by_reason"]["quota"].as_u64().unwrap(), attempts - ok);
     assert_eq!(server.stop(), 5);
     agent.stop();
+}
+
+/// Real TCP clients against 50 connections/s with burst 10: 50 client
+/// threads connect in a loop (the kernel's own SYN retransmissions, 1 s
+/// then 3 s, within a 6 s connect timeout) and close each connection at
+/// once. Refusing, they get about the burst per second (clients refused
+/// together retry together); with `book_retransmits` their retransmissions
+/// find booked tokens and they get about the rate, within the bookings'
+/// bound `b + r * (t + 7 s)` (docs/algorithms.md, 1.7).
+pub fn booked_retransmissions_give_tcp_clients_the_rate() {
+    let lab = Lab::new("fbook", 240);
+    let server = TcpServer::start(&lab, 7400);
+    let rule_text = |book: bool| {
+        format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n[[rule]]\nname = \"conns\"\nproto = \"tcp\"\ndport = 7400\nunit = \"connections\"\nrate = \"50/s\"\nburst = 10\nbook_retransmits = {book}\n")
+    };
+    let secs = 8.0;
+    let mut rates = Vec::new();
+    for book in [false, true] {
+        let prof = TempFile::profile(&rule_text(book));
+        let agent = Agent::start(&lab, prof.path(), &[]);
+        let (ok, t) = connect_loops(&lab, 7400, 50, Duration::from_secs_f64(secs));
+        let r = rule(&lab.veth_srv, "conns");
+        let (booked, redeemed) =
+            (r["booked_syns"].as_u64().unwrap(), r["redeemed_syns"].as_u64().unwrap());
+        println!(
+            "book_retransmits = {book}: {ok} connections in {t:.2} s ({:.1}/s); {booked} SYNs booked, {redeemed} redeemed",
+            ok as f64 / t
+        );
+        let bound = 10.0 + 50.0 * (t + if book { 7.0 } else { 0.0 }) + 1.0;
+        assert!((ok as f64) <= bound, "{ok} connections > {bound}");
+        if book {
+            assert!(booked > 0 && redeemed > 0 && redeemed <= booked, "{booked} {redeemed}");
+        } else {
+            assert_eq!((booked, redeemed), (0, 0));
+        }
+        rates.push(ok as f64 / t);
+        agent.stop();
+    }
+    assert!(rates[0] < 20.0, "refusing: about the burst per second, got {:.1}/s", rates[0]);
+    assert!(rates[1] > 35.0, "booking: about the rate, got {:.1}/s", rates[1]);
+    server.stop();
+}
+
+/// `clients` threads in the client namespace, each connecting in a loop
+/// for `budget` (a connect may take the kernel's SYN retransmissions) and
+/// closing at once: (connections established, seconds).
+fn connect_loops(lab: &Lab, port: u16, clients: usize, budget: Duration) -> (u64, f64) {
+    let target: std::net::SocketAddr = format!("{}:{port}", lab.ip_srv).parse().unwrap();
+    Lab::in_ns(&lab.ns_cli, move || {
+        let start = std::time::Instant::now();
+        // Threads made here inherit this thread's network namespace.
+        let ok: u64 = std::thread::scope(|s| {
+            let loops: Vec<_> = (0..clients)
+                .map(|_| {
+                    s.spawn(move || {
+                        let mut ok = 0u64;
+                        while let Some(left) = budget.checked_sub(start.elapsed()) {
+                            let wait = left.min(Duration::from_secs(6));
+                            if wait.is_zero() {
+                                break;
+                            }
+                            if std::net::TcpStream::connect_timeout(&target, wait).is_ok() {
+                                ok += 1;
+                            }
+                        }
+                        ok
+                    })
+                })
+                .collect();
+            loops.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        (ok, start.elapsed().as_secs_f64())
+    })
 }

@@ -43,6 +43,7 @@ fn main() {
         error_paths_say_how_to_fix: [Root],
         tcp_connection_rate_within_bounds: [Root],
         tcp_connection_quota: [Root],
+        booked_retransmissions_give_tcp_clients_the_rate: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
