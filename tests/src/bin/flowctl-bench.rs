@@ -321,6 +321,11 @@ fn main() {
     );
     drop((lean, off));
 
+    if std::env::args().any(|a| a == "path") {
+        // `bench path [quick]`: sections 1 and 1b alone (the per-packet
+        // cost of the full path and of a quota, for a kernel change's note).
+        return;
+    }
     println!("\n2. Rule-count independence (flowctl admitted path, measured rule last, 10k keys)");
     refs.set_keys(10_000);
     let planes: Vec<(usize, TestPlane)> =
