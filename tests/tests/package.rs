@@ -429,8 +429,14 @@ impl Service {
 
     /// What `systemctl stop` does here: the unit's KillSignal, then wait
     /// (TimeoutStopSec is 15 s); the agent must exit successfully.
-    fn stop(mut self, signal: i32) -> String {
+    fn stop(self, signal: i32) -> String {
         unsafe { libc::kill(self.child.id() as i32, signal) };
+        self.exited()
+    }
+
+    /// Waits (15 s at most) for the agent to exit, which it must do
+    /// successfully (`Restart=on-failure` then leaves the unit stopped).
+    fn exited(mut self) -> String {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -498,7 +504,8 @@ fn map_ids(attachment: &Value) -> Vec<u32> {
 /// ExecStart, as `systemctl restart` and the package's upgrade do: the kept
 /// data plane enforces throughout (not one packet past the drained
 /// bucket), and the new agent adopts the same maps. Protection goes only
-/// with the explicit `flowctl detach`, after which the traffic passes.
+/// with the explicit `flowctl detach` (which also stops the running agent,
+/// for good), after which the traffic passes.
 pub fn unit_commands_keep_the_interface_protected_until_detach() {
     let root = Root::new();
     let unit = std::fs::read_to_string(root.path(UNIT)).unwrap();
@@ -577,13 +584,14 @@ pub fn unit_commands_keep_the_interface_protected_until_detach() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(counter.count(), 3, "no packet got past the drained key across stop and start");
 
-    // Removing protection: the unit stopped (systemctl disable --now), then detach.
-    let said = agent.stop(kill);
-    assert!(said.contains("keeps enforcing"), "{said}");
-    assert!(root.attachment(&iface).is_some());
-    assert!(!said.contains('\x1b'), "the journal gets plain lines (NO_COLOR): {said:?}");
+    // Removing protection: `flowctl detach` stops the unit's agent (which
+    // exits successfully: Restart=on-failure leaves it stopped), then
+    // removes the data plane.
+    assert_eq!(one("Restart"), "on-failure");
     let out = ok(&root.flowctl(&["detach", &iface, "--netns", &lab.ns_srv]), "detach");
-    assert!(out.contains("detached from"), "{out}");
+    assert!(out.contains("stopped its agent") && out.contains("detached from"), "{out}");
+    let said = agent.exited();
+    assert!(!said.contains('\x1b'), "the journal gets plain lines (NO_COLOR): {said:?}");
     assert!(root.attachment(&iface).is_none(), "nothing attached after detach");
     let traffic =
         UdpStreams::start(&lab, &[7300], Duration::from_millis(5), Duration::from_secs(5));
