@@ -1,4 +1,4 @@
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use flowctl::{agent, cli, dataplane::Mode, fleet::etcd};
 use std::path::PathBuf;
 
@@ -175,6 +175,18 @@ enum Cmd {
         #[arg(long)]
         netns: Option<String>,
     },
+    /// Manual pages and shell completions from these definitions (for
+    /// packagers: cargo xtask package; docs/packaging.md).
+    #[command(hide = true, subcommand)]
+    Generate(Generate),
+}
+
+#[derive(Subcommand)]
+enum Generate {
+    /// flowctl.1 and a flowctl-VERB.1 per verb, into DIR.
+    Man { dir: PathBuf },
+    /// The completion script of SHELL, into DIR.
+    Completions { shell: clap_complete::Shell, dir: PathBuf },
 }
 
 /// How to reach etcd: user and password, TLS.
@@ -290,6 +302,8 @@ fn main() {
             })
         }
         Cmd::Explain { iface, proto, src, dport, netns } => cli::explain::explain(&iface, &proto, &src, dport, &netns),
+        Cmd::Generate(Generate::Man { dir }) => cli::generate::man(Cli::command(), &dir).map(|files| files.iter().for_each(|f| println!("{}", f.display()))),
+        Cmd::Generate(Generate::Completions { shell, dir }) => cli::generate::completions(Cli::command(), shell, &dir).map(|f| println!("{}", f.display())),
     };
     if let Err(e) = r {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {

@@ -37,6 +37,9 @@ pub enum Need {
     Kernel(u32, u32),
     /// A program on PATH.
     Command(&'static str),
+    /// An environment variable naming an existing file (`FLOWCTL_DEB`: the
+    /// package under test, which `cargo xtask test` builds and sets).
+    EnvFile(&'static str),
 }
 
 /// One test: its name (as libtest names it: the function's), its body and
@@ -129,6 +132,11 @@ impl Host {
                 }
             },
             Need::Command(c) => (!on_path(c)).then(|| format!("needs `{c}` on PATH")),
+            Need::EnvFile(var) => match std::env::var_os(var) {
+                Some(p) if std::path::Path::new(&p).is_file() => None,
+                Some(p) => Some(format!("needs {var} to name a file (no file at {p:?})")),
+                None => Some(format!("needs {var} (a file; `cargo xtask test` sets it)")),
+            },
         }
     }
 

@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup|test|demo|bench`.
+//! Project tasks: `cargo xtask setup|test|demo|bench|package`.
 //!
 //! `setup` (setup.rs) installs what the build and tests need, idempotently
 //! and quickly when present. `test` (matrix.rs) runs every tier: on the host
@@ -7,6 +7,7 @@
 
 mod kernels;
 mod matrix;
+mod package;
 mod setup;
 mod tee;
 mod tiers;
@@ -59,6 +60,20 @@ enum Cmd {
         /// Passed to the fuzzer (`--seed S`, `--max-failures K`, `--per-profile M`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// The Debian package (docs/packaging.md): the release binary, the
+    /// systemd unit, man pages, completions and the default profile, as
+    /// target/debian/flowctl_VERSION_ARCH.deb.
+    Package {
+        /// Package this flowctl binary instead of building the release one.
+        #[arg(long, value_name = "PATH")]
+        binary: Option<PathBuf>,
+        /// Write the .deb here (default: target/debian).
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// gzip -1 instead of xz (a test package of a debug binary).
+        #[arg(long)]
+        quick: bool,
     },
     /// Benchmarks: prints ratios measured in one run (docs/benchmarks.md).
     Bench {
@@ -127,6 +142,7 @@ fn main() -> Result<()> {
                 .args(args)
                 .current_dir(root()))
         }
+        Cmd::Package { binary, out, quick } => package::package(binary, out, quick).map(drop),
         Cmd::Bench { args } => {
             privileged("the benchmarks load XDP programs and make veth labs", "bench")?;
             // The agent benchmark runs the real release binary.
@@ -146,7 +162,7 @@ fn privileged(what: &str, verb: &str) -> Result<()> {
 }
 
 /// Builds the release `flowctl` and returns its path.
-fn release_flowctl() -> Result<PathBuf> {
+pub fn release_flowctl() -> Result<PathBuf> {
     run(Command::new("cargo").args(["build", "--release", "--package", "flowctl"]))?;
     Ok(root().join("target/release/flowctl"))
 }

@@ -150,14 +150,29 @@ pub fn test(sel: Selection) -> Result<()> {
         }
     }
     if sel.host {
+        // The Debian package of the binary under test, for the package
+        // target (tests/tests/package.rs: FLOWCTL_DEB; it reports its tests
+        // ignored without it, and this row says why).
+        let t = Instant::now();
+        let deb = crate::package::build(&flowctl, &root().join("target/package-test"), true);
+        let problem = deb.as_ref().err().map(|e| format!("cargo xtask package: {e:#}"));
+        host_rows.push(Row::new(
+            "deb",
+            tee::Counts::default(),
+            problem,
+            Some(t.elapsed().as_secs_f64()),
+        ));
         // Tiers 2-3 on the host kernel: the real program under
         // BPF_PROG_TEST_RUN, then the real binary on veth pairs in
         // namespaces. Serial: they share the kernel.
         for b in &bins {
             let t = Instant::now();
+            let mut cmd = Command::new(&b.path);
+            if let Ok(deb) = &deb {
+                cmd.env("FLOWCTL_DEB", deb);
+            }
             let c = tee::run(
-                Command::new(&b.path)
-                    .arg("--test-threads=1")
+                cmd.arg("--test-threads=1")
                     .current_dir(root().join("tests"))
                     .env("FLOWCTL_BIN", &flowctl),
                 tee::Opts { log: None, err_log: None, timeout: None, prefix: None },

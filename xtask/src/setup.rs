@@ -31,6 +31,12 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "etcd-server",
     "etcd-client",
     "protobuf-compiler",
+    // `cargo xtask package` (dpkg-shlibdeps) and the package's tests: lintian,
+    // and zsh and fish to load the completions in (docs/packaging.md).
+    "dpkg-dev",
+    "lintian",
+    "zsh",
+    "fish",
 ];
 /// The kernel matrix's Debian packages: QEMU for the VMs, and a statically
 /// linked busybox ("a statically linked busybox could not be found" without).

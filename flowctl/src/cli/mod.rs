@@ -7,6 +7,7 @@ pub mod detach;
 pub mod doctor;
 pub mod explain;
 pub mod format;
+pub mod generate;
 pub mod publish;
 pub mod rollout;
 pub mod simulate;
