@@ -25,5 +25,8 @@ pub fn check(path: &Path) -> Result<()> {
     for b in &set.breakers {
         out!("  breaker {:<12} {:<40} {}", b.name, b.target.to_string(), breaker_text(b));
     }
+    for advice in set.rules.iter().filter_map(|r| r.advice()) {
+        out!("note: {advice}");
+    }
     Ok(())
 }

@@ -225,6 +225,32 @@ impl Rule {
         }
     }
 
+    /// Advice on a rule that is valid but will not do what it seems to
+    /// say: a `connections` rate whose burst is below one second of it
+    /// gives real TCP clients about the burst per second, because clients
+    /// refused together retransmit together after the 1 s initial timeout
+    /// (docs/algorithms.md, 1.7). `flowctl check` prints it.
+    pub fn advice(&self) -> Option<String> {
+        if self.unit != unit::CONNECTIONS
+            || self.interval_fp == 0
+            || self.book_retransmits
+            || self.global.is_some()
+            || self.action == action::PASS
+        {
+            return None;
+        }
+        // Whole units per second: 10^9 ns * 2^FRAC_BITS / interval_fp.
+        let per_second =
+            (1_000_000_000u128 << flowctl_common::gcra::FRAC_BITS) / self.interval_fp as u128;
+        if self.burst as u128 >= per_second {
+            return None;
+        }
+        Some(format!(
+            "rule `{}` (line {}): burst {} is below one second of its rate ({}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {} connections per second; use the default burst (one second of the rate) or book_retransmits = true (docs/algorithms.md, 1.7)",
+            self.name, self.line, self.burst, self.rate_text, self.burst
+        ))
+    }
+
     pub fn action_name(&self) -> &'static str {
         match self.action {
             action::PASS => "pass",

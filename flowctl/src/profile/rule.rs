@@ -605,6 +605,22 @@ mod tests {
     }
 
     #[test]
+    fn a_small_connection_burst_gets_advice() {
+        let rule = |extra: &str| {
+            let text = format!("[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\n{extra}");
+            parse("p", &text).unwrap().rules[0].advice()
+        };
+        let a = rule("burst = 10\n").expect("advice for burst 10 at 50/s");
+        assert!(a.contains("line 1") && a.contains("about 10 connections per second"), "{a}");
+        assert!(a.contains("book_retransmits"), "{a}");
+        assert_eq!(rule(""), None, "the default burst is one second of the rate");
+        assert_eq!(rule("burst = 50\n"), None);
+        assert_eq!(rule("burst = 10\nbook_retransmits = true\n"), None);
+        let packets = parse("p", "[[rule]]\nname = \"p\"\nrate = \"50/s\"\nburst = 1\n").unwrap();
+        assert_eq!(packets.rules[0].advice(), None, "packet rules: nothing retransmits");
+    }
+
+    #[test]
     fn book_retransmits_is_for_local_connection_rates() {
         let base = "[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\nburst = 10\n";
         let s = parse("p", &format!("{base}book_retransmits = true\n")).unwrap();
