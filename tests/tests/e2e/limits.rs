@@ -125,7 +125,10 @@ pub fn booked_retransmissions_give_tcp_clients_the_rate() {
         let bound = 10.0 + 50.0 * (t + if book { 7.0 } else { 0.0 }) + 1.0;
         assert!((ok as f64) <= bound, "{ok} connections > {bound}");
         if book {
-            assert!(booked > 0 && redeemed > 0 && redeemed <= booked, "{booked} {redeemed}");
+            // A retransmission is admitted on its booking when the bucket
+            // is empty, or directly (giving the booked token back) when it
+            // has room: how many of each is timing, the rate is not.
+            assert!(booked > 0 && redeemed <= booked, "{booked} booked, {redeemed} redeemed");
         } else {
             assert_eq!((booked, redeemed), (0, 0));
         }
