@@ -1,5 +1,5 @@
-//! Re-rating a key's GCRA bucket (docs/algorithms.md section 1) when its
-//! grant changes, without minting tokens: the credit the bucket holds, in
+//! A simulated key's GCRA bucket parameters; re-rating one when its grant
+//! changes is the kernel's own `gcra::retarget`, which mints no tokens: the credit the bucket holds, in
 //! units, is kept (capped at the new depth), never scaled up with the
 //! rate. Keeping the TAT in nanoseconds instead would turn a bucket's
 //! credit of `x` ns into `x * new_rate` units, so a rate moved from an
@@ -15,14 +15,6 @@ pub fn params(rate: u64, burst: u64) -> (u64, u64) {
     (interval, gcra::burst_ns(interval, burst))
 }
 
-/// The TAT that gives a bucket re-rated from `old` to `new` (each
-/// `(interval_fp, depth_ns)`) at `now` the credit it held, in whole units,
-/// capped at the new depth: the kernel's own arithmetic
-/// (`gcra::retarget`), so the simulator's buckets are the kernel's.
-pub fn retarget_tat(tat: u64, now: u64, old: (u64, u64), new: (u64, u64)) -> u64 {
-    gcra::retarget(tat, now, old, new)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -34,7 +26,7 @@ mod tests {
         // 10/s depth 10 (1 s), full; re-rated to 100/s depth 100 (1 s):
         // still 10 units of credit, not 100.
         let now = 50 * SEC;
-        let tat = retarget_tat(now - SEC, now, params(10, 10), params(100, 100));
+        let tat = gcra::retarget(now - SEC, now, params(10, 10), params(100, 100));
         let (interval, depth) = params(100, 100);
         let mut admitted = 0;
         let mut t = tat;
@@ -48,7 +40,7 @@ mod tests {
     #[test]
     fn lowering_caps_the_credit_at_the_new_depth() {
         let now = 50 * SEC;
-        let tat = retarget_tat(0, now, params(100, 100), params(10, 5));
+        let tat = gcra::retarget(0, now, params(100, 100), params(10, 5));
         let (interval, depth) = params(10, 5);
         let mut admitted = 0;
         let mut t = tat;
@@ -63,7 +55,7 @@ mod tests {
     fn an_empty_bucket_stays_empty() {
         let now = 50 * SEC;
         let (_, depth) = params(10, 10);
-        let tat = retarget_tat(now + depth, now, params(10, 10), params(1000, 1000));
+        let tat = gcra::retarget(now + depth, now, params(10, 10), params(1000, 1000));
         assert_eq!(tat, now + params(1000, 1000).1);
     }
 }

@@ -46,7 +46,7 @@ pub trait GrantSink {
     /// Enforce `grant.share` for the key: its rate, its depth (burst
     /// share) and its quota share. The bucket's credit in units must be
     /// kept (capped at the new depth), never scaled up by a higher rate
-    /// ([`super::bucket::retarget_tat`]).
+    /// ([`flowctl_common::gcra::retarget`]).
     fn apply(&mut self, rule: &str, key: &str, grant: &Grant);
     /// The key holds no lease any more: back to the rule's default
     /// allowance (nothing with `default_share = "none"`), credit capped the

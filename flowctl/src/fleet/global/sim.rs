@@ -2,7 +2,7 @@
 //! ([`Memory`]) standing in for Redis, the real [`Manager`] per host, one
 //! way message delays and losses, clock-rate skew per host, and a fake map
 //! per host: a GCRA bucket per key (flowctl-common's, re-rated with
-//! [`bucket::retarget_tat`]) admitting the host's offered traffic. It
+//! [`flowctl_common::gcra::retarget`]) admitting the host's offered traffic. It
 //! measures what docs/design.md ("Global limits: the bounds") states:
 //! the worst window's admitted total against `L*t + B`, the time for a
 //! moved hot key to converge, utilisation and store calls per host per
@@ -211,7 +211,7 @@ impl FakeMap {
         let now = self.now_ns;
         let b = self.bucket(key);
         b.tat = match (b.params, params) {
-            (Some(old), Some(new)) => bucket::retarget_tat(b.tat, now, old, new),
+            (Some(old), Some(new)) => gcra::retarget(b.tat, now, old, new),
             // From refusing everything: an empty bucket.
             (None, Some(new)) => now + new.1,
             (_, None) => b.tat,
