@@ -101,6 +101,21 @@ impl Lab {
         lab
     }
 
+    /// A KLimiter profile whose baseline is the TC egress counter on the
+    /// server's veth (UDP to the client, port 9000), cutting rule `low`
+    /// (UDP port 7800): the tests of the egress program's attach and
+    /// removal share it.
+    pub fn egress_klimiter_profile(&self) -> String {
+        format!(
+            "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
+[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
+[[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
+[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\"]\n\
+source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
+            self.veth_srv, self.ip_cli
+        )
+    }
+
     /// Gives the client side another address of the lab's /24.
     pub fn add_client_address(&self, ip: &str) {
         sh(&["ip", "-n", &self.ns_cli, "addr", "add", &format!("{ip}/24"), "dev", &self.veth_cli]);

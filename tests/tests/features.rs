@@ -191,14 +191,7 @@ fn egress_counter_without_tcx_uses_clsact_and_leaves_nothing() {
         if preexisting {
             sh_ns(&lab.ns_srv, &["tc", "qdisc", "add", "dev", &lab.veth_srv, "clsact"]);
         }
-        let prof = TempFile::profile(&format!(
-            "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
-[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
-[[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
-[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\"]\n\
-source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
-            lab.veth_srv, lab.ip_cli
-        ));
+        let prof = TempFile::profile(&lab.egress_klimiter_profile());
         let agent = start_agent(&lab, &prof, &[], "tcx");
         let filters = sh_ns(&lab.ns_srv, &["tc", "filter", "show", "dev", &lab.veth_srv, "egress"]);
         assert!(filters.contains("flowctl_egress"), "a netlink filter on egress: {filters}");

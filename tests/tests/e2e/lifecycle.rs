@@ -313,14 +313,7 @@ pub fn detach_leaves_nothing_behind() {
 pub fn detach_stops_the_agent_before_its_egress_filters_go() {
     let lab = Lab::new("fdeg", 247);
     let _detach = DetachOnDrop::new(&lab);
-    let prof = TempFile::profile(&format!(
-        "[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\n\
-[klimiter]\nsample_period = \"200ms\"\ncontrol_period = \"1s\"\n\
-[[rule]]\nname = \"low\"\nproto = \"udp\"\ndport = 7800\nrate = \"1000000/s\"\nadmission = \"packet\"\npriority = 0.0\n\
-[[baseline]]\nname = \"downstream\"\nthreshold = 1200\nentries = [\"low\"]\n\
-source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, proto = \"udp\" }}\n",
-        lab.veth_srv, lab.ip_cli
-    ));
+    let prof = TempFile::profile(&lab.egress_klimiter_profile());
     let mut cmd = Agent::attach(&lab, prof.path(), &["--keep"]);
     cmd.env("FLOWCTL_DISABLE_FEATURES", "tcx");
     let veth = lab.veth_srv.clone();
