@@ -367,7 +367,10 @@ impl LeaseLoop {
                     tracing::debug!("global rule {rule}: store call failed: {e}");
                     self.manager.on_failure(&rule, seq, now_us());
                 }
-                Event::Hosts(Ok(n)) => self.hosts = Some(n),
+                Event::Hosts(Ok(n)) => {
+                    self.warn_of_default_allowances(self.hosts, n);
+                    self.hosts = Some(n);
+                }
                 Event::Hosts(Err(_)) => {}
                 Event::Health { health, up, rtt } => {
                     if health != self.health {
@@ -414,6 +417,30 @@ impl LeaseLoop {
         next
     }
 
+    /// Says so in the log when the live-host count takes a rule's default
+    /// allowances to or past its whole limit, and when it falls back below:
+    /// the fleet grew into it, so no profile check could have caught it.
+    fn warn_of_default_allowances(&self, before: Option<u64>, hosts: u64) {
+        for r in self.rules.values() {
+            let was = before.map_or(0.0, |n| r.spec.default_allowance_ratio(n));
+            let now = r.spec.default_allowance_ratio(hosts);
+            if now >= 1.0 && was < 1.0 {
+                tracing::warn!(
+                    "global rule {}: {hosts} live hosts with a default share of {}/s each may admit {:.0}/s before their leases arrive, {now:.2}x the limit of {}/s; set a smaller default_share, or \"none\" (docs/profile.md)",
+                    r.spec.name,
+                    r.spec.default_share.map_or(0, |d| d.rate),
+                    now * r.spec.rate as f64,
+                    r.spec.rate,
+                );
+            } else if now < 1.0 && was >= 1.0 {
+                tracing::info!(
+                    "global rule {}: {hosts} live hosts: default allowances back to {now:.2}x the limit",
+                    r.spec.name
+                );
+            }
+        }
+    }
+
     /// `leases.json`: what `status`, `top` and the metrics show.
     fn publish(&self) -> Result<()> {
         let stats = self.manager.stats();
@@ -427,6 +454,8 @@ impl LeaseLoop {
                 burst: r.spec.burst,
                 quota: r.spec.quota,
                 quota_window_ms: r.spec.quota.map(|_| r.spec.quota_window / 1_000),
+                default_share: r.spec.default_share.map(|d| d.rate),
+                default_allowance: self.hosts.map(|n| r.spec.default_allowance_ratio(n)),
                 leases: Vec::new(),
             })
             .collect();
@@ -536,6 +565,15 @@ pub struct PublishedRule {
     pub quota: Option<u64>,
     #[serde(default)]
     pub quota_window_ms: Option<u64>,
+    /// Units per second one host admits of a key before its first lease
+    /// (None: `default_share = "none"`).
+    #[serde(default)]
+    pub default_share: Option<u64>,
+    /// The live hosts' default shares as a fraction of `rate`
+    /// ([`GlobalRule::default_allowance_ratio`]; None until the store has
+    /// counted the hosts).
+    #[serde(default)]
+    pub default_allowance: Option<f64>,
     pub leases: Vec<PublishedLease>,
 }
 

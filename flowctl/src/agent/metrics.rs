@@ -257,8 +257,12 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
     let demand = Family::<RuleLabel, Gauge>::default();
     let quota = Family::<RuleLabel, Gauge>::default();
     let spent = Family::<RuleLabel, Gauge>::default();
+    let allowance = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
     for r in &p.rules {
         let l = RuleLabel { rule: r.rule.clone() };
+        if let Some(a) = r.default_allowance {
+            allowance.get_or_create(&l).set(a);
+        }
         keys.get_or_create(&l).set(r.leases.iter().filter(|k| k.rate.is_some()).count() as i64);
         granted.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.rate).sum::<u64>() as i64);
         demand.get_or_create(&l).set(r.leases.iter().filter_map(|k| k.demand).sum::<u64>() as i64);
@@ -280,6 +284,11 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
         "flowctl_global_quota_spent",
         "Quota units a global rule's leased keys spent here in their windows",
         spent,
+    );
+    reg.register(
+        "flowctl_global_default_allowance_ratio",
+        "Live hosts times a global rule's default share, over its limit: what the fleet may admit above the limit while hosts wait for a key's first lease (1 or more: the whole limit again)",
+        allowance,
     );
     reg.register(
         "flowctl_global_leased_keys",

@@ -267,6 +267,29 @@ pub fn store_text(s: &crate::agent::leases::PublishedStore) -> String {
     )
 }
 
+/// The default shares of the live hosts against the rule's limit: the
+/// extra term of the bound (docs/design.md), with a warning once the
+/// fleet has grown to where the allowances alone are the whole limit.
+fn default_allowance_line(
+    r: &crate::agent::leases::PublishedRule,
+    hosts: Option<u64>,
+) -> Option<String> {
+    let share = r.default_share?;
+    let (Some(n), Some(ratio)) = (hosts, r.default_allowance) else {
+        return Some(format!("    default share {share}/s per host before a key's lease"));
+    };
+    let warn = if ratio >= 1.0 {
+        " WARNING: the allowances alone reach the limit; lower default_share or set it to \"none\""
+    } else {
+        ""
+    };
+    Some(format!(
+        "    default share {share}/s per host before a key's lease: {n} hosts x {share}/s = {}/s, {:.0}% of the limit{warn}",
+        n.saturating_mul(share),
+        ratio * 100.0
+    ))
+}
+
 /// What `status` says of the global rules' leases: the store, then per
 /// rule the keys this host holds leases for.
 pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {
@@ -290,6 +313,9 @@ pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {
             r.burst,
             r.leases.iter().filter(|k| k.rate.is_some()).count()
         ));
+        if let Some(line) = default_allowance_line(r, s.hosts) {
+            v.push(line);
+        }
         for k in r.leases.iter().take(10) {
             let quota = match (k.quota, k.quota_used) {
                 (Some(q), Some(u)) => format!(" quota {q} ({u} spent)"),
@@ -323,6 +349,28 @@ pub fn lease_lines(p: &crate::agent::leases::Published) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_weighs_the_default_allowances_against_the_limit() {
+        use crate::agent::leases::PublishedRule;
+        let rule = |share: Option<u64>, ratio: Option<f64>| PublishedRule {
+            rule: "api".into(),
+            rate: 1000,
+            burst: 100,
+            quota: None,
+            quota_window_ms: None,
+            default_share: share,
+            default_allowance: ratio,
+            leases: Vec::new(),
+        };
+        assert_eq!(default_allowance_line(&rule(None, Some(0.0)), Some(3)), None);
+        let few = default_allowance_line(&rule(Some(10), Some(0.03)), Some(3)).unwrap();
+        assert!(few.ends_with("3 hosts x 10/s = 30/s, 3% of the limit"), "{few}");
+        let many = default_allowance_line(&rule(Some(10), Some(1.2)), Some(120)).unwrap();
+        assert!(many.contains("1200/s, 120% of the limit WARNING"), "{many}");
+        let uncounted = default_allowance_line(&rule(Some(10), None), None).unwrap();
+        assert!(uncounted.ends_with("10/s per host before a key's lease"), "{uncounted}");
+    }
 
     #[test]
     fn spark_text_marks_zero_traffic_and_gaps_apart() {

@@ -82,6 +82,9 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
             assert_eq!(l["store"]["up"], true, "{l}");
             assert_eq!(l["store"]["hosts"].as_u64(), Some(3), "three live hosts: {l}");
             assert_eq!(l["rules"][0]["rate"].as_u64(), Some(RATE as u64), "{l}");
+            // `none`: the live hosts' default allowances cost nothing.
+            assert!(l["rules"][0]["default_share"].is_null(), "{l}");
+            assert_eq!(l["rules"][0]["default_allowance"].as_f64(), Some(0.0), "{l}");
             let lease = &l["rules"][0]["leases"][0];
             assert_eq!(lease["key"], SRC, "{l}");
             assert!(lease["rate"].as_u64().is_some_and(|r| r > 0 && r <= RATE as u64), "{l}");

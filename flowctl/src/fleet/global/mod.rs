@@ -119,6 +119,17 @@ impl GlobalRule {
         }
     }
 
+    /// What the default allowances of `hosts` hosts add up to, as a
+    /// fraction of the limit L: the rate the fleet may admit above `L*t + B`
+    /// while every host waits for its first lease of one key (docs/design.md,
+    /// "The default allowance"). 0 with `default_share = "none"`. At 1 or
+    /// more the allowances alone pass the whole limit, which a fleet grown
+    /// past `L / default_share` hosts reaches without any profile change.
+    pub fn default_allowance_ratio(&self, hosts: u64) -> f64 {
+        let share = self.default_share.map_or(0, |d| d.rate);
+        hosts as f64 * share as f64 / self.rate.max(1) as f64
+    }
+
     pub fn validate(&self) -> Result<(), RuleError> {
         if self.name.is_empty() || self.name.contains(['{', '}']) {
             return Err(RuleError::Name(self.name.clone()));
@@ -225,6 +236,18 @@ pub struct Grant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_allowances_are_measured_against_the_limit() {
+        let mut r = GlobalRule::new("web", 1000, 100);
+        assert_eq!(r.default_allowance_ratio(500), 0.0, "\"none\" costs nothing");
+        r.default_share = Some(DefaultShare { rate: 10, burst: 1 });
+        assert_eq!(r.default_allowance_ratio(1), 0.01);
+        assert_eq!(r.default_allowance_ratio(50), 0.5);
+        // 1% each: at 100 hosts the allowances alone are the whole limit.
+        assert_eq!(r.default_allowance_ratio(100), 1.0);
+        assert_eq!(r.default_allowance_ratio(0), 0.0);
+    }
 
     #[test]
     fn rules_validate() {
