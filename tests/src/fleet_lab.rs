@@ -12,7 +12,7 @@ use crate::{
     agent::Agent,
     cli::{attachment, flowctl},
     lab::{sh, Lab},
-    redis::Redis,
+    redis::{Access, Redis},
     tempfile::TempFile,
 };
 use serde_json::Value;
@@ -25,8 +25,8 @@ pub const BURST: u64 = 30;
 /// The source every lab's client sends from: one key for the fleet.
 pub const SRC: &str = "10.250.0.9";
 
-/// The fleet's profile, with Redis at `redis_url`.
-pub fn profile(redis_url: &str) -> String {
+/// The fleet's profile, reaching Redis by `store`.
+pub fn profile(store: &Access) -> String {
     format!(
         r#"[settings]
 key_table_entries = 16384
@@ -34,8 +34,7 @@ source_cache_entries = 16384
 global_key_entries = 4096
 
 [fleet]
-redis = "{redis_url}"
-lease = "2s"
+{}lease = "2s"
 refresh = "500ms"
 
 [[rule]]
@@ -47,7 +46,8 @@ burst = {BURST}
 key = "src"
 scope = "global"
 default_share = "none"
-"#
+"#,
+        store.fleet_keys()
     )
 }
 
@@ -56,27 +56,46 @@ pub fn add_source(lab: &Lab) {
     sh(&["ip", "-n", &lab.ns_cli, "addr", "add", &format!("{SRC}/32"), "dev", &lab.veth_cli]);
 }
 
-/// The rule's (offered, passed) packets on each lab, from one `status
-/// --json` (the kernels' counters).
-pub fn counters(labs: &[Lab]) -> Result<Vec<(u64, u64)>, String> {
+/// Each lab's attachment, from one `status --json`.
+pub fn attachments(labs: &[Lab]) -> Result<Vec<Value>, String> {
     let out = flowctl(&["status", "--json"]);
     let v: Value =
         serde_json::from_slice(&out.stdout).map_err(|e| format!("status --json: {e}"))?;
     let all = v.as_array().ok_or("status --json: not a list")?;
     labs.iter()
         .map(|lab| {
-            let a = all
-                .iter()
+            all.iter()
                 .find(|a| a["iface"] == lab.veth_srv.as_str())
-                .ok_or_else(|| format!("{} not in status", lab.veth_srv))?;
-            let r = a["rules"]
-                .as_array()
-                .and_then(|rs| rs.iter().find(|r| r["rule"] == RULE))
-                .ok_or("the rule is not in status")?;
-            let n = |k: &str| r[k].as_u64().ok_or_else(|| format!("{k} in status"));
-            Ok((n("offered_pkts")?, n("passed_pkts")?))
+                .cloned()
+                .ok_or_else(|| format!("{} not in status", lab.veth_srv))
         })
         .collect()
+}
+
+/// The rule's (offered, passed) packets in one attachment (the kernel's
+/// counters).
+pub fn rule_counters(attachment: &Value) -> Result<(u64, u64), String> {
+    let r = attachment["rules"]
+        .as_array()
+        .and_then(|rs| rs.iter().find(|r| r["rule"] == RULE))
+        .ok_or("the rule is not in status")?;
+    let n = |k: &str| r[k].as_u64().ok_or_else(|| format!("{k} in status"));
+    Ok((n("offered_pkts")?, n("passed_pkts")?))
+}
+
+/// The rule's (offered, passed) packets on each lab, from one `status
+/// --json`.
+pub fn counters(labs: &[Lab]) -> Result<Vec<(u64, u64)>, String> {
+    attachments(labs)?.iter().map(rule_counters).collect()
+}
+
+/// The rate of the lease an attachment holds for [`SRC`] (0 without one).
+pub fn lease_rate(attachment: &Value) -> u64 {
+    attachment["leases"]["rules"][0]["leases"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["key"] == SRC))
+        .and_then(|l| l["rate"].as_u64())
+        .unwrap_or(0)
 }
 
 /// Whether the agent on `lab` reaches Redis and sees all three hosts.
@@ -106,12 +125,12 @@ impl Fleet {
     }
 
     /// [`start`](Self::start) with one lab per subnet and each agent on
-    /// `profile(redis_url)`.
+    /// `profile(how it reaches Redis)`.
     pub fn start_with(
         redis_tag: &str,
         lab_tag: &str,
         subnets: &[u8],
-        profile: impl Fn(&str) -> String,
+        profile: impl Fn(&Access) -> String,
     ) -> Self {
         let mut redis = Redis::start(redis_tag);
         let labs: Vec<Lab> = subnets
@@ -123,8 +142,8 @@ impl Fleet {
         let mut profiles = Vec::new();
         for (lab, &s) in labs.iter().zip(subnets) {
             add_source(lab);
-            let url = redis.link(lab, s);
-            let p = TempFile::profile(&profile(&url));
+            let access = redis.link(lab, s);
+            let p = TempFile::profile(&profile(&access));
             agents.push(Agent::start(lab, p.path(), &[]));
             profiles.push(p);
         }

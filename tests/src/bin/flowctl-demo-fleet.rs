@@ -38,10 +38,12 @@ const SECS: u64 = 10;
 /// The labs' subnets (10.201.S.0/24, and S on the etcd and Redis links).
 const SUBNETS: [u8; 3] = [236, 237, 238];
 
-fn profile() -> String {
+fn profile(redis: &Redis) -> String {
     format!(
         "# The demo fleet's profile: one global rule, shared by every agent.\n{}",
-        flowctl_tests::fleet_lab::profile(&format!("redis://{REDIS_IP}:{REDIS_PORT}"))
+        flowctl_tests::fleet_lab::profile(
+            &redis.access(&format!("redis://{REDIS_IP}:{REDIS_PORT}"))
+        )
     )
 }
 
@@ -105,13 +107,13 @@ fn main() -> Result<()> {
 
     // One profile for the fleet, published to etcd (from etcd's namespace).
     let prefix = format!("/flowctl-demo/{}", unique("fleet"));
-    let file = TempFile::profile(&profile());
+    let file = TempFile::profile(&profile(&redis));
     let out = etcd.flowctl(&["publish", &Etcd::local_url(&prefix), file.path()]);
     if !out.status.success() {
         return Err(format!("publish: {}", text(&out)).into());
     }
     println!("\n$ flowctl publish {} PROFILE\n{}", Etcd::local_url(&prefix), indent(&text(&out)));
-    print!("{}", indent(&profile()));
+    print!("{}", indent(&profile(&redis)));
 
     // An agent per lab following it.
     let cache = TempDir::new("flowctl-demo-etcd-cache-");

@@ -11,6 +11,7 @@ use flowctl_tests::{
     cli::{attachment, rule},
     fleet_lab::{Fleet, SRC},
     lab::Lab,
+    redis::Access,
     traffic::blast_from,
 };
 use std::time::{Duration, Instant};
@@ -19,8 +20,8 @@ use std::time::{Duration, Instant};
 const QUOTA: u64 = 200;
 const WINDOW_S: f64 = 12.0;
 
-fn profile(url: &str) -> String {
-    format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nglobal_key_entries = 4096\n[fleet]\nredis = \"{url}\"\nlease = \"2s\"\nrefresh = \"500ms\"\n[[rule]]\nname = \"metered\"\nproto = \"udp\"\ndport = 7001\nrate = \"400/s\"\nburst = 40\nquota = {QUOTA}\nquota_window = \"{WINDOW_S}s\"\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"none\"\n")
+fn profile(store: &Access) -> String {
+    format!("[settings]\nkey_table_entries = 16384\nsource_cache_entries = 16384\nglobal_key_entries = 4096\n[fleet]\n{}lease = \"2s\"\nrefresh = \"500ms\"\n[[rule]]\nname = \"metered\"\nproto = \"udp\"\ndport = 7001\nrate = \"400/s\"\nburst = 40\nquota = {QUOTA}\nquota_window = \"{WINDOW_S}s\"\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"none\"\n", store.fleet_keys())
 }
 
 fn admitted(lab: &Lab) -> u64 {
