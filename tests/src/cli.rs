@@ -109,6 +109,17 @@ pub fn leftovers(attachment: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The roots of the pins and of the run directories where they exist: once
+/// the last attachment is detached, none should (nothing stays on the
+/// machine).
+pub fn roots_left() -> Vec<String> {
+    [flowctl_common::PIN_ROOT, flowctl_common::RUN_ROOT]
+        .into_iter()
+        .filter(|d| std::path::Path::new(d).exists())
+        .map(String::from)
+        .collect()
+}
+
 /// The ids of an attached `iface`'s pinned maps (the same ids: the same maps).
 pub fn map_ids(iface: &str) -> Vec<u32> {
     let dir = pin_dir(&attachment(iface).unwrap());

@@ -501,6 +501,8 @@ pub struct BreakerAgent {
     pub point: CgroupPoint,
     ebpf: Ebpf,
     _lock: crate::system::lock::FileLock,
+    /// After the lock (and its directory): the run root, if now empty.
+    _prune: crate::dataplane::pins::PruneRootsOnDrop,
     live: Vec<Live>,
     profile: String,
     grace_ns: u64,
@@ -530,6 +532,7 @@ impl BreakerAgent {
             point,
             ebpf,
             _lock: lock,
+            _prune: crate::dataplane::pins::PruneRootsOnDrop,
             live: Vec::new(),
             profile: String::new(),
             grace_ns: set.settings.grace_ns,

@@ -335,6 +335,7 @@ fn load_programs(settings: &Settings) -> Vec<ProgramRow> {
         }
     }
     let _ = std::fs::remove_dir_all(id.pin_dir());
+    dataplane::pins::prune_empty_roots();
     match aya::EbpfLoader::new().load(dataplane::object::breaker_object()) {
         Ok(mut ebpf) => {
             for name in ["flowctl_connect4", "flowctl_connect6"] {

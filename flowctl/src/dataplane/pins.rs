@@ -12,7 +12,8 @@
 //! The lock file exists while something holds it (an agent, an agent-less
 //! `apply`, a `detach`); the run directory of an interface as long as its
 //! data plane is pinned (or an agent is starting). `detach` removes both
-//! and every pin: nothing of the attachment stays.
+//! and every pin: nothing of the attachment stays, and after the last one
+//! the roots go too (`prune_empty_roots`).
 
 use crate::system::{
     lock::{self, lock_held, FileLock, Holder},
@@ -172,4 +173,32 @@ pub fn remove_run_dir(id: &AttachId, lock: FileLock) {
     drop(lock);
     // Empty now, unless a new agent has just made its lock here.
     let _ = fs::remove_dir(&dir);
+    prune_empty_roots();
+}
+
+/// Runs [`prune_empty_roots`] when dropped: a field declared after the lock
+/// of a run directory (fields drop in order), so the roots are pruned once
+/// that directory has gone with its lock.
+pub struct PruneRootsOnDrop;
+
+impl Drop for PruneRootsOnDrop {
+    fn drop(&mut self) {
+        prune_empty_roots();
+    }
+}
+
+/// Removes the pin root's layout and the run root where nothing is left in
+/// them, so the last detach leaves nothing on the machine. Only empty
+/// directories go (`rmdir`), innermost first; one another attachment is
+/// using stays. Safe against an attach racing it: everything that makes a
+/// directory under these roots makes its parents too (`create_dir_all`) at
+/// the moment it needs them.
+pub fn prune_empty_roots() {
+    let layout = layout_root();
+    for d in ["ifaces", "cgroups", "egress"] {
+        let _ = fs::remove_dir(layout.join(d));
+    }
+    let _ = fs::remove_dir(&layout);
+    let _ = fs::remove_dir(PIN_ROOT);
+    let _ = fs::remove_dir(RUN_ROOT);
 }

@@ -7,7 +7,10 @@
 use crate::UDP_RULE;
 use flowctl_tests::{
     agent::{Agent, DetachOnDrop},
-    cli::{agent_ready, attachment, bin, flowctl, leftovers, map_ids, pin_dir, rule, run_dir},
+    cli::{
+        agent_ready, attachment, bin, flowctl, leftovers, map_ids, pin_dir, roots_left, rule,
+        run_dir,
+    },
     lab::{attach_pass_xdp, sh_ns, Lab},
     tempfile::TempFile,
     traffic::blast,
@@ -282,6 +285,11 @@ pub fn detach_leaves_nothing_behind() {
     );
     agent.exited_within(Duration::from_secs(5));
     assert_eq!(leftovers(&a), none, "after detaching a running agent");
+    assert_eq!(
+        roots_left(),
+        none,
+        "the last attachment gone, so are the roots: after detaching a running agent"
+    );
     assert!(!xdp_on(), "the program is off the interface");
     assert!(attachment(&lab.veth_srv).is_none());
 
@@ -290,6 +298,7 @@ pub fn detach_leaves_nothing_behind() {
     let a = attachment(&lab.veth_srv).unwrap();
     agent.stop();
     assert_eq!(leftovers(&a), none, "after SIGINT");
+    assert_eq!(roots_left(), none, "the last attachment gone, so are the roots: after SIGINT");
     assert!(!xdp_on());
 
     // A kept data plane whose agent was killed: its files stay until detach.
@@ -299,11 +308,21 @@ pub fn detach_leaves_nothing_behind() {
     assert_ne!(leftovers(&a), none, "kept");
     assert!(detach().contains(&format!("detached from {}", lab.veth_srv)));
     assert_eq!(leftovers(&a), none, "after detaching a kept data plane");
+    assert_eq!(
+        roots_left(),
+        none,
+        "the last attachment gone, so are the roots: after detaching a kept data plane"
+    );
     assert!(!xdp_on());
 
     // Again: nothing to do, and nothing made by asking.
     assert!(detach().contains("nothing attached"));
     assert_eq!(leftovers(&a), none, "after a detach of nothing");
+    assert_eq!(
+        roots_left(),
+        none,
+        "the last attachment gone, so are the roots: after a detach of nothing"
+    );
 }
 
 /// Without TCX (taken away here; absent on 6.1) the egress counter is a
