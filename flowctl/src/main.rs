@@ -6,6 +6,11 @@ use std::path::PathBuf;
 #[derive(Parser)]
 #[command(version, about)]
 struct Cli {
+    /// How stderr is written: `text` lines, or `json`, one object per line
+    /// for a log collector (the same events; status lines become events
+    /// of target flowctl::status). FLOWCTL_LOG filters the log events.
+    #[arg(long, global = true, value_enum, default_value_t, env = "FLOWCTL_LOG_FORMAT")]
+    log_format: flowctl::system::log::LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -251,14 +256,8 @@ fn etcd_config(
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FLOWCTL_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    flowctl::system::log::init(cli.log_format);
     let r = match cli.cmd {
         Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics, etcd, etcd_cache, etcd_watch_timeout } => {
             etcd_config(&profile, iface.as_deref(), netns.as_deref(), etcd, &etcd_cache, etcd_watch_timeout)
@@ -311,7 +310,7 @@ fn main() {
                 std::process::exit(0);
             }
         }
-        eprintln!("flowctl: error: {e:#}");
+        flowctl::system::log::error(format!("{e:#}"));
         std::process::exit(2);
     }
 }

@@ -85,12 +85,12 @@ impl Attachment {
         let serving = std::mem::replace(&mut self.serving, false);
         self.end()?;
         if detach {
-            eprintln!("flowctl: detached from {}", self.iface);
+            crate::system::log::status(format_args!("detached from {}", self.iface));
         } else if serving {
-            eprintln!(
-                "flowctl: agent stopped; the data plane on {} keeps enforcing (--keep)",
+            crate::system::log::status(format_args!(
+                "agent stopped; the data plane on {} keeps enforcing (--keep)",
                 self.iface
-            );
+            ));
         }
         Ok(())
     }
@@ -121,9 +121,13 @@ impl Drop for Attachment {
         }
         let detach = self.detach_on_drop;
         match self.end() {
-            Ok(()) if detach && self.serving => eprintln!("flowctl: detached from {}", self.iface),
+            Ok(()) if detach && self.serving => {
+                crate::system::log::status(format_args!("detached from {}", self.iface))
+            }
             Ok(()) => {}
-            Err(e) => eprintln!("flowctl: detaching from {}: {e:#}", self.iface),
+            Err(e) => {
+                crate::system::log::warning(format_args!("detaching from {}: {e:#}", self.iface))
+            }
         }
     }
 }

@@ -541,7 +541,9 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
 /// Serves `/metrics` on `addr` from a thread of its own.
 pub fn spawn(addr: SocketAddr, scope: Scope) -> Result<std::thread::JoinHandle<()>> {
     if !addr.ip().is_loopback() {
-        eprintln!("flowctl: warning: metrics on {addr} are reachable from outside this host");
+        crate::system::log::warning(format_args!(
+            "metrics on {addr} are reachable from outside this host"
+        ));
     }
     let server =
         tiny_http::Server::http(addr).map_err(|e| anyhow!("serving metrics on {addr}: {e}"))?;

@@ -81,17 +81,17 @@ fn run_cgroup(
     if let Some(addr) = args.metrics {
         metrics::spawn(addr, metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
     }
-    eprintln!(
-        "flowctl: {} breakers from {} attached to cgroup {}; Ctrl-C to detach",
+    crate::system::log::status(format_args!(
+        "{} breakers from {} attached to cgroup {}; Ctrl-C to detach",
         breakers.breakers(),
         args.profile.display(),
         breakers.point.path.display()
-    );
+    ));
     let mut agent = CgroupAgent::new(breakers);
     let result = local.block_on(rt, serve(&mut agent, signals));
     let path = agent.breakers.point.path.clone();
     drop(agent);
-    eprintln!("flowctl: breakers detached from cgroup {}", path.display());
+    crate::system::log::status(format_args!("breakers detached from cgroup {}", path.display()));
     result
 }
 
@@ -141,10 +141,10 @@ fn run_interface(
         Err(e) if e.is::<dataplane::SeveredLink>() => {
             // Pins of an interface that no longer exists (its namespace was
             // deleted and the inode and ifindex reused): nothing to adopt.
-            eprintln!(
-                "flowctl: warning: removing stale pins at {} (their interface is gone)",
+            crate::system::log::warning(format_args!(
+                "removing stale pins at {} (their interface is gone)",
                 id.pin_dir().display()
-            );
+            ));
             dataplane::detach(&id)?;
             held.not_adopting();
             load_and_attach(&mut held, &set, args.mode)?
@@ -195,20 +195,20 @@ fn run_interface(
         Some((_, start)) => format!("{} ({})", start.candidate.label, start.candidate.version),
         None => args.profile.display().to_string(),
     };
-    eprintln!(
-        "flowctl: {verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",
+    crate::system::log::status(format_args!(
+        "{verb} {} ({} mode), {} rules from {}; Ctrl-C to {}",
         iface,
         state.mode,
         set.rules.len(),
         source,
         if args.keep { "stop the agent (the data plane stays)" } else { "detach" }
-    );
+    ));
     if let Some(b) = &breakers {
-        eprintln!(
-            "flowctl: {} breakers attached to cgroup {}",
+        crate::system::log::status(format_args!(
+            "{} breakers attached to cgroup {}",
             b.breakers(),
             b.point.path.display()
-        );
+        ));
     }
     // Global rules' leases: a profile whose store cannot be configured (an
     // unreadable password file, a bad CA) refuses the attach here; a store
@@ -259,7 +259,7 @@ fn take_lock(
     loop {
         if let Some(l) = pins::lock_attachment(id)? {
             if said {
-                eprintln!("flowctl: {iface} is free now");
+                crate::system::log::status(format_args!("{iface} is free now"));
             }
             return Ok(l);
         }
@@ -273,7 +273,9 @@ fn take_lock(
         };
         if phase::is_transient(&h.phase) && waited < STOP_WAIT {
             if !said {
-                eprintln!("flowctl: waiting for the lock of {iface} ({h}) to be let go");
+                crate::system::log::status(format_args!(
+                    "waiting for the lock of {iface} ({h}) to be let go"
+                ));
                 said = true;
             }
         } else if phase::is_transient(&h.phase) {

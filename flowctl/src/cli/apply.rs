@@ -43,7 +43,9 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
         // An agent on its way out (or a detach, another apply): wait for it.
         None => match pins::lock_holder(&id) {
             Some(h) if phase::is_transient(&h.phase) => {
-                eprintln!("flowctl: waiting for the lock of {iface} ({h}) to be let go");
+                crate::system::log::status(format_args!(
+                    "waiting for the lock of {iface} ({h}) to be let go"
+                ));
                 let Some(l) = pins::wait_for_lock(&id, crate::agent::STOP_WAIT)? else {
                     bail!("the lock of {iface} ({h}) was not let go in time; nothing was applied");
                 };

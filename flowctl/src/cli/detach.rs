@@ -69,7 +69,7 @@ fn stop_holder(id: &AttachId, iface: &str) -> Result<(FileLock, Option<u32>)> {
     let hint = h.pid.map(|p| format!(" (if it hangs: kill -9 {p}, then detach again)"));
     let signalled = match (h.pid, h.phase.as_str()) {
         (Some(pid), phase::STARTING | phase::SERVING) => {
-            eprintln!("flowctl: stopping the agent of {iface} (pid {pid})");
+            crate::system::log::status(format_args!("stopping the agent of {iface} (pid {pid})"));
             if unsafe { libc::kill(pid as i32, libc::SIGTERM) } != 0 {
                 let e = std::io::Error::last_os_error();
                 bail!("stopping the agent of {iface} (pid {pid}): {e}; nothing was detached");

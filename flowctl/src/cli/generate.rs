@@ -126,6 +126,9 @@ fn main_page_extra() -> String {
     roff.control("TP", []);
     roff.text([bold("FLOWCTL_LOG")]);
     roff.text([roman("the log filter (tracing's EnvFilter syntax); default warn")]);
+    roff.control("TP", []);
+    roff.text([bold("FLOWCTL_LOG_FORMAT")]);
+    roff.text([roman("text (default) or json: what --log-format sets")]);
     roff.control("SH", ["SERVICE"]);
     roff.text([
         roman("systemctl enable --now flowctl@IFACE attaches /etc/flowctl/IFACE.toml to IFACE with --keep; "),

@@ -69,7 +69,7 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
             Err(e) if is_busy(&e) => return Err(attach_error(e, iface, frags)),
             Err(e) => {
                 tracing::warn!("native XDP is not available on {iface} ({}); FALLING BACK TO GENERIC (skb) MODE, which is slower", describe(&e));
-                eprintln!("warning: native XDP is not available on {iface}; using generic (skb) mode, which is slower");
+                crate::system::log::warning(format_args!("native XDP is not available on {iface}; using generic (skb) mode, which is slower"));
                 (
                     try_mode(prog, XdpMode::Skb).map_err(|e| attach_error(e, iface, frags))?,
                     "generic",

@@ -1,6 +1,7 @@
 //! Operating-system plumbing the other wings share: cgroup mounts, network
-//! namespaces and interfaces, file locks, the monotonic clock.
+//! namespaces and interfaces, file locks, the monotonic clock, logging.
 pub mod cgroup;
 pub mod clock;
 pub mod lock;
+pub mod log;
 pub mod netns;

@@ -1,7 +1,8 @@
 //! What flowctl shows: the Prometheus endpoint, `top --once --json` (rules,
 //! the CPU signal, the key tables), `top --keys` (the heaviest sources,
 //! with and without an agent), `top` in a real terminal, `status`'s SYNs
-//! since attach, and `status` and `top` narrowed to a namespace.
+//! since attach, `status` and `top` narrowed to a namespace, and the
+//! agent's JSON logs.
 
 use crate::UDP_RULE;
 use flowctl_tests::{
@@ -646,4 +647,50 @@ pub fn status_and_top_take_netns_and_show_would_drops() {
     assert!(st["would_drop_pkts"].as_u64().unwrap() > 1000 && st["dropped_pkts"] == 0, "{st}");
     agent.stop();
     agent_other.stop();
+}
+
+/// `--log-format json`: the agent's stderr is one JSON object per line,
+/// its status lines (attached, detached) are events of target
+/// `flowctl::status` written once each and never also as text, and aya's
+/// own `log` records come through the bridge (`FLOWCTL_LOG=aya=debug`).
+pub fn json_logs_carry_every_status_line_once() {
+    let lab = Lab::new("fjsn", 248);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(UDP_RULE);
+    let log_path = std::env::temp_dir().join(flowctl_tests::unique("flowctl-json-log-"));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut cmd = Agent::attach(&lab, prof.path(), &["--log-format", "json"]);
+    cmd.env("FLOWCTL_LOG", "warn,aya=debug").stderr(log);
+    let agent = Agent::spawn_until(cmd, || {
+        attachment(&lab.veth_srv).is_some_and(|a| a["agent_ready"] == true)
+    });
+    blast(&lab, 7000, 200, 0.3, 60);
+    agent.stop();
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    let _ = std::fs::remove_file(&log_path);
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let status: Vec<&str> = events
+        .iter()
+        .filter(|e| e["target"] == "flowctl::status")
+        .map(|e| e["message"].as_str().unwrap())
+        .collect();
+    println!("{} events; status lines: {status:?}", events.len());
+    let once = |prefix: &str| {
+        let n = status.iter().filter(|m| m.starts_with(prefix)).count();
+        assert_eq!(n, 1, "one `{prefix}` status event: {status:?}");
+    };
+    once(&format!("attached to {}", lab.veth_srv));
+    once(&format!("detached from {}", lab.veth_srv));
+    assert!(
+        events.iter().all(|e| e["level"].is_string() && e["timestamp"].is_string()),
+        "every event has its level and time"
+    );
+    assert!(
+        events.iter().any(|e| e["target"].as_str().is_some_and(|t| t.starts_with("aya"))),
+        "aya's log records are bridged: {} events",
+        events.len()
+    );
 }

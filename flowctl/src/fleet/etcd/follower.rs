@@ -328,12 +328,12 @@ impl Follower {
     fn applied(&mut self, c: Candidate, from_disk: bool) {
         self.handled = Some(c.version);
         if from_disk {
-            eprintln!(
-                "flowctl: etcd could not give the profile ({}): enforcing the disk copy of {} from {}; watching etcd for a newer one",
+            crate::system::log::status(format_args!(
+                "etcd could not give the profile ({}): enforcing the disk copy of {} from {}; watching etcd for a newer one",
                 self.shown.error.as_deref().unwrap_or("unreachable"),
                 c.version,
                 self.cfg.disk.file().display()
-            );
+            ));
         } else {
             let saved = Saved {
                 label: c.label.clone(),
@@ -359,10 +359,10 @@ impl Follower {
         self.handled = Some(c.version);
         self.shown.rejected_total += 1;
         tracing::error!("etcd: rejected {} (the running profile stays): {error}", c.version);
-        eprintln!(
-            "flowctl: etcd profile {} rejected whole, the running profile stays: {error}",
+        crate::system::log::status(format_args!(
+            "etcd profile {} rejected whole, the running profile stays: {error}",
             c.version
-        );
+        ));
         self.shown.error = Some(error);
         self.publish();
     }
