@@ -57,5 +57,13 @@ impl Service for CgroupAgent {
         vec![self.breakers.point.socket_path()]
     }
 
+    fn summary(&self) -> String {
+        format!(
+            "{} breakers on cgroup {}",
+            self.breakers.breakers(),
+            self.breakers.point.path.display()
+        )
+    }
+
     fn stop(&mut self) {}
 }

@@ -342,6 +342,10 @@ impl Service for InterfaceAgent<'_> {
 
     /// Its own socket, and its cgroup's while it holds breakers (so
     /// `flowctl apply --cgroup` reaches it too).
+    fn summary(&self) -> String {
+        format!("{} rules on {}", self.set.rules.len(), self.state.iface)
+    }
+
     fn sockets(&self) -> Vec<PathBuf> {
         let mut v = vec![socket::socket_path(&self.state.id)];
         v.extend(self.breakers.as_ref().map(|b| b.point.socket_path()));

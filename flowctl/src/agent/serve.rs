@@ -7,7 +7,7 @@
 //! tasks, so a client that connects and says nothing cannot hold up a loop;
 //! the request is then handled here, where the service's state is.
 
-use crate::agent::socket::Response;
+use crate::{agent::socket::Response, system::notify};
 use anyhow::{Context, Result};
 use std::{path::PathBuf, time::Duration};
 use tokio::{
@@ -81,6 +81,8 @@ pub trait Service {
     /// The control sockets to listen on now (a profile applied may add or
     /// remove one).
     fn sockets(&self) -> Vec<PathBuf>;
+    /// One line on what it serves, for the service manager's status.
+    fn summary(&self) -> String;
     /// A signal came: start giving back what other hosts can use (a global
     /// rule's leases). The loop keeps ticking until [`wound_down`], a
     /// second signal or [`WIND_DOWN`], whichever comes first.
@@ -110,15 +112,25 @@ async fn woken(wake: &Option<std::sync::Arc<tokio::sync::Notify>>) {
 
 /// Runs `service` until a signal. An error binding the first sockets ends
 /// it at once; one binding a socket a later profile asks for is logged.
+/// The service manager hears that it is ready once the sockets are bound
+/// and the first tick ran, gets the watchdog's pings from this loop (a
+/// loop that hangs misses them), and hears that it stops on the signal.
 pub async fn serve(service: &mut impl Service, signals: &mut Signals) -> Result<()> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Pending>(8);
     let mut sockets = Listeners::default();
     sockets.listen(service.sockets(), &tx)?;
     let wake = service.wake_handle();
     let mut next = service.tick(Instant::now());
+    notify::ready(&service.summary());
+    let watchdog = notify::watchdog_every();
+    let mut ping = Instant::now();
     loop {
         tokio::select! {
             _ = signals.recv() => break,
+            _ = tokio::time::sleep_until(ping), if watchdog.is_some() => {
+                notify::watchdog();
+                ping = Instant::now() + watchdog.unwrap_or_default();
+            }
             _ = tokio::time::sleep_until(next) => next = service.tick(Instant::now()),
             _ = woken(&wake) => next = service.tick(Instant::now()),
             Some((line, reply)) = rx.recv() => {
@@ -131,6 +143,7 @@ pub async fn serve(service: &mut impl Service, signals: &mut Signals) -> Result<
             }
         }
     }
+    notify::stopping();
     drop(sockets);
     service.wind_down();
     let deadline = Instant::now() + WIND_DOWN;

@@ -351,3 +351,65 @@ pub fn detach_stops_the_agent_before_its_egress_filters_go() {
     assert!(!tc("qdisc").contains("clsact"), "the clsact flowctl added is gone: {}", tc("qdisc"));
     assert_eq!(leftovers(&a), Vec::<String>::new());
 }
+
+/// The systemd unit's `Type=notify` and `WatchdogSec=` (docs/packaging.md),
+/// with the test as the service manager: a datagram socket in
+/// `NOTIFY_SOCKET` and a 200 ms `WATCHDOG_USEC`. `READY=1` (with its
+/// status) comes once the agent serves: `status` shows it ready and an
+/// `apply` through its socket works at once; the watchdog is pinged every
+/// half period while the loop runs; SIGINT brings `STOPPING=1`.
+pub fn the_agent_tells_its_service_manager_ready_watchdog_and_stopping() {
+    use std::{cell::RefCell, os::unix::net::UnixDatagram};
+    let lab = Lab::new("fntf", 249);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(UDP_RULE);
+    // A unique path, removed on drop; the socket is bound in its place.
+    let file = TempFile::new("flowctl-notify-", ".sock", "");
+    let path = file.path().to_string();
+    std::fs::remove_file(&path).unwrap();
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let got = RefCell::new(Vec::<(Instant, String)>::new());
+    let recv = || {
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = sock.recv(&mut buf) {
+            got.borrow_mut().push((Instant::now(), String::from_utf8_lossy(&buf[..n]).into()));
+        }
+    };
+    let said = |what: &str| got.borrow().iter().filter(|(_, m)| m.contains(what)).count();
+    // systemd names the watched process in WATCHDOG_PID: a shell that sets
+    // it to its own pid and execs the agent (the same pid).
+    let attach = Agent::attach(&lab, prof.path(), &[]);
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "WATCHDOG_PID=$$ exec \"$0\" \"$@\""]).arg(attach.get_program());
+    cmd.args(attach.get_args());
+    cmd.env("NOTIFY_SOCKET", &path).env("WATCHDOG_USEC", "200000");
+    let agent = Agent::spawn_until(cmd, || {
+        recv();
+        said("READY=1") > 0
+    });
+    // Ready means serving: the status says so and the socket answers.
+    assert!(agent_ready(&lab.veth_srv), "READY=1 before the agent serves");
+    let out = flowctl(&["apply", &lab.veth_srv, prof.path(), "--netns", &lab.ns_srv]);
+    assert!(
+        out.status.success(),
+        "apply right after READY: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ready = got.borrow().iter().find(|(_, m)| m.contains("READY=1")).unwrap().1.clone();
+    assert!(ready.contains(&format!("STATUS=1 rules on {}", lab.veth_srv)), "{ready:?}");
+    assert_eq!(said("READY=1"), 1, "ready once");
+    // The watchdog: every 100 ms while the loop runs.
+    let before = said("WATCHDOG=1");
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(1) {
+        recv();
+    }
+    let pings = said("WATCHDOG=1") - before;
+    println!("{pings} watchdog pings in 1 s (WATCHDOG_USEC 200 ms)");
+    assert!(pings >= 5, "pinged every half period: {pings} in 1 s");
+    assert_eq!(said("STOPPING=1"), 0);
+    agent.stop();
+    recv();
+    assert_eq!(said("STOPPING=1"), 1, "STOPPING=1 on the signal: {:?}", got.borrow());
+}

@@ -48,6 +48,7 @@ fn main() {
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
         detach_leaves_nothing_behind: [Root],
+        the_agent_tells_its_service_manager_ready_watchdog_and_stopping: [Root],
         detach_stops_the_agent_before_its_egress_filters_go: [Root, Command("tc")],
         metrics_endpoint_matches_status: [Root],
         top_once_json_agrees_with_traffic: [Root],

@@ -657,8 +657,8 @@ pub fn json_logs_carry_every_status_line_once() {
     let lab = Lab::new("fjsn", 248);
     let _detach = DetachOnDrop::new(&lab);
     let prof = TempFile::profile(UDP_RULE);
-    let log_path = std::env::temp_dir().join(flowctl_tests::unique("flowctl-json-log-"));
-    let log = std::fs::File::create(&log_path).unwrap();
+    let log_file = TempFile::new("flowctl-json-log-", ".log", "");
+    let log = std::fs::File::create(log_file.path()).unwrap();
     let mut cmd = Agent::attach(&lab, prof.path(), &["--log-format", "json"]);
     cmd.env("FLOWCTL_LOG", "warn,aya=debug").stderr(log);
     let agent = Agent::spawn_until(cmd, || {
@@ -666,8 +666,7 @@ pub fn json_logs_carry_every_status_line_once() {
     });
     blast(&lab, 7000, 200, 0.3, 60);
     agent.stop();
-    let text = std::fs::read_to_string(&log_path).unwrap();
-    let _ = std::fs::remove_file(&log_path);
+    let text = std::fs::read_to_string(log_file.path()).unwrap();
     let events: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
