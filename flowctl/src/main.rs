@@ -154,8 +154,18 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Validate a profile without touching the kernel (for CI pipelines).
-    Check { profile: PathBuf },
+    /// Validate a profile without touching the kernel (for CI pipelines),
+    /// and say what it costs in kernel memory on this host.
+    ///
+    /// Example: flowctl check rules.toml --cpus 128
+    Check {
+        profile: PathBuf,
+        /// Also the kernel memory on a host with this many CPUs (the
+        /// per-CPU counters and statistics rings grow with them); exits 1
+        /// when that is over the profile's memory_budget.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=8192))]
+        cpus: Option<u64>,
+    },
     /// What this kernel supports, and whether each program verifies here
     /// (loaded once in a private bpffs; nothing is attached or left behind).
     /// Exits 1 when a program the profile needs does not verify or a part
@@ -277,7 +287,11 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Status { json, fleet: None, netns, .. } => cli::status::status(json, &netns),
-        Cmd::Check { profile } => cli::check::check(&profile),
+        Cmd::Check { profile, cpus } => match cli::check::check(&profile, cpus) {
+            Ok(true) => Ok(()),
+            Ok(false) => std::process::exit(1),
+            Err(e) => Err(e),
+        },
         Cmd::Doctor { profile, json } => match cli::doctor::run(profile.as_deref(), json) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(1),

@@ -2,22 +2,50 @@
 
 use crate::{
     cli::format::{breaker_text, limit_text},
-    profile::{self, human_bytes},
+    profile::{self, host_cpus, human_bytes},
 };
 use anyhow::Result;
 use std::path::Path;
 
-pub fn check(path: &Path) -> Result<()> {
+/// Validates `path` and prints what it holds and costs; with `cpus`, also
+/// the cost on a host with that many CPUs. False when the profile fits
+/// this host but not that one (over its budget there).
+pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
     let set = profile::load(path)?;
     out!("{}: ok, {} rules, {} breakers", path.display(), set.rules.len(), set.breakers.len());
+    let s = &set.settings;
+    let here = host_cpus();
+    let mut fits = true;
     if !set.rules.is_empty() {
         out!(
-        "kernel memory: {} preallocated (budget {}; key table {} entries, source cache {} entries)",
-        human_bytes(set.settings.kernel_memory_bytes()),
-        human_bytes(set.settings.memory_budget),
-        set.settings.key_table_entries,
-        set.settings.source_cache_entries
+            "kernel memory: {} preallocated on this host's {here} CPUs (budget {}; key table {} entries, source cache {} entries)",
+            human_bytes(s.kernel_memory_bytes_on(here)),
+            human_bytes(s.memory_budget),
+            s.key_table_entries,
+            s.source_cache_entries
         );
+        out!(
+            "  {} of it per CPU (counters and statistics rings: {} buckets x {} rule records)",
+            human_bytes(s.kernel_memory_bytes_on(here + 1) - s.kernel_memory_bytes_on(here)),
+            s.stats.buckets,
+            flowctl_common::COUNTER_RECORDS
+        );
+        if let Some(n) = cpus {
+            let need = s.kernel_memory_bytes_on(n);
+            fits = need <= s.memory_budget;
+            out!(
+                "on {n} CPUs: {} preallocated, {}",
+                human_bytes(need),
+                if fits {
+                    format!("within the budget of {}", human_bytes(s.memory_budget))
+                } else {
+                    format!(
+                        "over the budget of {}: refused there (raise settings.memory_budget, or lower statistics_buckets or the table sizes)",
+                        human_bytes(s.memory_budget)
+                    )
+                }
+            );
+        }
     }
     for r in &set.rules {
         out!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
@@ -28,5 +56,5 @@ pub fn check(path: &Path) -> Result<()> {
     for advice in set.rules.iter().filter_map(|r| r.advice()) {
         out!("note: {advice}");
     }
-    Ok(())
+    Ok(fits)
 }

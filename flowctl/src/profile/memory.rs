@@ -16,8 +16,23 @@ pub fn lru_bytes_per_entry(key: usize, value: usize) -> u64 {
     (60 + key.next_multiple_of(8) + value.next_multiple_of(8) + 8) as u64
 }
 
-/// Fixed kernel memory of the classification tables and counters (bytes).
+/// The CPUs per-CPU maps are sized for: the kernel's possible CPUs
+/// (`/sys/devices/system/cpu/possible`, which may be more than are online
+/// or available to this process), else the CPUs this process may use.
+pub fn host_cpus() -> u64 {
+    aya::util::nr_cpus().map(|n| n as u64).unwrap_or_else(|_| {
+        std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1)
+    })
+}
+
+/// Fixed kernel memory of the classification tables and counters (bytes)
+/// on this host.
 pub fn fixed_table_bytes() -> u64 {
+    fixed_table_bytes_on(host_cpus())
+}
+
+/// The same on a host with `cpus` possible CPUs.
+pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
     use flowctl_common::*;
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * size_of::<RuleConfig>()
@@ -28,22 +43,28 @@ pub fn fixed_table_bytes() -> u64 {
     let grants = MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
     let bookings =
         BOOKING_ENTRIES as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
-    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let counters = COUNTER_RECORDS * size_of::<RuleCounters>() * ncpu;
-    (arrays + counters) as u64 + grants + bookings
+    let counters = (COUNTER_RECORDS * size_of::<RuleCounters>()) as u64 * cpus;
+    arrays as u64 + counters + grants + bookings
 }
 
 impl StatsSettings {
-    /// Kernel bytes of the rings: per CPU, every counter record's ring.
-    pub fn kernel_bytes(&self) -> u64 {
-        let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u64;
-        COUNTER_RECORDS as u64 * self.buckets as u64 * size_of::<StatsBucket>() as u64 * ncpu
+    /// Kernel bytes of the rings on a host with `cpus` CPUs: per CPU,
+    /// every counter record's ring.
+    pub fn kernel_bytes_on(&self, cpus: u64) -> u64 {
+        COUNTER_RECORDS as u64 * self.buckets as u64 * size_of::<StatsBucket>() as u64 * cpus
     }
 }
 
 impl Settings {
-    /// Preallocated kernel memory of a data plane with these table sizes.
+    /// Preallocated kernel memory of a data plane with these table sizes
+    /// on this host.
     pub fn kernel_memory_bytes(&self) -> u64 {
+        self.kernel_memory_bytes_on(host_cpus())
+    }
+
+    /// The same on a host with `cpus` possible CPUs: the per-CPU maps (the
+    /// counters and the statistics rings) grow with them, the rest not.
+    pub fn kernel_memory_bytes_on(&self, cpus: u64) -> u64 {
         let cache = self.source_cache_entries as u64
             * lru_bytes_per_entry(size_of::<SrcKey>(), size_of::<SrcEntry>());
         let keys = self.key_table_entries as u64
@@ -57,7 +78,13 @@ impl Settings {
                 size_of::<BucketKey>(),
                 size_of::<flowctl_common::GlobalBucket>(),
             );
-        cache + keys + quotas + conns + global + fixed_table_bytes() + self.stats.kernel_bytes()
+        cache
+            + keys
+            + quotas
+            + conns
+            + global
+            + fixed_table_bytes_on(cpus)
+            + self.stats.kernel_bytes_on(cpus)
     }
 }
 
@@ -78,10 +105,11 @@ pub fn check_budget(cx: &Ctx, settings: &Settings, span: Span) -> Result<(), Pro
     Ok(())
 }
 
-/// A size for people: KiB, MiB or GiB with one decimal.
+/// A size for people: KiB or MiB with one decimal, GiB with two (so a
+/// figure just over a 1 GiB budget does not read as equal to it).
 pub fn human_bytes(n: u64) -> String {
     if n >= 1 << 30 {
-        format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64)
+        format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64)
     } else if n >= 1 << 20 {
         format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
     } else {
@@ -101,7 +129,14 @@ mod tests {
         let ok = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
         // Default tables: two 1M-entry LRU hashes, the quota and connection
         // tables and the statistics rings: about 300 MB on 2 CPUs.
-        let mem = ok.settings.kernel_memory_bytes();
+        let mem = ok.settings.kernel_memory_bytes_on(2);
         assert!(mem > 200 << 20 && mem < 350 << 20, "{mem}");
+        // The per-CPU maps grow with the CPUs, the rest not: 5.6 MiB per
+        // CPU, most of it the statistics rings (513 records x 100 buckets
+        // x 112 bytes).
+        let per_cpu = ok.settings.kernel_memory_bytes_on(3) - mem;
+        assert_eq!(ok.settings.kernel_memory_bytes_on(128), mem + 126 * per_cpu);
+        assert!(per_cpu > 5 << 20 && per_cpu < 6 << 20, "{per_cpu}");
+        assert_eq!(super::human_bytes(ok.settings.kernel_memory_bytes_on(128)), "1.01 GiB");
     }
 }
