@@ -24,9 +24,19 @@ pub fn fleet(cx: &Ctx, raw: &Spanned<RawFleet>) -> Result<Fleet, ProfileError> {
     if url.contains('@') {
         return Err(cx.err(f.redis.span(), "no credentials in the URL: profiles get copied and shown; use redis_user and redis_password_file"));
     }
-    if let (Some(ca), false) = (&f.redis_ca, tls) {
-        return Err(cx.err(ca.span(), "redis_ca needs a rediss:// URL (TLS)"));
+    for (name, v) in
+        [("redis_ca", &f.redis_ca), ("redis_cert", &f.redis_cert), ("redis_key", &f.redis_key)]
+    {
+        if let (Some(v), false) = (v, tls) {
+            return Err(cx.err(v.span(), format!("{name} needs a rediss:// URL (TLS)")));
+        }
     }
+    let redis_client_cert = match (&f.redis_cert, &f.redis_key) {
+        (Some(c), Some(k)) => Some((PathBuf::from(c.get_ref()), PathBuf::from(k.get_ref()))),
+        (None, None) => None,
+        (Some(c), None) => return Err(cx.err(c.span(), "redis_cert needs its redis_key")),
+        (None, Some(k)) => return Err(cx.err(k.span(), "redis_key needs its redis_cert")),
+    };
     let lease_ns = match &f.lease {
         Some(v) => duration(cx, v, "lease")?,
         None => DEFAULT_LEASE_NS,
@@ -59,6 +69,7 @@ pub fn fleet(cx: &Ctx, raw: &Spanned<RawFleet>) -> Result<Fleet, ProfileError> {
         redis_user: f.redis_user.as_ref().map(|u| u.get_ref().clone()),
         redis_password_file: f.redis_password_file.as_ref().map(|p| PathBuf::from(p.get_ref())),
         redis_ca: f.redis_ca.as_ref().map(|p| PathBuf::from(p.get_ref())),
+        redis_client_cert,
         lease_ns,
         refresh_ns,
         host,
@@ -134,5 +145,22 @@ mod tests {
         assert!(e.msg.contains("use redis://HOST:PORT"), "{e}");
         let e = err(&global_rule("").replace(FLEET, &format!("{FLEET}refresh = \"4s\"\n")));
         assert!(e.msg.contains("at most half the lease"), "{e}");
+        let e = err(&global_rule("").replace(FLEET, &format!("{FLEET}redis_cert = \"c.pem\"\n")));
+        assert!(e.msg.contains("redis_cert needs a rediss:// URL"), "{e}");
+        let tls = FLEET.replace("redis://", "rediss://");
+        let e = err(&global_rule("").replace(FLEET, &format!("{tls}redis_cert = \"c.pem\"\n")));
+        assert!(e.msg.contains("redis_cert needs its redis_key"), "{e}");
+        assert_eq!(e.line, 3, "points at redis_cert: {e}");
+        let set = parse(
+            "p.toml",
+            &global_rule("").replace(
+                FLEET,
+                &format!(
+                    "{tls}redis_ca = \"ca.pem\"\nredis_cert = \"c.pem\"\nredis_key = \"k.pem\"\n"
+                ),
+            ),
+        )
+        .unwrap();
+        assert_eq!(set.fleet.unwrap().redis_client_cert, Some(("c.pem".into(), "k.pem".into())));
     }
 }

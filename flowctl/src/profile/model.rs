@@ -42,6 +42,9 @@ pub struct Fleet {
     pub redis_password_file: Option<std::path::PathBuf>,
     /// The CA that signs the server's certificate (`rediss://` only).
     pub redis_ca: Option<std::path::PathBuf>,
+    /// This host's client certificate and its key, PEM (`rediss://` to a
+    /// Redis that asks for one: `tls-auth-clients yes`).
+    pub redis_client_cert: Option<(std::path::PathBuf, std::path::PathBuf)>,
     pub lease_ns: u64,
     pub refresh_ns: u64,
     /// This host's name in the store (default: the host name).

@@ -27,6 +27,8 @@ pub struct RawFleet {
     pub redis_user: Option<Spanned<String>>,
     pub redis_password_file: Option<Spanned<String>>,
     pub redis_ca: Option<Spanned<String>>,
+    pub redis_cert: Option<Spanned<String>>,
+    pub redis_key: Option<Spanned<String>>,
     pub lease: Option<Spanned<String>>,
     pub refresh: Option<Spanned<String>>,
     pub host: Option<Spanned<String>>,
