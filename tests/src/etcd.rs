@@ -5,9 +5,10 @@
 //! server (killed by PID), its data, the links and the namespace.
 
 use crate::{
-    lab::{sh, Lab, StoreNet},
+    lab::{Lab, StoreNet},
     server::Server,
 };
+pub use crate::{pki::Pki, tempfile::TempDir};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
@@ -37,7 +38,7 @@ impl Etcd {
     /// The same over TLS, with client certificates required: `pki`'s
     /// server certificate and CA.
     pub fn start_tls(tag: &str, pki: &Pki) -> Self {
-        Self::start_with(tag, Some(pki.dir.0.clone()))
+        Self::start_with(tag, Some(pki.dir().to_path_buf()))
     }
 
     fn start_with(tag: &str, tls: Option<PathBuf>) -> Self {
@@ -177,104 +178,11 @@ fn ctl_in(ns: &str, tls: Option<&Path>, args: &[&str]) -> Output {
     cmd.args(args).output().expect("run etcdctl")
 }
 
-/// A throwaway CA, a server certificate for the given IP addresses and a
-/// client certificate, made with `openssl` (EC P-256, valid a day), in a
-/// directory removed on drop.
-pub struct Pki {
-    dir: TempDir,
-}
-
-impl Pki {
-    pub fn new(server_ips: &[&str]) -> Self {
-        let dir = TempDir::new("flowctl-etcd-pki-");
-        let d = dir.path().to_string();
-        let f = |n: &str| format!("{d}/{n}");
-        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-        let mut ca = vec!["openssl", "req", "-x509"];
-        ca.extend_from_slice(&ec);
-        let (ca_key, ca_crt) = (f("ca.key"), f("ca.crt"));
-        ca.extend_from_slice(&[
-            "-keyout",
-            &ca_key,
-            "-out",
-            &ca_crt,
-            "-days",
-            "1",
-            "-subj",
-            "/CN=flowctl-test-ca",
-        ]);
-        sh(&ca);
-        let sans: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
-        for (name, ext) in [
-            ("server", format!("subjectAltName={}\nextendedKeyUsage=serverAuth\n", sans.join(","))),
-            ("client", "extendedKeyUsage=clientAuth\n".to_string()),
-        ] {
-            let (key, csr, crt, extf) = (
-                f(&format!("{name}.key")),
-                f(&format!("{name}.csr")),
-                f(&format!("{name}.crt")),
-                f(&format!("{name}.ext")),
-            );
-            std::fs::write(&extf, ext).expect("extensions file");
-            let mut req = vec!["openssl", "req"];
-            req.extend_from_slice(&ec);
-            let subj = format!("/CN=flowctl-test-{name}");
-            req.extend_from_slice(&["-keyout", &key, "-out", &csr, "-subj", &subj]);
-            sh(&req);
-            sh(&[
-                "openssl",
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                &ca_crt,
-                "-CAkey",
-                &ca_key,
-                "-CAcreateserial",
-                "-out",
-                &crt,
-                "-days",
-                "1",
-                "-extfile",
-                &extf,
-            ]);
-        }
-        Self { dir }
-    }
-
-    /// A file of the set: `ca.crt`, `server.crt`, `client.crt`, `client.key`...
-    pub fn file(&self, name: &str) -> String {
-        format!("{}/{name}", self.dir.path())
-    }
-}
-
 impl Drop for Etcd {
     fn drop(&mut self) {
         // Servers are killed (their directories removed) by their own drop,
         // before the namespace and its links go.
         self.servers.clear();
-    }
-}
-
-/// A directory of the test's own (the agents' disk copies), removed on drop.
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    pub fn new(prefix: &str) -> Self {
-        let p = std::env::temp_dir().join(crate::unique(prefix));
-        std::fs::create_dir_all(&p).expect("temp dir");
-        Self(p)
-    }
-
-    pub fn path(&self) -> &str {
-        self.0.to_str().expect("utf-8 temp path")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -20,6 +20,7 @@ pub mod lab;
 pub mod need;
 pub mod overload;
 pub mod packet;
+pub mod pki;
 pub mod redis;
 pub mod server;
 pub mod tempfile;

@@ -34,3 +34,25 @@ impl Drop for TempFile {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// A directory of the test's own (agents' disk copies, certificates),
+/// removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let p = std::env::temp_dir().join(crate::unique(prefix));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        Self(p)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

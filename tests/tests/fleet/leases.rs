@@ -1,7 +1,7 @@
 //! The lease script in a real Redis: against the pure allocator, with
 //! authentication, after a FLUSHALL, and across a hung server.
 
-use crate::redis::{runtime, Certs, Redis, TlsRedis};
+use crate::redis::{runtime, Redis, TlsRedis};
 use flowctl::fleet::global::store::StoreConfig;
 use flowctl::fleet::global::{
     allocator::{Cell, Item, Memory},
@@ -10,6 +10,7 @@ use flowctl::fleet::global::{
     store::{Health, Store, StoreError},
     GlobalRule, Grant, Micros, Share,
 };
+use flowctl_tests::pki::Pki;
 use flowctl_tests::unique;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -429,38 +430,47 @@ pub fn sigstop_is_detected_and_grants_are_kept() {
     assert!(a.rate() > 0);
 }
 
-/// TLS (`rediss://`): with the test CA and the password the lease script
-/// runs; without the CA (the system's roots) the connection is refused
-/// with an error that names the server, and so is a wrong password over
-/// TLS.
+/// TLS (`rediss://`) to a Redis that asks for client certificates: with
+/// the test CA, this host's certificate and key, and the password the lease
+/// script runs; without a client certificate the handshake is refused, so
+/// is it without the CA (the system's roots), each with an error that
+/// names the server, and a wrong password over TLS is refused as such.
 pub fn redis_over_tls() {
-    let certs = Certs::new();
-    let redis = TlsRedis::start(&certs, "tls-pw");
+    let pki = Pki::new(&["127.0.0.1"]);
+    let redis = TlsRedis::start(&pki, "tls-pw");
     let url = format!("rediss://127.0.0.1:{}/", redis.port);
-    let ca = certs.path("ca.crt");
+    let ca = pki.file("ca.crt");
+    let client = (PathBuf::from(pki.file("client.crt")), PathBuf::from(pki.file("client.key")));
     // The client connects from inside the server's namespace.
     let outcome = flowctl_tests::lab::Lab::in_ns(&redis.ns.0, move || {
         let rt = runtime();
-        let config = |ca: Option<&str>, password: &str| {
+        let config = |ca: Option<&str>, cert: bool, password: &str| {
             let mut cfg = StoreConfig::new(&url);
             cfg.ca_file = ca.map(PathBuf::from);
+            cfg.client_cert = cert.then(|| client.clone());
             cfg.password = Some(password.to_string());
             cfg.timeout = Duration::from_secs(2);
             cfg
         };
+        let connect = |cfg| rt.block_on(Store::new(cfg).expect("config").connect());
         let rule = GlobalRule::new(&unique("tls"), 100, 10);
-        let mut store = Store::new(config(Some(&ca), "tls-pw")).expect("config");
+        let mut store = Store::new(config(Some(&ca), true, "tls-pw")).expect("config");
         let epoch = rt.block_on(store.bootstrap(&rule)).map_err(|e| e.to_string());
-        let no_ca = rt.block_on(Store::new(config(None, "tls-pw")).expect("config").connect());
-        let wrong = rt.block_on(Store::new(config(Some(&ca), "nope")).expect("config").connect());
+        let no_cert = connect(config(Some(&ca), false, "tls-pw"));
+        let no_ca = connect(config(None, true, "tls-pw"));
+        let wrong = connect(config(Some(&ca), true, "nope"));
         (
             epoch,
+            no_cert.map_err(|e| e.to_string()),
             no_ca.map_err(|e| e.to_string()),
             wrong.map_err(|e| (matches!(e, StoreError::Auth { .. }), e.to_string())),
         )
     });
-    let (epoch, no_ca, wrong) = outcome;
-    assert!(epoch.is_ok(), "over TLS with the CA: {epoch:?}");
+    let (epoch, no_cert, no_ca, wrong) = outcome;
+    assert!(epoch.is_ok(), "over mutual TLS: {epoch:?}");
+    let e = no_cert.expect_err("no client certificate is refused");
+    println!("without a client certificate: {e}");
+    assert!(e.contains("127.0.0.1"), "{e}");
     let e = no_ca.expect_err("an unknown CA is refused");
     assert!(e.contains("127.0.0.1"), "{e}");
     let (auth, e) = wrong.expect_err("a wrong password is refused over TLS");

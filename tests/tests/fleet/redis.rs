@@ -5,7 +5,7 @@
 //! dropped; and a current-thread tokio runtime to drive flowctl's client.
 
 use flowctl::fleet::global::store::{Store, StoreConfig};
-use flowctl_tests::{lab::Netns, redis::EPHEMERAL, server::Server, unique};
+use flowctl_tests::{lab::Netns, pki::Pki, redis::EPHEMERAL, server::Server, unique};
 use std::{path::PathBuf, process::Command, time::Duration};
 
 pub struct Redis {
@@ -87,85 +87,9 @@ pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")
 }
 
-/// A throwaway CA and a server certificate for 127.0.0.1 (openssl), in a
-/// directory of their own, removed on drop.
-pub struct Certs {
-    pub dir: PathBuf,
-}
-
-impl Certs {
-    pub fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique("flowctl-certs-"));
-        std::fs::create_dir_all(&dir).expect("cert dir");
-        let certs = Self { dir };
-        let d = |f: &str| certs.dir.join(f).display().to_string();
-        std::fs::write(d("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("san.ext");
-        let days = "1";
-        openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &d("ca.key"),
-            "-out",
-            &d("ca.crt"),
-            "-days",
-            days,
-            "-subj",
-            "/CN=flowctl-test-ca",
-        ]);
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &d("server.key"),
-            "-out",
-            &d("server.csr"),
-            "-subj",
-            "/CN=127.0.0.1",
-        ]);
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &d("server.csr"),
-            "-CA",
-            &d("ca.crt"),
-            "-CAkey",
-            &d("ca.key"),
-            "-CAcreateserial",
-            "-out",
-            &d("server.crt"),
-            "-days",
-            days,
-            "-extfile",
-            &d("san.ext"),
-        ]);
-        certs
-    }
-
-    pub fn path(&self, file: &str) -> String {
-        self.dir.join(file).display().to_string()
-    }
-}
-
-impl Drop for Certs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn openssl(args: &[&str]) {
-    let out = Command::new("openssl").args(args).output().expect("openssl");
-    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
 /// Redis with TLS only, on 127.0.0.1:PORT inside its own namespace, with a
-/// password.
+/// password, asking every client for a certificate the test CA signed
+/// (`tls-auth-clients yes`: mutual TLS).
 pub struct TlsRedis {
     // Killed (by PID) before its namespace goes.
     _server: Server,
@@ -174,12 +98,12 @@ pub struct TlsRedis {
 }
 
 impl TlsRedis {
-    pub fn start(certs: &Certs, password: &str) -> Self {
+    pub fn start(pki: &Pki, password: &str) -> Self {
         let ns = Netns::new(&unique("flowctl-redis-tls-"));
         flowctl_tests::lab::sh(&["ip", "-n", &ns.0, "link", "set", "lo", "up"]);
         let port = 6390;
-        let (cert, key, ca) =
-            (certs.path("server.crt"), certs.path("server.key"), certs.path("ca.crt"));
+        let (cert, key, ca) = (pki.file("server.crt"), pki.file("server.key"), pki.file("ca.crt"));
+        let (client_crt, client_key) = (pki.file("client.crt"), pki.file("client.key"));
         let port_s = port.to_string();
         let args = [
             "--port",
@@ -195,7 +119,7 @@ impl TlsRedis {
             "--tls-ca-cert-file",
             &ca,
             "--tls-auth-clients",
-            "no",
+            "yes",
             "--requirepass",
             password,
         ]
@@ -211,6 +135,7 @@ impl TlsRedis {
             |_| {
                 let out = Command::new("ip")
                     .args(["netns", "exec", &ns_name, "redis-cli", "--tls", "--cacert", &ca])
+                    .args(["--cert", &client_crt, "--key", &client_key])
                     .args([
                         "-h",
                         "127.0.0.1",
