@@ -5,6 +5,7 @@
 //! kernel, then in one VM per kernel of the matrix (vm.rs). `test` and
 //! `demo` call `setup` first.
 
+mod bench;
 mod kernels;
 mod matrix;
 mod package;
@@ -76,8 +77,10 @@ enum Cmd {
         quick: bool,
     },
     /// Benchmarks: prints ratios measured in one run (docs/benchmarks.md).
+    /// `bench matrix [quick]` runs the BPF_PROG_TEST_RUN sections on the
+    /// host and in a VM per kernel of the matrix (indicative under TCG).
     Bench {
-        /// Passed to the bench runner (e.g. `quick`).
+        /// Passed to the bench runner (e.g. `quick`, `path`, `matrix`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -147,6 +150,9 @@ fn main() -> Result<()> {
             privileged("the benchmarks load XDP programs and make veth labs", "bench")?;
             // The agent benchmark runs the real release binary.
             let bin = release_flowctl()?;
+            if args.first().map(String::as_str) == Some("matrix") {
+                return bench::matrix(args.iter().any(|a| a == "quick"), &bin);
+            }
             run(tests_bin("flowctl-bench").args(args).env("FLOWCTL_BIN", bin))
         }
     }

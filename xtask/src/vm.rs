@@ -1,6 +1,7 @@
 //! One kernel of the matrix: one VM boot (virtme-ng under QEMU, TCG: KVM
 //! does not work on these machines) that runs the kernel tier and the
-//! end-to-end subset through a generated guest script.
+//! end-to-end subset through a generated guest script, or (`bench`) the
+//! benchmark's `BPF_PROG_TEST_RUN` section.
 //!
 //! The guest sees the host's filesystem read-only, with overlays on /tmp,
 //! /var and tmpfs on /run, so nothing it writes reaches the host except
@@ -48,6 +49,8 @@ struct Step {
     /// Where the XDP gate failed: None, not run; Some, run with these
     /// arguments instead (the tests that need no XDP program).
     without_xdp: Option<Option<Vec<String>>>,
+    /// A libtest harness: a run without its result line failed.
+    libtest: bool,
 }
 
 const NO_XDP: &str = "not run: the XDP program does not load on this kernel (see xdp-gate)";
@@ -70,16 +73,24 @@ fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
             exe: exe("kernel")?,
             args: args(&[serial, "--exact", XDP_GATE]),
             without_xdp: None,
+            libtest: true,
         },
         Step {
             name: "kernel",
             exe: exe("kernel")?,
             args: args(&[serial, "--exact", "--skip", XDP_GATE]),
             without_xdp: Some(None),
+            libtest: true,
         },
     ];
     for name in KERNEL_TIER.iter().filter(|n| **n != "kernel") {
-        v.push(Step { name, exe: exe(name)?, args: args(&[serial]), without_xdp: None });
+        v.push(Step {
+            name,
+            exe: exe(name)?,
+            args: args(&[serial]),
+            without_xdp: None,
+            libtest: true,
+        });
     }
     let subset = |all: bool| {
         let mut a = args(&[serial, "--exact"]);
@@ -91,6 +102,7 @@ fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
         exe: exe("e2e")?,
         args: subset(true),
         without_xdp: Some(Some(subset(false))),
+        libtest: true,
     });
     Ok(v)
 }
@@ -176,7 +188,33 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// The kernel tier and the end-to-end subset on kernel `k`.
 pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<KernelRun> {
+    run_plan(k, plan(bins)?, flowctl, "vm-matrix")
+}
+
+/// `bench ARGS` (the benchmark runner) on kernel `k`; with what it printed.
+pub fn bench(
+    k: &Kernel,
+    bench: &Path,
+    args: &[&str],
+    flowctl: &Path,
+) -> Result<(KernelRun, String)> {
+    let step = Step {
+        name: "bench",
+        exe: bench.to_path_buf(),
+        args: args.iter().map(|a| a.to_string()).collect(),
+        without_xdp: None,
+        libtest: false,
+    };
+    let run = run_plan(k, vec![step], flowctl, "vm-bench")?;
+    let log = root().join("target/vm-bench").join(k.version).join("bench.log");
+    Ok((run, std::fs::read_to_string(log).unwrap_or_default()))
+}
+
+/// Boots `k` once and runs `plan` in it; the logs go to
+/// `target/DIR/KERNEL/`.
+fn run_plan(k: &Kernel, plan: Vec<Step>, flowctl: &Path, dir: &str) -> Result<KernelRun> {
     let name = format!("vm {}", k.version);
     let t0 = Instant::now();
     let fail = |problem: String| KernelRun {
@@ -196,10 +234,9 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
     let Some(vng) = setup::vng() else {
         return Ok(fail("no vng (cargo xtask setup installs virtme-ng)".into()));
     };
-    let out = root().join("target/vm-matrix").join(k.version);
+    let out = root().join("target").join(dir).join(k.version);
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let plan = plan(bins)?;
     let script = out.join("guest.sh");
     std::fs::write(&script, guest_script(&out, flowctl, &plan))?;
     let limit = timeout();
@@ -273,7 +310,7 @@ pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<
                     secs = Some(b - a);
                 }
                 match f.first() {
-                    Some(&"0") if counts.results > 0 => None,
+                    Some(&"0") if counts.results > 0 || !st.libtest => None,
                     Some(&"0") => Some("no libtest result line".into()),
                     code => Some(format!("exit {}", code.unwrap_or(&"?"))),
                 }
