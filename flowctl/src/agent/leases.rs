@@ -1,24 +1,27 @@
 //! The lease loop of an interface agent's global rules (docs/fleet.md,
-//! "Global limits"): the kernel's hot-key reports and offered counts go in,
-//! the store's grants come out into the kernel's grant map, through the
-//! pure `fleet::global::host::Manager`. The Redis store is reached by a
-//! task of its own, so this loop (and the packet path) never waits on the
-//! network. Also what `status`, `top` and the metrics show of it
-//! (`leases.json` in the run directory).
+//! "Global limits"): `fleet::global::hostloop::HostLoop` (the kernel's
+//! hot-key reports and offered counts in, the store's grants out into the
+//! kernel's grant map, a lowered grant left to settle before it is
+//! acknowledged; the glue the simulator runs too) over the kernel's maps
+//! ([`KernelKeys`]), plus what needs I/O: the Redis store, reached by a
+//! task of its own so this loop (and the packet path) never waits on the
+//! network, heartbeats, the default-allowance warnings, and what `status`,
+//! `top` and the metrics show of it (`leases.json` in the run directory).
 
 use crate::{
     dataplane::{state::AttachState, GlobalKeys},
     fleet::global::{
         allocator::BatchReply,
-        host::{Batch, GrantSink, HostConfig, Manager},
+        host::{Batch, HostConfig},
+        hostloop::{units_per_second, HostLoop, HotReport, KeyBackend},
         store::{Health, Store, StoreConfig},
-        DefaultShare, GlobalRule, Grant, Share,
+        DefaultShare, GlobalRule,
     },
     profile::{Fleet, RuleSet},
     system::clock::monotonic_ns,
 };
 use anyhow::{Context, Result};
-use flowctl_common::{gcra, grant, window::Window, BucketKey};
+use flowctl_common::{window::Window, BucketKey};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::HashMap,
@@ -28,15 +31,9 @@ use tokio::sync::mpsc;
 
 /// The run-directory file `status`, `top` and the metrics read.
 pub const PUBLISHED: &str = "leases.json";
-/// Most hot-key reports taken per tick.
-const HOT_PER_TICK: usize = 4096;
 /// Most keys with (or waiting for) a lease, across the global rules: the
 /// kernel's grant map holds this many.
 const MAX_KEYS: usize = flowctl_common::MAX_GRANTS as usize;
-/// How long a lowered grant needs to be in force in the kernel before it
-/// is acknowledged to the store: the kernel re-reads a key's grant at most
-/// every `grant::REFRESH_NS`; 10 ms more for the write itself.
-const SETTLE: Duration = Duration::from_nanos(grant::REFRESH_NS + 10_000_000);
 /// Deadline of every store call.
 const STORE_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -87,77 +84,72 @@ async fn store_task(
     }
 }
 
-/// The kernel side of the grants: a lease's share into the key's grant word,
-/// a revoked lease out (back to the rule's default share).
-struct MapSink {
+/// The kernel's side of the leases: the global rules' buckets, grants and
+/// hot-key ring, with what it takes to name their keys as the store does.
+struct KernelKeys {
     keys: GlobalKeys,
-    /// (rule, key as the store names it) -> the kernel's key.
-    known: HashMap<(String, String), BucketKey>,
-    /// The grant applied per key, to tell a cut from a raise.
-    applied: HashMap<(String, String), Share>,
-    /// A grant was lowered: acknowledge nothing before this.
-    settle_until: Option<Instant>,
-    errors: u64,
+    /// Global rule -> its key kind and the kernel's quota window (None
+    /// without a quota).
+    rules: HashMap<String, (u8, Option<Window>)>,
+    /// Counter record -> rule name, for the kernel's reports.
+    by_record: HashMap<u32, String>,
 }
 
-impl GrantSink for MapSink {
-    fn apply(&mut self, rule: &str, key: &str, g: &Grant) {
-        let id = (rule.to_string(), key.to_string());
-        let Some(k) = self.known.get(&id) else { return };
-        // A burst share rounded to nothing would refuse every packet of a
-        // key that has a rate: at least one unit (the bound's slack is one
-        // unit per host).
-        let burst = g.share.burst.max(1);
-        let rate = g.share.rate;
-        if self.applied.get(&id).is_some_and(|old| old.exceeds(&g.share)) {
-            self.settle_until = Some(Instant::now() + SETTLE);
-        }
-        // The kernel ends the lease by itself when the agent does (its
-        // clock is the manager's, in us): a grant never outlives its lease.
-        let ends = g.expires.saturating_mul(1_000);
-        match self.keys.set_lease(k, gcra::interval_fp(rate.max(1), 1), burst, g.share.quota, ends)
-        {
-            Ok(()) => {
-                self.applied.insert(id, g.share);
-            }
-            Err(e) => {
-                self.errors += 1;
-                tracing::warn!("global rule {rule}: granting {key}: {e:#}");
-            }
-        }
-    }
-
-    fn revoke(&mut self, rule: &str, key: &str) {
-        let id = (rule.to_string(), key.to_string());
-        let Some(k) = self.known.get(&id) else { return };
-        // Back to the default share: lower than any lease, so settle too.
-        self.settle_until = Some(Instant::now() + SETTLE);
-        self.applied.remove(&id);
-        if let Err(e) = self.keys.clear_grant(k) {
-            self.errors += 1;
-            tracing::warn!("global rule {rule}: ending the lease of {key}: {e:#}");
-        }
+impl KernelKeys {
+    /// The records of the global rules known, from the attachment's rules.
+    fn map_records(&mut self, state: &AttachState) {
+        self.by_record = state
+            .rules
+            .iter()
+            .filter(|r| self.rules.contains_key(&r.name))
+            .map(|r| (r.record, r.name.clone()))
+            .collect();
     }
 }
 
-/// A global rule of the running profile.
-struct RuleInfo {
-    spec: GlobalRule,
-    key_kind: u8,
-    /// The kernel's quota window of the rule (None without a quota).
-    quota: Option<Window>,
+impl KeyBackend for KernelKeys {
+    type Key = BucketKey;
+
+    fn hot(&mut self, max: usize) -> Vec<HotReport<BucketKey>> {
+        let mut out = Vec::new();
+        for h in self.keys.hot(max) {
+            let Some(rule) = self.by_record.get(&h.record) else { continue };
+            let Some((key_kind, _)) = self.rules.get(rule) else { continue };
+            let key = crate::agent::heavy::describe_key(&h.key, *key_kind);
+            out.push(HotReport { rule: rule.clone(), key, id: h.key });
+        }
+        out
+    }
+
+    fn offered(&self, key: &BucketKey) -> Option<u64> {
+        self.keys.bucket(key).map(|b| b.offered)
+    }
+
+    fn quota_spent(&self, rule: &str, key: &BucketKey) -> Option<(u64, u64)> {
+        let (_, window) = self.rules.get(rule)?;
+        Some(self.keys.quota_spent(key, window.as_ref()?))
+    }
+
+    fn set_lease(
+        &mut self,
+        key: &BucketKey,
+        interval_fp: u64,
+        burst_units: u64,
+        quota: u64,
+        expires_ns: u64,
+    ) -> Result<()> {
+        self.keys.set_lease(key, interval_fp, burst_units, quota, expires_ns)
+    }
+
+    fn clear_grant(&mut self, key: &BucketKey) -> Result<()> {
+        self.keys.clear_grant(key)
+    }
 }
 
 pub struct LeaseLoop {
-    manager: Manager,
-    sink: MapSink,
-    rules: HashMap<String, RuleInfo>,
-    /// Counter record -> rule name, for the kernel's reports.
-    by_record: HashMap<u32, String>,
+    leases: HostLoop<KernelKeys>,
     jobs: mpsc::UnboundedSender<Job>,
     events: mpsc::UnboundedReceiver<Event>,
-    /// Batches held back while a lowered grant settles in the kernel.
-    held: Vec<Batch>,
     host: String,
     lease: Duration,
     store_url: String,
@@ -165,7 +157,6 @@ pub struct LeaseLoop {
     up: bool,
     rtt: Option<Duration>,
     hosts: Option<u64>,
-    next_observe: Instant,
     next_heartbeat: Instant,
     next_publish: Instant,
     run_dir: std::path::PathBuf,
@@ -178,12 +169,9 @@ fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8, Option<Win
         .iter()
         .filter_map(|r| {
             let g = r.global.as_ref()?;
-            let per_s = |interval_fp: u64| -> u64 {
-                // Units per second of a fixed-point interval, to the nearest
-                // (the interval was rounded up from the rate as written).
-                let i = interval_fp.max(1) as u128;
-                (((1_000_000_000u128 << gcra::FRAC_BITS) + i / 2) / i) as u64
-            };
+            // Units per second of the intervals, to the nearest (each was
+            // rounded up from the rate as written).
+            let per_s = units_per_second;
             let mut spec = GlobalRule::new(&r.name, per_s(r.interval_fp), r.burst);
             spec.lease = fleet.lease_ns / 1_000;
             spec.refresh = fleet.refresh_ns / 1_000;
@@ -200,6 +188,18 @@ fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8, Option<Win
             Some((spec, r.key_kind, quota))
         })
         .collect()
+}
+
+/// A global rule of the profile into the loop: its spec to the manager,
+/// its key kind and quota window to the kernel's side.
+fn add_rule(
+    leases: &mut HostLoop<KernelKeys>,
+    spec: GlobalRule,
+    key_kind: u8,
+    quota: Option<Window>,
+) {
+    leases.backend_mut().rules.insert(spec.name.clone(), (key_kind, quota));
+    leases.set_rule(spec);
 }
 
 impl LeaseLoop {
@@ -241,42 +241,30 @@ impl LeaseLoop {
                 .map(|d| d.as_millis())
                 .unwrap_or(0)
         );
-        let mut manager = Manager::new(HostConfig {
+        let cfg = HostConfig {
             host: host.clone(),
             max_keys: MAX_KEYS,
             timeout: STORE_TIMEOUT.as_micros() as u64 * 2,
-        });
-        let mut rules = HashMap::new();
+        };
+        let keys = KernelKeys {
+            keys: GlobalKeys::open(&state.id)?,
+            rules: HashMap::new(),
+            by_record: HashMap::new(),
+        };
+        let mut leases = HostLoop::new(cfg, keys);
         for (spec, key_kind, quota) in specs {
             spec.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-            manager.set_rule(spec.clone());
-            rules.insert(spec.name.clone(), RuleInfo { spec, key_kind, quota });
+            add_rule(&mut leases, spec, key_kind, quota);
         }
-        let by_record = state
-            .rules
-            .iter()
-            .filter(|r| rules.contains_key(&r.name))
-            .map(|r| (r.record, r.name.clone()))
-            .collect();
+        leases.backend_mut().map_records(state);
         let (jobs, job_rx) = mpsc::unbounded_channel();
         let (event_tx, events) = mpsc::unbounded_channel();
         rt.spawn(store_task(store, job_rx, event_tx));
-        let sink = MapSink {
-            keys: GlobalKeys::open(&state.id)?,
-            known: HashMap::new(),
-            applied: HashMap::new(),
-            settle_until: None,
-            errors: 0,
-        };
         let now = Instant::now();
         Ok(Some(Self {
-            manager,
-            sink,
-            rules,
-            by_record,
+            leases,
             jobs,
             events,
-            held: Vec::new(),
             host,
             lease: Duration::from_nanos(fleet.lease_ns),
             store_url: fleet.redis.clone(),
@@ -284,7 +272,6 @@ impl LeaseLoop {
             up: false,
             rtt: None,
             hosts: None,
-            next_observe: now,
             next_heartbeat: now,
             next_publish: now,
             run_dir: state.id.run_dir(),
@@ -303,69 +290,35 @@ impl LeaseLoop {
         let Some(fleet) = set.fleet.as_ref() else { return };
         let specs = global_rules(set, fleet);
         let gone: Vec<String> = self
-            .rules
-            .keys()
-            .filter(|n| !specs.iter().any(|(s, _, _)| s.name == **n))
-            .cloned()
+            .leases
+            .manager()
+            .rules()
+            .map(|r| r.name.clone())
+            .filter(|n| !specs.iter().any(|(s, _, _)| s.name == *n))
             .collect();
         for name in gone {
-            self.manager.remove_rule(&name, &mut self.sink);
-            self.rules.remove(&name);
+            self.leases.remove_rule(&name, now_us());
+            self.leases.backend_mut().rules.remove(&name);
         }
         for (spec, key_kind, quota) in specs {
             if let Err(e) = spec.validate() {
                 tracing::warn!("{e}");
                 continue;
             }
-            self.manager.set_rule(spec.clone());
-            self.rules.insert(spec.name.clone(), RuleInfo { spec, key_kind, quota });
+            add_rule(&mut self.leases, spec, key_kind, quota);
         }
-        self.by_record = state
-            .rules
-            .iter()
-            .filter(|r| self.rules.contains_key(&r.name))
-            .map(|r| (r.record, r.name.clone()))
-            .collect();
+        self.leases.backend_mut().map_records(state);
     }
 
     /// Runs what is due; returns when it wants to run next.
     pub fn tick(&mut self) -> Instant {
         let now = Instant::now();
-        // The kernel's hot keys: ask for their leases.
-        for h in self.sink.keys.hot(HOT_PER_TICK) {
-            let Some(rule) = self.by_record.get(&h.record) else { continue };
-            let Some(info) = self.rules.get(rule) else { continue };
-            let key = crate::agent::heavy::describe_key(&h.key, info.key_kind);
-            self.sink.known.insert((rule.clone(), key.clone()), h.key);
-            self.manager.note_hot(rule, &key, now_us());
-        }
-        // Demand: the leased keys' offered counts, eight times a refresh.
-        if now >= self.next_observe {
-            let refresh = self.rules.values().map(|r| r.spec.refresh).min().unwrap_or(1_000_000);
-            self.next_observe = now + Duration::from_micros((refresh / 8).max(10_000));
-            for v in self.manager.leases() {
-                let id = (v.rule.clone(), v.key.clone());
-                let Some(k) = self.sink.known.get(&id) else { continue };
-                if let Some(b) = self.sink.keys.bucket(k) {
-                    self.manager.observe(&v.rule, &v.key, b.offered, now_us());
-                }
-                // What the key has spent of its quota here, so the store
-                // keeps it reserved while it is in the window.
-                if let Some(w) = self.rules.get(&v.rule).and_then(|r| r.quota.as_ref()) {
-                    let (used, clear_in_ns) = self.sink.keys.quota_spent(k, w);
-                    self.manager.observe_used(&v.rule, &v.key, used, clear_in_ns.div_ceil(1_000));
-                }
-            }
-        }
+        let us = now_us();
         // The store's answers.
         while let Ok(ev) = self.events.try_recv() {
             match ev {
-                Event::Reply { rule, seq, result: Ok(reply) } => {
-                    self.manager.on_reply(&rule, seq, &reply, now_us(), &mut self.sink);
-                }
-                Event::Reply { rule, seq, result: Err(e) } => {
-                    tracing::debug!("global rule {rule}: store call failed: {e}");
-                    self.manager.on_failure(&rule, seq, now_us());
+                Event::Reply { rule, seq, result } => {
+                    self.leases.on_reply(&rule, seq, result, us);
                 }
                 Event::Hosts(Ok(n)) => {
                     self.warn_of_default_allowances(self.hosts, n);
@@ -387,16 +340,11 @@ impl LeaseLoop {
                 }
             }
         }
-        // Batches due, held back while a lowered grant settles in the kernel
-        // (its acknowledgement must not come before the kernel enforces it).
-        let due = self.manager.poll(now_us(), &mut self.sink);
-        self.held.extend(due);
-        if self.sink.settle_until.is_none_or(|t| now >= t) {
-            self.sink.settle_until = None;
-            for b in self.held.drain(..) {
-                if let Some(info) = self.rules.get(&b.rule) {
-                    let _ = self.jobs.send(Job::Run(info.spec.clone(), b));
-                }
+        // The kernel's hot keys and counters in, the batches due out (none
+        // while a lowered grant settles in the kernel).
+        for b in self.leases.tick(us) {
+            if let Some(spec) = self.leases.manager().rule(&b.rule) {
+                let _ = self.jobs.send(Job::Run(spec.clone(), b));
             }
         }
         if now >= self.next_heartbeat {
@@ -409,33 +357,28 @@ impl LeaseLoop {
                 tracing::warn!("publishing lease state: {e:#}");
             }
         }
-        // Hot keys and replies come any time: look again soon.
-        let mut next = now + Duration::from_millis(20);
-        if let Some(t) = self.sink.settle_until {
-            next = next.min(t);
-        }
-        next
+        now + Duration::from_micros(self.leases.next_wakeup(us).saturating_sub(us))
     }
 
     /// Says so in the log when the live-host count takes a rule's default
     /// allowances to or past its whole limit, and when it falls back below:
     /// the fleet grew into it, so no profile check could have caught it.
     fn warn_of_default_allowances(&self, before: Option<u64>, hosts: u64) {
-        for r in self.rules.values() {
-            let was = before.map_or(0.0, |n| r.spec.default_allowance_ratio(n));
-            let now = r.spec.default_allowance_ratio(hosts);
+        for r in self.leases.manager().rules() {
+            let was = before.map_or(0.0, |n| r.default_allowance_ratio(n));
+            let now = r.default_allowance_ratio(hosts);
             if now >= 1.0 && was < 1.0 {
                 tracing::warn!(
                     "global rule {}: {hosts} live hosts with a default share of {}/s each may admit {:.0}/s before their leases arrive, {now:.2}x the limit of {}/s; set a smaller default_share, or \"none\" (docs/profile.md)",
-                    r.spec.name,
-                    r.spec.default_share.map_or(0, |d| d.rate),
-                    now * r.spec.rate as f64,
-                    r.spec.rate,
+                    r.name,
+                    r.default_share.map_or(0, |d| d.rate),
+                    now * r.rate as f64,
+                    r.rate,
                 );
             } else if now < 1.0 && was >= 1.0 {
                 tracing::info!(
                     "global rule {}: {hosts} live hosts: default allowances back to {now:.2}x the limit",
-                    r.spec.name
+                    r.name
                 );
             }
         }
@@ -443,24 +386,25 @@ impl LeaseLoop {
 
     /// `leases.json`: what `status`, `top` and the metrics show.
     fn publish(&self) -> Result<()> {
-        let stats = self.manager.stats();
+        let stats = self.leases.manager().stats();
         let now = now_us();
         let mut rules: Vec<PublishedRule> = self
-            .rules
-            .values()
+            .leases
+            .manager()
+            .rules()
             .map(|r| PublishedRule {
-                rule: r.spec.name.clone(),
-                rate: r.spec.rate,
-                burst: r.spec.burst,
-                quota: r.spec.quota,
-                quota_window_ms: r.spec.quota.map(|_| r.spec.quota_window / 1_000),
-                default_share: r.spec.default_share.map(|d| d.rate),
-                default_allowance: self.hosts.map(|n| r.spec.default_allowance_ratio(n)),
+                rule: r.name.clone(),
+                rate: r.rate,
+                burst: r.burst,
+                quota: r.quota,
+                quota_window_ms: r.quota.map(|_| r.quota_window / 1_000),
+                default_share: r.default_share.map(|d| d.rate),
+                default_allowance: self.hosts.map(|n| r.default_allowance_ratio(n)),
                 leases: Vec::new(),
             })
             .collect();
         rules.sort_by(|a, b| a.rule.cmp(&b.rule));
-        for v in self.manager.leases() {
+        for v in self.leases.manager().leases() {
             let Some(r) = rules.iter_mut().find(|r| r.rule == v.rule) else { continue };
             let has_quota = r.quota.is_some();
             r.leases.push(PublishedLease {
@@ -491,7 +435,7 @@ impl LeaseLoop {
             expired: stats.expired,
             over_cap: stats.over_cap,
             epoch_changes: stats.epoch_changes,
-            grant_errors: self.sink.errors,
+            grant_errors: self.leases.grant_errors(),
             rules,
         };
         let path = self.run_dir.join(PUBLISHED);
@@ -507,12 +451,12 @@ impl LeaseLoop {
     /// when the leases end.
     pub fn release_all(&mut self) {
         tracing::info!("giving the global rules' leases back");
-        self.manager.release_all();
+        self.leases.release_all();
     }
 
     /// Whether every lease has been given back and acknowledged.
     pub fn released(&self) -> bool {
-        self.manager.leases().is_empty()
+        self.leases.released()
     }
 
     /// The agent stops: its published state goes. Leases not given back

@@ -226,6 +226,16 @@ impl Manager {
         }
     }
 
+    /// The spec of a global rule this manager knows.
+    pub fn rule(&self, name: &str) -> Option<&GlobalRule> {
+        self.rules.get(name).map(|r| &r.spec)
+    }
+
+    /// Every global rule this manager knows, by name.
+    pub fn rules(&self) -> impl Iterator<Item = &GlobalRule> {
+        self.rules.values().map(|r| &r.spec)
+    }
+
     /// Drops a rule: its leased keys go back to the default allowance (the
     /// store's entries end with their leases).
     pub fn remove_rule(&mut self, rule: &str, sink: &mut impl GrantSink) {

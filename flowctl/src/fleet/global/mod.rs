@@ -19,9 +19,14 @@
 //!   heartbeats, round-trip time, health);
 //! - [`host`]: the agent's side as a pure state machine (hot keys, demand,
 //!   batches, local expiry) driving a [`host::GrantSink`];
+//! - [`hostloop`]: the agent's lease loop around it without the I/O (the
+//!   kernel's reports and counters in, grants out through a
+//!   [`hostloop::KeyBackend`], the hold while a cut settles), run by the
+//!   agent over the kernel's maps and by the simulator over a model of them;
 //! - [`bucket`]: re-rating a GCRA bucket without minting tokens (what the
 //!   real sink does to the map, and the simulator's fake map);
-//! - [`sim`]: a simulated fleet on a virtual clock, and its report.
+//! - [`sim`]: a simulated fleet on a virtual clock (the allocator as its
+//!   store, [`hostloop`] on every host), and its report.
 //!
 //! Conventions shared by Rust and Lua (they must agree bit for bit):
 //! - time is in microseconds (`u64`); the store's clock is Redis `TIME`, a
@@ -36,6 +41,7 @@
 pub mod allocator;
 pub mod bucket;
 pub mod host;
+pub mod hostloop;
 pub mod sim;
 pub mod store;
 

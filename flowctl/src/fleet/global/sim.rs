@@ -1,19 +1,26 @@
 //! A simulated fleet in one process on a virtual clock: the pure allocator
-//! ([`Memory`]) standing in for Redis, the real [`Manager`] per host, one
-//! way message delays and losses, clock-rate skew per host, and a fake map
-//! per host: a GCRA bucket per key (flowctl-common's, re-rated with
-//! [`flowctl_common::gcra::retarget`]) admitting the host's offered traffic. It
-//! measures what docs/design.md ("Global limits: the bounds") states:
-//! the worst window's admitted total against `L*t + B`, the time for a
-//! moved hot key to converge, utilisation and store calls per host per
-//! second. The property tests and `cargo xtask bench fleet` ([`report`])
-//! run it.
+//! ([`Memory`]) standing in for Redis, and on every host, on its own
+//! skewed clock, the agent's own lease loop ([`HostLoop`]: hot-key intake,
+//! counter reads every refresh/8, the grant sink, the settle hold after a
+//! cut) over a model of the kernel's global stage ([`FakeMap`]: a GCRA
+//! bucket per key re-rated with [`flowctl_common::gcra::retarget`], whose
+//! cached grant is re-read at most every `grant::REFRESH_NS`, so a written
+//! grant takes effect at the bucket's next re-read; hot keys reported as
+//! the kernel reports them). Messages have one-way delays and losses; the
+//! agent takes the store's replies at its next tick. It measures what
+//! docs/design.md ("Global limits: the bounds") states: the worst window's
+//! admitted total against `L*t + B`, what the kernels enforce against what
+//! the store reserves (and whether any cut was acknowledged before its
+//! kernel enforced it), the time for a moved hot key to converge,
+//! utilisation and store calls per host per second. The property tests and
+//! `cargo xtask bench fleet` ([`report`]) run it.
 
-use super::allocator::{Limits, Memory};
+use super::allocator::{BatchReply, Limits, Memory};
 use super::bucket;
-use super::host::{Batch, GrantSink, HostConfig, Manager};
-use super::{GlobalRule, Grant, Micros, Share};
-use flowctl_common::gcra;
+use super::host::{Batch, HostConfig};
+use super::hostloop::{units_per_second, HostLoop, HotReport, KeyBackend};
+use super::{GlobalRule, Micros, Share};
+use flowctl_common::{gcra, grant, GlobalBucket, GrantValue};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
@@ -126,6 +133,11 @@ pub struct Outcome {
     pub offered: u64,
     /// A host enforced a lease the store no longer reserved for it.
     pub outlived_store: u64,
+    /// Requests that reached the store reporting less than their host's
+    /// kernel enforced ([`Fleet::acked_before_enforced`]).
+    pub acked_before_enforced: u64,
+    /// Acknowledgements of a cut ([`Fleet::cuts_acked`]).
+    pub cuts_acked: u64,
 }
 
 /// A small deterministic generator (SplitMix64): the simulator must be
@@ -157,78 +169,178 @@ impl Rng {
     }
 }
 
-/// A host's map: one GCRA bucket per key, at the lease's parameters or
-/// the rule's default allowance (none: refuse all).
+/// A host's kernel for the simulated rule, as the global stage runs it
+/// (flowctl-ebpf/src/stages/global.rs): the grants the agent writes
+/// (`FLOWCTL_GRANTS`: the word, the quota share, the lease's end) and a
+/// bucket per key (`GlobalBucket`) with its cached copy of the grant,
+/// re-read from the map only when it is older than `grant::REFRESH_NS` or
+/// its lease has ended, so a written grant takes effect at the bucket's
+/// next re-read, not at once; re-rated from the old word's parameters to
+/// the new one's with `gcra::retarget`. Each packet adds to the key's
+/// offered count; a refused packet reports its key hot, and so does an
+/// unleased key past half its default burst, each at most every
+/// `grant::HOT_EVERY_NS`. Not modelled: quotas (the simulated rule has
+/// none), the TAT's debt mark and remembered debt (a new bucket starts
+/// full, as one whose key never owed anything does), and other CPUs.
 #[derive(Clone, Debug)]
 pub struct FakeMap {
-    default: Option<(u64, u64)>,
-    /// Host clock, ns: set by the driver before every call.
-    pub now_ns: u64,
-    buckets: BTreeMap<String, KeyBucket>,
+    rule: String,
+    /// The rule's default share as the bucket runs it without a lease:
+    /// (interval_fp, depth ns), or [`REFUSE_ALL`] (`default_share = "none"`).
+    default: (u64, u64),
+    grants: BTreeMap<String, GrantValue>,
+    buckets: BTreeMap<String, GlobalBucket>,
+    /// The hot-key ring, oldest first.
+    reports: Vec<HotReport<String>>,
 }
 
-/// One key's bucket in a [`FakeMap`].
-#[derive(Clone, Copy, Debug)]
-struct KeyBucket {
-    /// (interval_fp, depth_ns); None refuses everything.
-    params: Option<(u64, u64)>,
-    tat: u64,
-    lease: Option<Share>,
-}
+/// The kernel's bucket of a global rule without a default share: refuses
+/// everything, and a bucket re-rated from it starts empty.
+const REFUSE_ALL: (u64, u64) = (u64::MAX, 0);
 
 impl FakeMap {
     pub fn new(rule: &GlobalRule) -> Self {
-        let default = rule.default_share.map(|d| bucket::params(d.rate, d.burst));
-        Self { default, now_ns: 0, buckets: BTreeMap::new() }
-    }
-
-    /// Offers `cost` units for `key`: admitted or not.
-    pub fn admit(&mut self, key: &str, cost: u64) -> bool {
-        let now = self.now_ns;
-        let b = self.bucket(key);
-        let Some((interval, depth)) = b.params else { return false };
-        match gcra::admit(b.tat, now, gcra::increment_ns(interval, cost), depth) {
-            Some(tat) => {
-                b.tat = tat;
-                true
-            }
-            None => false,
+        assert!(rule.quota.is_none(), "the simulator's kernel models no quota");
+        Self {
+            rule: rule.name.clone(),
+            default: rule.default_share.map_or(REFUSE_ALL, |d| bucket::params(d.rate, d.burst)),
+            grants: BTreeMap::new(),
+            buckets: BTreeMap::new(),
+            reports: Vec::new(),
         }
     }
 
-    /// The lease the key's bucket enforces (None: the default allowance).
-    pub fn lease(&self, key: &str) -> Option<Share> {
-        self.buckets.get(key).and_then(|b| b.lease)
+    /// A packet of `cost` units for `key` at `now_ns` (host clock):
+    /// admitted or not.
+    pub fn admit(&mut self, key: &str, cost: u64, now_ns: u64) -> bool {
+        let now = now_ns;
+        let default = self.default;
+        let b = self.buckets.entry(key.to_string()).or_default();
+        b.offered += cost;
+        let word = current_grant(b, self.grants.get(key), default, now);
+        let leased = word != grant::NO_LEASE;
+        let (interval, depth) = word_params(word, default);
+        match gcra::admit(b.tat, now, gcra::increment_ns(interval, cost), depth) {
+            None => {
+                // Refused: the agent is asked for a lease (or a larger one).
+                report_hot(b, &mut self.reports, &self.rule, key, now);
+                false
+            }
+            Some(tat) => {
+                b.tat = tat;
+                if !leased && tat.saturating_sub(now) > depth / 2 {
+                    // Past half the default burst: hot before it refuses.
+                    report_hot(b, &mut self.reports, &self.rule, key, now);
+                }
+                true
+            }
+        }
     }
 
-    fn bucket(&mut self, key: &str) -> &mut KeyBucket {
-        let params = self.default;
-        // A new key's bucket starts full, as the kernel's does.
-        self.buckets.entry(key.to_string()).or_insert(KeyBucket { params, tat: 0, lease: None })
-    }
-
-    fn set(&mut self, key: &str, params: Option<(u64, u64)>, lease: Option<Share>) {
-        let now = self.now_ns;
-        let b = self.bucket(key);
-        b.tat = match (b.params, params) {
-            (Some(old), Some(new)) => gcra::retarget(b.tat, now, old, new),
-            // From refusing everything: an empty bucket.
-            (None, Some(new)) => now + new.1,
-            (_, None) => b.tat,
+    /// The lease a packet of `key` would run under at `now_ns` (None: the
+    /// default share), without touching the bucket: what the measures
+    /// count as enforced.
+    pub fn enforced(&self, key: &str, now_ns: u64) -> Option<Share> {
+        let g = match self.buckets.get(key) {
+            Some(b) if !stale(b, now_ns) => {
+                GrantValue { word: b.grant, quota: b.quota, expires_ns: b.grant_expires_ns }
+            }
+            _ => stored(self.grants.get(key), now_ns),
         };
-        b.params = params;
-        b.lease = lease;
+        let (interval, units) = grant::decode(g.word)?;
+        Some(Share { rate: units_per_second(interval), burst: units, quota: g.quota })
     }
 }
 
-impl GrantSink for FakeMap {
-    fn apply(&mut self, _rule: &str, key: &str, grant: &Grant) {
-        let s = grant.share;
-        self.set(key, Some(bucket::params(s.rate, s.burst)), Some(s));
+/// The kernel's `report_hot`: the key into the ring, at most every
+/// `grant::HOT_EVERY_NS`.
+fn report_hot(
+    b: &mut GlobalBucket,
+    reports: &mut Vec<HotReport<String>>,
+    rule: &str,
+    key: &str,
+    now: u64,
+) {
+    if b.hot_ns != 0 && now.saturating_sub(b.hot_ns) < grant::HOT_EVERY_NS {
+        return;
+    }
+    b.hot_ns = now;
+    reports.push(HotReport { rule: rule.to_string(), key: key.to_string(), id: key.to_string() });
+}
+
+/// Whether a bucket's cached grant must be re-read at `now`: older than
+/// `grant::REFRESH_NS`, never read, or its lease ended.
+fn stale(b: &GlobalBucket, now: u64) -> bool {
+    let live = b.grant == grant::NO_LEASE || now < b.grant_expires_ns;
+    b.grant_read_ns == 0 || now.saturating_sub(b.grant_read_ns) > grant::REFRESH_NS || !live
+}
+
+/// The map's grant for a key at `now`: an ended one is no lease.
+fn stored(g: Option<&GrantValue>, now: u64) -> GrantValue {
+    match g {
+        Some(g) if now < g.expires_ns => *g,
+        _ => GrantValue { word: grant::NO_LEASE, quota: 0, expires_ns: 0 },
+    }
+}
+
+/// (interval_fp, depth ns) a bucket runs at under `word`.
+fn word_params(word: u64, default: (u64, u64)) -> (u64, u64) {
+    grant::decode(word).map_or(default, |(i, units)| (i, gcra::increment_ns(i, units)))
+}
+
+/// The kernel's `current_grant`: the bucket's copy of the grant word, or
+/// the map's when the copy is stale, the bucket re-rated when it changed.
+fn current_grant(
+    b: &mut GlobalBucket,
+    g: Option<&GrantValue>,
+    default: (u64, u64),
+    now: u64,
+) -> u64 {
+    if !stale(b, now) {
+        return b.grant;
+    }
+    let g = stored(g, now);
+    if g.word != b.grant {
+        let (from, to) = (word_params(b.grant, default), word_params(g.word, default));
+        b.tat = gcra::retarget(b.tat, now, from, to);
+    }
+    (b.quota, b.grant_expires_ns, b.grant, b.grant_read_ns) = (g.quota, g.expires_ns, g.word, now);
+    g.word
+}
+
+impl KeyBackend for FakeMap {
+    /// The simulator names a key as the store does.
+    type Key = String;
+
+    fn hot(&mut self, max: usize) -> Vec<HotReport<String>> {
+        let n = self.reports.len().min(max);
+        self.reports.drain(..n).collect()
     }
 
-    fn revoke(&mut self, _rule: &str, key: &str) {
-        self.set(key, self.default, None);
+    fn offered(&self, key: &String) -> Option<u64> {
+        self.buckets.get(key).map(|b| b.offered)
+    }
+
+    fn quota_spent(&self, _rule: &str, _key: &String) -> Option<(u64, u64)> {
+        None
+    }
+
+    fn set_lease(
+        &mut self,
+        key: &String,
+        interval_fp: u64,
+        burst_units: u64,
+        quota: u64,
+        expires_ns: u64,
+    ) -> anyhow::Result<()> {
+        let word = grant::encode(interval_fp, burst_units);
+        self.grants.insert(key.clone(), GrantValue { word, quota, expires_ns });
+        Ok(())
+    }
+
+    fn clear_grant(&mut self, key: &String) -> anyhow::Result<()> {
+        self.grants.remove(key);
+        Ok(())
     }
 }
 
@@ -246,19 +358,51 @@ impl Clock {
     }
 }
 
-/// One simulated host.
+/// One simulated host: the agent's lease loop over its kernel, on its own
+/// clock.
 pub struct SimHost {
-    pub manager: Manager,
-    pub map: FakeMap,
+    pub agent: HostLoop<FakeMap>,
     pub clock: Clock,
-    offered_total: u64,
+    /// The store's replies received and not yet taken: the agent takes
+    /// them at its next tick, as the real one takes its store task's.
+    inbox: Vec<(String, u64, BatchReply)>,
     /// Offered units accumulated below one unit, in millionths.
     carry: u64,
 }
 
+impl SimHost {
+    /// The lease the host's kernel enforces for [`KEY`] at `real` (None:
+    /// the default share).
+    pub fn enforced(&self, real: Micros) -> Option<Share> {
+        self.agent.backend().enforced(KEY, self.clock.at(real) * 1_000)
+    }
+
+    /// One tick of the agent at `real`: the replies received, then what is
+    /// due; the batches to send.
+    fn tick(&mut self, real: Micros) -> Vec<Batch> {
+        let now = self.clock.at(real);
+        for (rule, seq, reply) in self.inbox.drain(..) {
+            self.agent.on_reply(&rule, seq, Ok(reply), now);
+        }
+        self.agent.tick(now)
+    }
+
+    /// The step's traffic at `real`, `rate` units per second over `step`:
+    /// (offered, admitted).
+    fn offer(&mut self, rate: u64, step: Micros, real: Micros) -> (u64, u64) {
+        self.carry += rate * step;
+        let n = self.carry / 1_000_000;
+        self.carry %= 1_000_000;
+        let now_ns = self.clock.at(real) * 1_000;
+        let map = self.agent.backend_mut();
+        let admitted = (0..n).filter(|_| map.admit(KEY, 1, now_ns)).count() as u64;
+        (n, admitted)
+    }
+}
+
 enum Message {
     ToStore(usize, Batch),
-    ToHost(usize, String, u64, super::allocator::BatchReply),
+    ToHost(usize, String, u64, BatchReply),
 }
 
 /// The store's clock starts here (Redis TIME is far from 0).
@@ -275,6 +419,13 @@ pub struct Fleet {
     messages: BTreeMap<u64, Message>,
     next_id: u64,
     pub store_calls: u64,
+    /// Requests that reached the store reporting less held than their
+    /// host's kernel enforced then: an acknowledgement of a lowered grant
+    /// before the kernel enforced it (the settle hold prevents it).
+    pub acked_before_enforced: u64,
+    /// Requests that reached the store reporting less held than it had
+    /// recorded for their host: acknowledgements of a cut.
+    pub cuts_acked: u64,
     epoch_seq: u64,
 }
 
@@ -288,13 +439,14 @@ impl Fleet {
                     offset: rng.range(1_000_000, 1_000_000_000),
                     skew_ppm: rng.range(0, 2 * skew as u64) as i64 - skew,
                 };
-                let mut manager = Manager::new(HostConfig {
+                let host = HostConfig {
                     host: format!("h{i}"),
                     max_keys: 1024,
                     timeout: 4 * cfg.delay.1 + 100_000,
-                });
-                manager.set_rule(cfg.rule.clone());
-                SimHost { manager, map: FakeMap::new(&cfg.rule), clock, offered_total: 0, carry: 0 }
+                };
+                let mut agent = HostLoop::new(host, FakeMap::new(&cfg.rule));
+                agent.set_rule(cfg.rule.clone());
+                SimHost { agent, clock, inbox: Vec::new(), carry: 0 }
             })
             .collect();
         let mut store = Memory::default();
@@ -310,6 +462,8 @@ impl Fleet {
             messages: BTreeMap::new(),
             next_id: 0,
             store_calls: 0,
+            acked_before_enforced: 0,
+            cuts_acked: 0,
             epoch_seq: 0,
         }
     }
@@ -334,38 +488,35 @@ impl Fleet {
         self.messages.insert(self.next_id, m);
     }
 
-    fn poll_host(&mut self, i: usize, real: Micros) {
-        let h = &mut self.hosts[i];
-        let now = h.clock.at(real);
-        h.map.now_ns = now * 1000;
-        let batches = h.manager.poll(now, &mut h.map);
-        for b in batches {
-            self.send(real, Message::ToStore(i, b));
-        }
-    }
-
     fn deliver(&mut self, real: Micros, m: Message) {
         match m {
             Message::ToStore(i, b) => {
                 self.store_calls += 1;
+                self.check_held(i, &b, real);
                 self.epoch_seq += 1;
                 let candidate = format!("e{}", self.epoch_seq);
                 let now = self.store_now(real);
                 let r = self.store.run_batch(&b.call(&self.cfg.rule, &candidate), now);
                 self.send(real, Message::ToHost(i, b.rule, b.seq, r));
             }
-            Message::ToHost(i, rule, seq, r) => {
-                let h = &mut self.hosts[i];
-                let now = h.clock.at(real);
-                h.map.now_ns = now * 1000;
-                h.manager.on_reply(&rule, seq, &r, now, &mut h.map);
-                self.poll_host(i, real);
-            }
+            Message::ToHost(i, rule, seq, r) => self.hosts[i].inbox.push((rule, seq, r)),
         }
     }
 
+    /// A request of host `i` reaching the store at `real`: whether it
+    /// acknowledges a cut, and whether before the host's kernel enforced it.
+    fn check_held(&mut self, i: usize, b: &Batch, real: Micros) {
+        let Some(item) = b.items.iter().find(|it| it.key == KEY) else { return };
+        let cell = self.store.cell(&b.rule, KEY);
+        let was = cell.hosts.get(&b.host).map(|e| e.acked);
+        self.cuts_acked += was.is_some_and(|w| w.exceeds(&item.held)) as u64;
+        let enforced = self.hosts[i].enforced(real);
+        self.acked_before_enforced += enforced.is_some_and(|e| e.exceeds(&item.held)) as u64;
+    }
+
     /// Advances one step: messages due within it at their own times, then
-    /// the traffic of the step at its end. Returns (offered, admitted).
+    /// at its end each host's traffic of the step and its agent's tick.
+    /// Returns (offered, admitted).
     pub fn step(&mut self) -> (u64, u64) {
         let end = self.now + self.cfg.step;
         if let Some(at) = self.cfg.flush_at {
@@ -383,54 +534,37 @@ impl Fleet {
         }
         self.now = end;
         let (mut offered, mut admitted) = (0, 0);
-        let rule = self.cfg.rule.name.clone();
         for i in 0..self.hosts.len() {
-            // Leases that ended by now end before this step's traffic.
-            self.poll_host(i, end);
             let rate = self.cfg.load.offered(i, self.cfg.hosts, end);
-            let h = &mut self.hosts[i];
-            let now = h.clock.at(end);
-            h.map.now_ns = now * 1000;
-            h.carry += rate * self.cfg.step;
-            let n = h.carry / 1_000_000;
-            h.carry %= 1_000_000;
-            let mut refused_unleased = false;
-            for _ in 0..n {
-                if h.map.admit(KEY, 1) {
-                    admitted += 1;
-                } else if h.map.lease(KEY).is_none() {
-                    refused_unleased = true;
-                }
+            let (o, a) = self.hosts[i].offer(rate, self.cfg.step, end);
+            offered += o;
+            admitted += a;
+            for b in self.hosts[i].tick(end) {
+                self.send(end, Message::ToStore(i, b));
             }
-            offered += n;
-            h.offered_total += n;
-            if refused_unleased {
-                h.manager.note_hot(&rule, KEY, now);
-            }
-            h.manager.observe(&rule, KEY, h.offered_total, now);
-            self.poll_host(i, end);
         }
         (offered, admitted)
     }
 
-    /// The sum of the rates the hosts enforce under leases now.
+    /// The sum of the shares the hosts' kernels enforce under leases now.
     pub fn enforced(&self) -> Share {
-        self.hosts.iter().filter_map(|h| h.map.lease(KEY)).fold(Share::ZERO, |a, s| Share {
+        let leases = self.hosts.iter().filter_map(|h| h.enforced(self.now));
+        leases.fold(Share::ZERO, |a, s| Share {
             rate: a.rate + s.rate,
             burst: a.burst + s.burst,
             quota: a.quota + s.quota,
         })
     }
 
-    /// Hosts enforcing a lease the store does not reserve for them now
-    /// (zero unless the store lost state).
+    /// Hosts whose kernel enforces a lease the store does not reserve for
+    /// them now (zero unless the store lost state).
     pub fn outliving_store(&self) -> u64 {
         let cell = self.store.cell(&self.cfg.rule.name, KEY);
         let now = self.store_now(self.now);
         let mut n = 0;
         for h in &self.hosts {
-            if let Some(s) = h.map.lease(KEY) {
-                let entry = cell.hosts.get(h.manager.host()).filter(|e| e.expires > now);
+            if let Some(s) = h.enforced(self.now) {
+                let entry = cell.hosts.get(h.agent.manager().host()).filter(|e| e.expires > now);
                 if entry.is_none_or(|e| s.exceeds(&e.reserved(now))) {
                     n += 1;
                 }
@@ -439,9 +573,10 @@ impl Fleet {
         n
     }
 
-    /// Hosts without a lease now (each may admit the default allowance).
+    /// Hosts whose kernel enforces no lease now (each may admit the
+    /// default allowance).
     pub fn unleased(&self) -> usize {
-        self.hosts.iter().filter(|h| h.map.lease(KEY).is_none()).count()
+        self.hosts.iter().filter(|h| h.enforced(self.now).is_none()).count()
     }
 }
 
@@ -467,7 +602,7 @@ pub fn run(cfg: Config) -> Outcome {
         }
         if let Load::Move { to, at, total, .. } = cfg.load {
             let fair = total.min(cfg.rule.rate);
-            let to_rate = fleet.hosts[to].map.lease(KEY).map_or(0, |s| s.rate);
+            let to_rate = fleet.hosts[to].enforced(fleet.now).map_or(0, |s| s.rate);
             if out.converge.is_none() && fleet.now >= at && to_rate * 10 >= fair * 9 {
                 out.converge = Some(fleet.now - at);
             }
@@ -476,8 +611,11 @@ pub fn run(cfg: Config) -> Outcome {
     let secs = cfg.duration as f64 / 1e6;
     out.admitted = admitted.iter().sum();
     out.offered = offered.iter().sum();
+    out.acked_before_enforced = fleet.acked_before_enforced;
+    out.cuts_acked = fleet.cuts_acked;
     out.ops_per_host_s = fleet.store_calls as f64 / cfg.hosts as f64 / secs;
-    let active = fleet.hosts.iter().filter(|h| h.manager.stats().batches > 0).count().max(1);
+    let active = fleet.hosts.iter().filter(|h| h.agent.manager().stats().batches > 0);
+    let active = active.count().max(1);
     out.ops_per_active_host_s = fleet.store_calls as f64 / active as f64 / secs;
     // Utilisation after the first refresh (the fleet's start).
     let skip = (cfg.rule.refresh / cfg.step) as usize;
@@ -607,6 +745,7 @@ mod tests {
         assert!(o.max_enforced <= 1.0, "{name}: leases summed above L: {o:?}");
         assert!(o.max_reserved <= 1.0, "{name}: reservations summed above L: {o:?}");
         assert_eq!(o.outlived_store, 0, "{name}: a host outlived its lease in the store: {o:?}");
+        assert_eq!(o.acked_before_enforced, 0, "{name}: a cut acknowledged early: {o:?}");
     }
 
     #[test]
@@ -641,6 +780,23 @@ mod tests {
         lossless.loss_ppm = 0;
         let c = run(lossless).converge.expect("converged");
         assert!(c <= bound, "{c} us > {bound} us");
+    }
+
+    /// The settle hold, end to end: a hot key moving to another host cuts
+    /// the first host's lease and shares out what it gives back, and no
+    /// acknowledgement of a cut reaches the store while the cut host's
+    /// kernel still runs its old grant (re-read every `grant::REFRESH_NS`).
+    #[test]
+    fn no_cut_is_acknowledged_before_the_kernel_enforces_it() {
+        let moved = Load::Move { from: 0, to: 1, at: 4_000_000, total: 40_000 };
+        for load in [moved, Load::Carriers { carriers: 3, total: 40_000 }] {
+            let mut cfg = short(load);
+            cfg.loss_ppm = 0;
+            let o = run(cfg);
+            assert!(o.cuts_acked > 0, "no cut to check: {o:?}");
+            assert_eq!(o.acked_before_enforced, 0, "{o:?}");
+            assert_eq!(o.outlived_store, 0, "{o:?}");
+        }
     }
 
     #[test]
