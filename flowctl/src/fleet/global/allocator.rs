@@ -235,6 +235,20 @@ fn add(a: Share, b: Share) -> Share {
 /// `floor(total * part / whole)` in the two steps `lease.lua` takes, so
 /// that no product reaches 2^53: `part <= whole <= MAX_AMOUNT` and
 /// `total <= MAX_AMOUNT`.
+/// A grant the host's bucket can use as it is: a rate share comes with at
+/// least one unit of burst (a GCRA bucket shallower than one unit admits
+/// nothing), counted here against B like any other burst; where none is
+/// free the rate goes too, left to the hosts that can use it. So the kernel
+/// enforces exactly what the store reserves, and the bursts sum to at most
+/// B (docs/design.md, "Global limits: the bounds").
+pub fn usable(s: Share) -> Share {
+    if s.rate > 0 && s.burst == 0 {
+        Share { rate: 0, ..s }
+    } else {
+        s
+    }
+}
+
 pub fn proportion(total: u64, part: u64, whole: u64) -> u64 {
     if whole == 0 {
         return 0;
@@ -332,7 +346,7 @@ pub fn allocate(
     let target = fair_share(limits.rate, &demands, demand);
 
     // 6. The grant: never more than the others leave.
-    let grant = if learning {
+    let grant = usable(if learning {
         Share {
             rate: held.rate.min(free.rate),
             burst: held.burst.min(free.burst),
@@ -342,10 +356,10 @@ pub fn allocate(
         let rate = target.min(free.rate);
         Share {
             rate,
-            burst: proportion(limits.burst, rate, limits.rate).min(free.burst),
+            burst: proportion(limits.burst, rate, limits.rate).max(rate.min(1)).min(free.burst),
             quota: proportion(limits.quota, rate, limits.rate).min(free.quota),
         }
-    };
+    });
     let expires = now + limits.lease;
     if grant.is_zero() && held.is_zero() && demand == 0 && used == 0 {
         // Released and acknowledged: nothing left to remember.
@@ -474,6 +488,30 @@ mod tests {
 
     fn req(host: &str, seq: u64, held: Share, demand: u64) -> Request {
         Request { host: host.into(), seq, held, demand, used: 0, used_for: 0 }
+    }
+
+    #[test]
+    fn a_rate_share_comes_with_a_unit_of_burst_or_not_at_all() {
+        // 3/s of 1390/s with B = 279 is 0.6 units of burst: one unit, counted.
+        let lim = Limits { rate: 1390, burst: 279, quota: 0, lease: 10_000_000, quota_window: 0 };
+        let t = 1_000_000;
+        let all = Share { rate: 1390, burst: 279, quota: 0 };
+        let (cell, r) =
+            allocate(&lim, &meta(), Cell::default(), &req("big", 1, Share::ZERO, 5000), t);
+        assert_eq!(r.grant, all);
+        let (cell, r) = allocate(&lim, &meta(), cell, &req("small", 1, Share::ZERO, 3), t + 1);
+        assert_eq!((r.grant, r.target), (Share::ZERO, 3), "big holds it all yet");
+        // big gives back to its fair share, and says so.
+        let (cell, r) = allocate(&lim, &meta(), cell, &req("big", 2, all, 5000), t + 2);
+        assert_eq!((r.grant.rate, r.grant.burst), (1387, 278), "{r:?}");
+        let (cell, _) = allocate(&lim, &meta(), cell, &req("big", 3, r.grant, 5000), t + 3);
+        let (cell, r) = allocate(&lim, &meta(), cell, &req("small", 2, Share::ZERO, 3), t + 4);
+        assert_eq!(r.grant, Share { rate: 3, burst: 1, quota: 0 }, "the unit of burst, not 0");
+        assert_eq!(cell.reserved(t + 4).burst, 279, "and counted: the bursts sum to B");
+        assert_eq!(
+            usable(Share { rate: 5, burst: 0, quota: 7 }),
+            Share { rate: 0, burst: 0, quota: 7 }
+        );
     }
 
     #[test]

@@ -94,6 +94,10 @@ pub struct HostLoop<B: KeyBackend> {
     /// Batches held back while a lowered grant settles in the kernel.
     held: Vec<Batch>,
     next_observe: Micros,
+    /// Giving everything back ([`release_all`](Self::release_all)): the
+    /// kernel's hot keys and counters are no longer taken, so a key that
+    /// still has traffic is not asked for again the moment it is released.
+    releasing: bool,
 }
 
 /// The grants side: the backend, what the kernel calls each key, what was
@@ -120,10 +124,11 @@ impl<B: KeyBackend> GrantSink for SinkAt<'_, B> {
         let s = &mut *self.grants;
         let id = (rule.to_string(), key.to_string());
         let Some(k) = s.known.get(&id) else { return };
-        // A burst share rounded to nothing would refuse every packet of a
-        // key that has a rate: at least one unit (the bound's slack is one
-        // unit per host).
-        let burst = g.share.burst.max(1);
+        // Exactly what the store reserves: rounding a burst up would take
+        // more than it counts. A share without burst (none is free, or a
+        // zero grant) admits nothing; the store never grants a rate
+        // without a unit of burst (`allocator::usable`).
+        let burst = if g.share.rate == 0 { 0 } else { g.share.burst };
         let rate = g.share.rate;
         if s.applied.get(&id).is_some_and(|old| old.exceeds(&g.share)) {
             s.settle_until = Some(self.now + SETTLE);
@@ -166,7 +171,13 @@ impl<B: KeyBackend> HostLoop<B> {
             settle_until: None,
             errors: 0,
         };
-        Self { manager: Manager::new(cfg), grants, held: Vec::new(), next_observe: 0 }
+        Self {
+            manager: Manager::new(cfg),
+            grants,
+            held: Vec::new(),
+            next_observe: 0,
+            releasing: false,
+        }
     }
 
     /// Adds a global rule, or updates its spec ([`Manager::set_rule`]).
@@ -184,9 +195,11 @@ impl<B: KeyBackend> HostLoop<B> {
     /// ran out end; returns the batches to send now, none while a lowered
     /// grant settles (they wait, and go with the first tick after it).
     pub fn tick(&mut self, now: Micros) -> Vec<Batch> {
-        self.take_hot(now);
-        if now >= self.next_observe {
-            self.observe(now);
+        if !self.releasing {
+            self.take_hot(now);
+            if now >= self.next_observe {
+                self.observe(now);
+            }
         }
         let due = self.manager.poll(now, &mut SinkAt { grants: &mut self.grants, now });
         self.held.extend(due);
@@ -230,8 +243,10 @@ impl<B: KeyBackend> HostLoop<B> {
         self.grants.settle_until
     }
 
-    /// Gives every lease back ([`Manager::release_all`]).
+    /// Gives every lease back ([`Manager::release_all`]) and asks for none
+    /// from now on (the agent is stopping).
     pub fn release_all(&mut self) {
+        self.releasing = true;
         self.manager.release_all();
     }
 
@@ -421,11 +436,36 @@ mod tests {
     }
 
     #[test]
-    fn a_burst_share_of_nothing_is_written_as_one_unit() {
+    fn a_released_key_with_traffic_is_not_asked_for_again() {
+        let (mut l, rule, mut store) = setup();
+        report(&mut l, "k", 7);
+        let b = l.tick(0);
+        answer(&mut l, &mut store, &rule, b);
+        assert!(!l.released());
+        l.release_all();
+        // The kernel still reports the key hot (its traffic goes on).
+        let mut t = 1_000;
+        while !l.released() && t < 2_000_000 {
+            report(&mut l, "k", 7);
+            let b = l.tick(t);
+            answer(&mut l, &mut store, &rule, b);
+            t += 20_000;
+        }
+        assert!(l.released(), "given back and acknowledged by {t} us");
+        report(&mut l, "k", 7);
+        assert!(l.tick(t).is_empty(), "and not asked for again");
+        assert!(l.released());
+    }
+
+    #[test]
+    fn a_grant_is_written_as_the_store_reserved_it() {
         let (mut l, _rule, _store) = setup();
         report(&mut l, "k", 7);
+        // A burst the store did not reserve is not made up: written as it is.
         granted(&mut l, 0, 5, 0);
-        assert_eq!(l.backend().leases[&7].1, 1);
+        assert_eq!(l.backend().leases[&7].1, 0, "no burst: nothing admitted, nothing over");
+        granted(&mut l, 1_000_000, 5, 2);
+        assert_eq!(l.backend().leases[&7].1, 2);
     }
 
     #[test]

@@ -206,7 +206,12 @@ for i = 2, #KEYS do
       grant = { math.min(held[1], free[1]), math.min(held[2], free[2]), math.min(held[3], free[3]) }
     else
       local rate = math.min(target, free[1])
-      grant = { rate, math.min(proportion(B, rate, L), free[2]), math.min(proportion(Q, rate, L), free[3]) }
+      grant = { rate, math.min(math.max(proportion(B, rate, L), math.min(rate, 1)), free[2]), math.min(proportion(Q, rate, L), free[3]) }
+    end
+    -- A rate share needs a unit of burst to admit anything (allocator.rs,
+    -- usable): without one, no rate either.
+    if grant[1] > 0 and grant[2] == 0 then
+      grant[1] = 0
     end
     expires = now + lease
     if grant[1] + grant[2] + grant[3] == 0 and held[1] + held[2] + held[3] == 0 and demand == 0 and used == 0 then
