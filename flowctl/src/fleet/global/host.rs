@@ -285,7 +285,13 @@ impl Manager {
         k.last = Some((offered_total, now));
         if k.history.back().is_none_or(|(_, at)| now >= at + spacing) {
             k.history.push_back((offered_total, now));
-            if k.history.len() > 16 {
+            // At most one refresh interval back, in time, whatever the
+            // cadence of the reads: a key whose traffic moved away must
+            // not average in what it had more than a refresh ago (with
+            // reads every refresh/8, sixteen entries reached back two).
+            while k.history.len() > 16
+                || k.history.front().is_some_and(|(_, at)| now > at + r.spec.refresh)
+            {
                 k.history.pop_front();
             }
         }
@@ -362,7 +368,10 @@ impl Manager {
     /// up to the whole history, until the window holds at least
     /// [`DEMAND_MIN_UNITS`] (a light key's quarter interval holds two or
     /// three packets, and a rate measured from them swings by a third
-    /// between batches). What the store is asked for is that plus
+    /// between batches), unless that longer window's rate would have put
+    /// twice as many in the quarter: then the traffic fell, and the
+    /// quarter's rate is the demand (a key moved to another host gives its
+    /// share back at its next batch, not one later). What the store is asked for is that plus
     /// [`demand_headroom`]: a grant of exactly the measured rate would
     /// refuse whatever the measurement missed. A key not measured yet asks
     /// for the whole rate (the allocator gives it its fair share). A
@@ -373,16 +382,27 @@ impl Manager {
             return 0;
         }
         if let Some((n1, at1)) = k.last {
-            let mut window = None;
-            for &(n0, at0) in k.history.iter().rev().filter(|(_, at)| at1 >= at + refresh / 4) {
-                window = Some((n0, at0));
-                if n1 - n0 >= DEMAND_MIN_UNITS {
-                    break;
+            let rate = |(n0, at0): (u64, Micros)| {
+                let d = (n1 - n0) as u128 * 1_000_000 / (at1 - at0).max(1) as u128;
+                d.min(u64::MAX as u128) as u64
+            };
+            let mut back = k.history.iter().rev().filter(|(_, at)| at1 >= at + refresh / 4);
+            let quarter = back.next().copied();
+            let mut window = quarter;
+            while window.is_some_and(|(n0, _)| n1 - n0 < DEMAND_MIN_UNITS) {
+                match back.next() {
+                    Some(&w) => window = Some(w),
+                    None => break,
                 }
             }
-            if let Some((n0, at0)) = window {
-                let d = (n1 - n0) as u128 * 1_000_000 / (at1 - at0) as u128;
-                k.demand = Some(d.min(u64::MAX as u128) as u64);
+            if let (Some(q), Some(w)) = (quarter, window) {
+                // The longer window's rate would have put at least twice
+                // DEMAND_MIN_UNITS in the quarter, which got fewer than
+                // DEMAND_MIN_UNITS: the traffic fell (moved away), it is
+                // not a light key's chance silence. The quarter says so.
+                let expected = rate(w) as u128 * (at1 - q.1) as u128 / 1_000_000;
+                let fell = expected >= 2 * DEMAND_MIN_UNITS as u128;
+                k.demand = Some(if fell { rate(q) } else { rate(w) });
             }
         }
         k.demand.map_or(ask, demand_headroom)
@@ -681,5 +701,33 @@ mod tests {
         }
         assert!(asked.len() >= 15, "{asked:?}");
         assert!(asked.iter().all(|d| (20..=24).contains(d)), "asked for {asked:?}");
+    }
+
+    #[test]
+    fn a_key_whose_traffic_moved_away_asks_for_nothing_at_its_next_batch() {
+        // 4,000 units per second for 10 refreshes, then silence (the key
+        // moved to another host), read every refresh/8 as the agent does.
+        let (mut m, rule, mut store) = setup(10);
+        let mut sink = Sink::default();
+        m.note_hot("web", "k", 0);
+        let step = rule.refresh / 8;
+        let moved = 10 * rule.refresh + 3 * step;
+        let offered = |t: Micros| t.min(moved) * 4_000 / 1_000_000;
+        let mut after = Vec::new();
+        let mut now = 0;
+        while now < moved + 2 * rule.refresh {
+            m.observe("web", "k", offered(now), now);
+            for b in m.poll(now, &mut sink) {
+                if now > moved + rule.refresh / 4 {
+                    after.push((now - moved, b.items[0].demand));
+                }
+                let r = store.run_batch(&b.call(&rule, "x"), now + 10_000_000);
+                m.on_reply(&b.rule, b.seq, &r, now + 1000, &mut sink);
+            }
+            now += step;
+        }
+        // The first batch a quarter refresh after the move reports no
+        // demand (the old window reached back past the move: 708/s).
+        assert_eq!(after.first().map(|a| a.1), Some(0), "{after:?}");
     }
 }
