@@ -202,6 +202,23 @@ fn add_rule(
     leases.set_rule(spec);
 }
 
+/// How the agent reaches the profile's store: the URL, the ACL user, the
+/// password read from its file now (kept out of the profile), the CA, and
+/// this host's client certificate for mutual TLS.
+fn store_config(fleet: &Fleet) -> Result<StoreConfig> {
+    let mut cfg = StoreConfig::new(&fleet.redis);
+    cfg.username = fleet.redis_user.clone();
+    if let Some(p) = &fleet.redis_password_file {
+        let pw = std::fs::read_to_string(p)
+            .with_context(|| format!("reading redis_password_file {}", p.display()))?;
+        cfg.password = Some(pw.trim_end_matches(['\n', '\r']).to_string());
+    }
+    cfg.ca_file = fleet.redis_ca.clone();
+    cfg.client_cert = fleet.redis_client_cert.clone();
+    cfg.timeout = STORE_TIMEOUT;
+    Ok(cfg)
+}
+
 impl LeaseLoop {
     /// The loop for `set`'s global rules (`None` without any), with its
     /// store task started. The store is not reached yet: a store that is
@@ -216,16 +233,8 @@ impl LeaseLoop {
         if specs.is_empty() {
             return Ok(None);
         }
-        let mut cfg = StoreConfig::new(&fleet.redis);
-        cfg.username = fleet.redis_user.clone();
-        if let Some(p) = &fleet.redis_password_file {
-            let pw = std::fs::read_to_string(p)
-                .with_context(|| format!("reading redis_password_file {}", p.display()))?;
-            cfg.password = Some(pw.trim_end_matches(['\n', '\r']).to_string());
-        }
-        cfg.ca_file = fleet.redis_ca.clone();
-        cfg.timeout = STORE_TIMEOUT;
-        let store = Store::new(cfg).map_err(|e| anyhow::anyhow!("[fleet] redis: {e}"))?;
+        let store =
+            Store::new(store_config(fleet)?).map_err(|e| anyhow::anyhow!("[fleet] redis: {e}"))?;
         let name = fleet.host.clone().unwrap_or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
@@ -549,4 +558,34 @@ pub fn published(state: &AttachState, agent_fresh: bool) -> Option<Published> {
     }
     let text = std::fs::read(state.id.run_dir().join(PUBLISHED)).ok()?;
     serde_json::from_slice(&text).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::store_config;
+    use crate::profile::parse;
+
+    #[test]
+    fn the_profile_says_how_to_reach_the_store() {
+        let dir = std::env::temp_dir().join(format!("flowctl-store-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("redis.pass");
+        std::fs::write(&pw, "s3cret\n").unwrap();
+        let text = format!(
+            "[fleet]\nredis = \"rediss://10.0.0.1:6380\"\nredis_user = \"flowctl\"\nredis_password_file = \"{}\"\nredis_ca = \"/etc/ca.pem\"\nredis_cert = \"/etc/c.pem\"\nredis_key = \"/etc/k.pem\"\n[[rule]]\nname = \"g\"\nrate = \"10/s\"\nkey = \"src\"\nscope = \"global\"\n",
+            pw.display()
+        );
+        let set = parse("p.toml", &text).unwrap();
+        let cfg = store_config(set.fleet.as_ref().unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(cfg.url, "rediss://10.0.0.1:6380");
+        assert_eq!(cfg.username.as_deref(), Some("flowctl"));
+        assert_eq!(cfg.password.as_deref(), Some("s3cret"), "the file's line, without its newline");
+        assert_eq!(cfg.ca_file, Some("/etc/ca.pem".into()));
+        assert_eq!(cfg.client_cert, Some(("/etc/c.pem".into(), "/etc/k.pem".into())));
+        // An unreadable password file refuses the attach, naming the file.
+        let gone = parse("p.toml", &text).unwrap();
+        let e = store_config(gone.fleet.as_ref().unwrap()).unwrap_err();
+        assert!(format!("{e:#}").contains("reading redis_password_file"), "{e:#}");
+    }
 }
