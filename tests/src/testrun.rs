@@ -225,5 +225,8 @@ impl Drop for TestPlane {
     fn drop(&mut self) {
         let _ = dataplane::detach(&self.id);
         let _ = std::fs::remove_dir_all(self.id.run_dir());
+        // Nothing of the test stays on the machine (the pin and run roots
+        // too, once no other plane or attachment is in them).
+        dataplane::pins::prune_empty_roots();
     }
 }

@@ -340,6 +340,26 @@ fn non_ip_always_passes() {
     assert_eq!(p.unmatched().non_ip_pkts, 3);
 }
 
+/// A plane's pins and run files go with it, and so do the roots it made
+/// (`/sys/fs/bpf/flowctl`, `/run/flowctl`) when nothing else is in them:
+/// the kernel tier once left an empty `flowctl/v6/ifaces` in bpffs.
+fn a_test_plane_leaves_nothing_behind() {
+    let roots = [flowctl_common::PIN_ROOT, flowctl_common::RUN_ROOT];
+    let before: Vec<bool> = roots.iter().map(|r| std::path::Path::new(r).exists()).collect();
+    let p = TestPlane::new(&profile("[[rule]]\nname = \"all\"\nrate = \"1/s\"\n"));
+    assert_eq!(p.run(&arp()), XDP_PASS);
+    let pins = p.id.pin_dir();
+    assert!(pins.exists());
+    drop(p);
+    assert!(!pins.exists(), "{} stays", pins.display());
+    for (root, was) in roots.iter().zip(before) {
+        // One another attachment keeps is not this test's to remove.
+        if !was {
+            assert!(!std::path::Path::new(root).exists(), "{root} stays after the last plane");
+        }
+    }
+}
+
 /// Truncation at every byte boundary gets the malformed verdict (default
 /// pass, counted), never a crash or a match on garbage.
 fn truncation_at_every_boundary() {
@@ -1130,6 +1150,7 @@ fn main() {
         pass_rule_exempts_before_later_rules: [Root],
         header_layouts_are_parsed: [Root],
         non_ip_always_passes: [Root],
+        a_test_plane_leaves_nothing_behind: [Root],
         truncation_at_every_boundary: [Root],
         fragment_policy_v4_and_v6: [Root],
         apply_keeps_state_and_reclassifies_cached_sources: [Root],

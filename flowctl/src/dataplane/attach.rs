@@ -153,5 +153,7 @@ pub fn detach(id: &AttachId) -> Result<bool> {
     for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {
         let _ = fs::remove_file(id.run_dir().join(f));
     }
+    // The last attachment's pins gone: so is the pin root's layout.
+    super::pins::prune_empty_roots();
     Ok(true)
 }
