@@ -52,8 +52,12 @@ enum Job {
 enum Event {
     Reply { rule: String, seq: u64, result: Result<BatchReply, String> },
     Hosts(Result<u64, String>),
-    Health { health: String, up: bool, rtt: Option<Duration> },
+    Health { health: String, state: &'static str, up: bool, rtt: Option<Duration> },
 }
+
+/// The store's states as `status` and the metrics name them
+/// (`flowctl_global_store_state{state}`).
+pub const STORE_STATES: [&str; 4] = ["unknown", "ok", "unreachable", "learning"];
 
 /// The store task: one call at a time, in order.
 async fn store_task(
@@ -72,15 +76,19 @@ async fn store_task(
                 let _ = events.send(Event::Hosts(n));
             }
         }
-        let (health, up) = match store.health() {
-            Health::Unknown => ("not asked yet".to_string(), false),
-            Health::Ok { .. } => ("ok".into(), true),
-            Health::Unreachable { error, .. } => (format!("unreachable: {error}"), false),
-            Health::EpochChanged { rule, .. } => {
-                (format!("lost its state (rule {rule} learning for one lease)"), true)
+        let (health, state, up) = match store.health() {
+            Health::Unknown => ("not asked yet".to_string(), STORE_STATES[0], false),
+            Health::Ok { .. } => ("ok".into(), STORE_STATES[1], true),
+            Health::Unreachable { error, .. } => {
+                (format!("unreachable: {error}"), STORE_STATES[2], false)
             }
+            Health::EpochChanged { rule, .. } => (
+                format!("lost its state (rule {rule} learning for one lease)"),
+                STORE_STATES[3],
+                true,
+            ),
         };
-        let _ = events.send(Event::Health { health, up, rtt: store.rtt() });
+        let _ = events.send(Event::Health { health, state, up, rtt: store.rtt() });
     }
 }
 
@@ -154,6 +162,7 @@ pub struct LeaseLoop {
     lease: Duration,
     store_url: String,
     health: String,
+    state: &'static str,
     up: bool,
     rtt: Option<Duration>,
     hosts: Option<u64>,
@@ -278,6 +287,7 @@ impl LeaseLoop {
             lease: Duration::from_nanos(fleet.lease_ns),
             store_url: fleet.redis.clone(),
             health: "not asked yet".into(),
+            state: STORE_STATES[0],
             up: false,
             rtt: None,
             hosts: None,
@@ -334,7 +344,7 @@ impl LeaseLoop {
                     self.hosts = Some(n);
                 }
                 Event::Hosts(Err(_)) => {}
-                Event::Health { health, up, rtt } => {
+                Event::Health { health, state, up, rtt } => {
                     if health != self.health {
                         if up {
                             tracing::info!("redis {}: {health}", self.store_url);
@@ -345,7 +355,7 @@ impl LeaseLoop {
                             );
                         }
                     }
-                    (self.health, self.up, self.rtt) = (health, up, rtt);
+                    (self.health, self.state, self.up, self.rtt) = (health, state, up, rtt);
                 }
             }
         }
@@ -434,6 +444,7 @@ impl LeaseLoop {
             store: PublishedStore {
                 url: self.store_url.clone(),
                 health: self.health.clone(),
+                state: self.state.to_string(),
                 up: self.up,
                 rtt_ms: self.rtt.map(|d| d.as_secs_f64() * 1e3),
                 hosts: self.hosts,
@@ -501,6 +512,9 @@ pub struct PublishedStore {
     /// Without credentials (the profile refuses them in the URL).
     pub url: String,
     pub health: String,
+    /// One of [`STORE_STATES`] (older agents did not say: empty).
+    #[serde(default)]
+    pub state: String,
     pub up: bool,
     pub rtt_ms: Option<f64>,
     /// Live hosts (heartbeats within a lease).

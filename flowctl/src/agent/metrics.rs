@@ -26,6 +26,11 @@ struct RuleLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BookingLabels {
     rule: String,
     outcome: String,
@@ -239,6 +244,16 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
         "flowctl_global_store_up",
         "1 while the lease store (Redis) answers",
         gauge(p.store.up as i64),
+    );
+    // A state set: one series per state, 1 for the one the store is in.
+    let state = Family::<StateLabel, Gauge>::default();
+    for s in crate::agent::leases::STORE_STATES {
+        state.get_or_create(&StateLabel { state: s.into() }).set((p.store.state == s) as i64);
+    }
+    reg.register(
+        "flowctl_global_store_state",
+        "The lease store's state: unknown (not asked yet), ok, unreachable, learning (it lost its state; grants echo what hosts hold for one lease)",
+        state,
     );
     reg.register(
         "flowctl_global_store_rtt_seconds",
@@ -631,6 +646,45 @@ mod tests {
             }
         }
         assert!(seen >= 10);
+    }
+
+    #[test]
+    fn the_lease_store_state_renders_as_a_state_set() {
+        use crate::agent::leases::{Published, PublishedStore};
+        let p = Published {
+            updated_ns: 0,
+            host: "h".into(),
+            store: PublishedStore {
+                url: "redis://10.0.0.1:6379".into(),
+                health: "unreachable: no answer".into(),
+                state: "unreachable".into(),
+                up: false,
+                rtt_ms: Some(2.5),
+                hosts: Some(3),
+            },
+            batches: 0,
+            replies: 0,
+            failures: 0,
+            expired: 0,
+            over_cap: 0,
+            epoch_changes: 0,
+            grant_errors: 0,
+            rules: Vec::new(),
+        };
+        let mut reg = <super::Registry>::default();
+        super::register_leases(&mut reg, &p);
+        let mut out = String::new();
+        super::encode(&mut out, &reg).unwrap();
+        for line in [
+            r#"flowctl_global_store_state{state="unreachable"} 1"#,
+            r#"flowctl_global_store_state{state="ok"} 0"#,
+            r#"flowctl_global_store_state{state="learning"} 0"#,
+            r#"flowctl_global_store_state{state="unknown"} 0"#,
+            "flowctl_global_store_up 0",
+            "flowctl_global_hosts 3",
+        ] {
+            assert!(out.contains(line), "{line} in:\n{out}");
+        }
     }
 
     #[test]
