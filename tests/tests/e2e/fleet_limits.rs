@@ -156,6 +156,7 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
         for lab in labs {
             let l = attachment(&lab.veth_srv).unwrap()["leases"].clone();
             assert_eq!(l["store"]["up"], true, "{l}");
+            assert_eq!(l["store"]["state"], "ok", "{l}");
             assert_eq!(l["store"]["hosts"].as_u64(), Some(3), "three live hosts: {l}");
             assert_eq!(l["rules"][0]["rate"].as_u64(), Some(RATE as u64), "{l}");
             // `none`: the live hosts' default allowances cost nothing.
@@ -189,6 +190,7 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
     let shows_outage = || {
         let l = attachment(&labs[0].veth_srv).unwrap()["leases"].clone();
         assert_eq!(l["store"]["up"], false, "the outage shows: {l}");
+        assert_eq!(l["store"]["state"], "unreachable", "{l}");
     };
     let raises_nothing = |all: &[Value]| {
         let now: Vec<u64> = all.iter().map(fleet_lab::lease_rate).collect();
