@@ -1047,21 +1047,28 @@ fn global_rule_runs_at_its_grant_and_reports_hot_keys() {
     let b = gk.bucket(&key).expect("the key's bucket");
     assert_eq!(b.offered, 23, "every packet counted as demand");
     let tat = b.tat;
-    // A grant of 1000/s, burst 5: from the kernel's next re-read.
-    let interval = flowctl_common::gcra::interval_fp(1000, 1);
+    // A grant of 100/s, burst 5: from the kernel's next re-read.
+    let interval = flowctl_common::gcra::interval_fp(100, 1);
     gk.set_grant(&key, interval, 5).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
     // Re-rated keeping the credit in units (docs/design.md C3): the share
     // had spent its one unit, so the lease starts empty and fills at
-    // 1000/s; a deeper lease mints no burst (one unit more for the
-    // millisecond the packets may take).
+    // 100/s; a deeper lease mints no burst: at most one unit, and one more
+    // per 10 ms the packets take (a VM under TCG takes milliseconds for
+    // them; a minted burst would pass 5 at once).
     assert!(tat > flowctl::system::clock::monotonic_ns(), "the share's unit is owed");
+    let t0 = std::time::Instant::now();
     let v: Vec<u32> = (0..8).map(|_| p.run(&f)).collect();
+    let refilled = (t0.elapsed().as_millis() / 10) as usize;
     let passed = v.iter().filter(|x| **x == XDP_PASS).count();
-    assert!(passed <= 1, "nothing of the grant's burst of 5 before it fills: {v:?}");
+    assert!(
+        passed <= 1 + refilled,
+        "nothing of the grant's burst of 5 before it fills: {v:?} in {:?}",
+        t0.elapsed()
+    );
     let b = gk.bucket(&key).unwrap();
     assert_eq!(b.grant, flowctl_common::grant::encode(interval, 5), "the bucket cached the grant");
-    // Cleared: back to the share. 60 ms at 1000/s refilled the bucket, so
+    // Cleared: back to the share. 60 ms at 100/s refilled the bucket, so
     // the share's one unit is there, and then spent.
     gk.clear_grant(&key).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(60));
