@@ -121,6 +121,15 @@ fn guest_script(out: &Path, flowctl: &Path, plan: &[Step]) -> String {
 set -u
 OUT={out}
 echo "flowctl-vm: guest script started at $(cut -d' ' -f1 /proc/uptime) s after boot on $(uname -r)"
+# The first cpu.max in a guest turns the scheduler's CFS-bandwidth static
+# key on, and the kernel patches its text with int3 to do it; under TCG a
+# 6.12 guest oopsed in that patching (enqueue_entity, twice on 2026-12-03,
+# in the cgroup tier). Turned on here, before the boot counts as done (a
+# guest that dies before boot_s is booted once more), and kept on for the
+# guest's life, so no test flips it again.
+echo +cpu > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+mkdir -p /sys/fs/cgroup/flowctl-vm-bandwidth 2>/dev/null \
+    && echo "1000000 1000000" > /sys/fs/cgroup/flowctl-vm-bandwidth/cpu.max 2>/dev/null || true
 cut -d' ' -f1 /proc/uptime > "$OUT/boot_s"
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root RUST_BACKTRACE=1 {vm_env}=1 FLOWCTL_BIN={flowctl}
