@@ -54,7 +54,7 @@ pub fn matrix(quick: bool, flowctl: &Path) -> Result<()> {
             }
         }
     }
-    let dir = root().join("target/vm-bench");
+    let dir = root().join("target").join(vm::BENCH_DIR);
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("summary.txt"), &summary)?;
     println!("\n{summary}");

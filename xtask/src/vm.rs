@@ -197,9 +197,19 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Where the test tiers' and the benchmark's guests write (under
+/// `target/`, a directory per kernel).
+const TEST_DIR: &str = "vm-matrix";
+pub const BENCH_DIR: &str = "vm-bench";
+
+/// The writable directory of a guest of `k` under `target/DIR/`.
+fn out_dir(dir: &str, k: &Kernel) -> PathBuf {
+    root().join("target").join(dir).join(k.version)
+}
+
 /// The kernel tier and the end-to-end subset on kernel `k`.
 pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<KernelRun> {
-    run_plan(k, plan(bins)?, flowctl, "vm-matrix")
+    run_plan(k, plan(bins)?, flowctl, TEST_DIR)
 }
 
 /// `bench ARGS` (the benchmark runner) on kernel `k`; with what it printed.
@@ -216,8 +226,8 @@ pub fn bench(
         without_xdp: None,
         libtest: false,
     };
-    let run = run_plan(k, vec![step], flowctl, "vm-bench")?;
-    let log = root().join("target/vm-bench").join(k.version).join("bench.log");
+    let run = run_plan(k, vec![step], flowctl, BENCH_DIR)?;
+    let log = out_dir(BENCH_DIR, k).join("bench.log");
     Ok((run, std::fs::read_to_string(log).unwrap_or_default()))
 }
 
@@ -243,7 +253,7 @@ fn run_plan(k: &Kernel, plan: Vec<Step>, flowctl: &Path, dir: &str) -> Result<Ke
     let Some(vng) = setup::vng() else {
         return Ok(fail("no vng (cargo xtask setup installs virtme-ng)".into()));
     };
-    let out = root().join("target").join(dir).join(k.version);
+    let out = out_dir(dir, k);
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let script = out.join("guest.sh");

@@ -52,12 +52,17 @@ enum Job {
 enum Event {
     Reply { rule: String, seq: u64, result: Result<BatchReply, String> },
     Hosts(Result<u64, String>),
-    Health { health: String, state: &'static str, up: bool, rtt: Option<Duration> },
+    Health { health: String, state: &'static str, rtt: Option<Duration> },
 }
 
 /// The store's states as `status` and the metrics name them
 /// (`flowctl_global_store_state{state}`).
 pub const STORE_STATES: [&str; 4] = ["unknown", "ok", "unreachable", "learning"];
+
+/// Whether the store answers in `state` (learning answers too).
+fn store_up(state: &str) -> bool {
+    state == STORE_STATES[1] || state == STORE_STATES[3]
+}
 
 /// The store task: one call at a time, in order.
 async fn store_task(
@@ -76,19 +81,15 @@ async fn store_task(
                 let _ = events.send(Event::Hosts(n));
             }
         }
-        let (health, state, up) = match store.health() {
-            Health::Unknown => ("not asked yet".to_string(), STORE_STATES[0], false),
-            Health::Ok { .. } => ("ok".into(), STORE_STATES[1], true),
-            Health::Unreachable { error, .. } => {
-                (format!("unreachable: {error}"), STORE_STATES[2], false)
+        let (health, state) = match store.health() {
+            Health::Unknown => ("not asked yet".to_string(), STORE_STATES[0]),
+            Health::Ok { .. } => ("ok".into(), STORE_STATES[1]),
+            Health::Unreachable { error, .. } => (format!("unreachable: {error}"), STORE_STATES[2]),
+            Health::EpochChanged { rule, .. } => {
+                (format!("lost its state (rule {rule} learning for one lease)"), STORE_STATES[3])
             }
-            Health::EpochChanged { rule, .. } => (
-                format!("lost its state (rule {rule} learning for one lease)"),
-                STORE_STATES[3],
-                true,
-            ),
         };
-        let _ = events.send(Event::Health { health, state, up, rtt: store.rtt() });
+        let _ = events.send(Event::Health { health, state, rtt: store.rtt() });
     }
 }
 
@@ -163,7 +164,6 @@ pub struct LeaseLoop {
     store_url: String,
     health: String,
     state: &'static str,
-    up: bool,
     rtt: Option<Duration>,
     hosts: Option<u64>,
     next_heartbeat: Instant,
@@ -180,14 +180,13 @@ fn global_rules(set: &RuleSet, fleet: &Fleet) -> Vec<(GlobalRule, u8, Option<Win
             let g = r.global.as_ref()?;
             // Units per second of the intervals, to the nearest (each was
             // rounded up from the rate as written).
-            let per_s = units_per_second;
-            let mut spec = GlobalRule::new(&r.name, per_s(r.interval_fp), r.burst);
+            let mut spec = GlobalRule::new(&r.name, units_per_second(r.interval_fp), r.burst);
             spec.lease = fleet.lease_ns / 1_000;
             spec.refresh = fleet.refresh_ns / 1_000;
             spec.default_share = g
                 .share
                 .as_ref()
-                .map(|s| DefaultShare { rate: per_s(s.interval_fp), burst: s.burst });
+                .map(|s| DefaultShare { rate: units_per_second(s.interval_fp), burst: s.burst });
             let quota = (r.quota_bucket_ns != 0)
                 .then_some(Window { bucket_ns: r.quota_bucket_ns, buckets: r.quota_buckets });
             if let Some(w) = &quota {
@@ -288,7 +287,6 @@ impl LeaseLoop {
             store_url: fleet.redis.clone(),
             health: "not asked yet".into(),
             state: STORE_STATES[0],
-            up: false,
             rtt: None,
             hosts: None,
             next_heartbeat: now,
@@ -344,9 +342,9 @@ impl LeaseLoop {
                     self.hosts = Some(n);
                 }
                 Event::Hosts(Err(_)) => {}
-                Event::Health { health, state, up, rtt } => {
+                Event::Health { health, state, rtt } => {
                     if health != self.health {
-                        if up {
+                        if store_up(state) {
                             tracing::info!("redis {}: {health}", self.store_url);
                         } else {
                             tracing::warn!(
@@ -355,7 +353,7 @@ impl LeaseLoop {
                             );
                         }
                     }
-                    (self.health, self.state, self.up, self.rtt) = (health, state, up, rtt);
+                    (self.health, self.state, self.rtt) = (health, state, rtt);
                 }
             }
         }
@@ -445,7 +443,7 @@ impl LeaseLoop {
                 url: self.store_url.clone(),
                 health: self.health.clone(),
                 state: self.state.to_string(),
-                up: self.up,
+                up: store_up(self.state),
                 rtt_ms: self.rtt.map(|d| d.as_secs_f64() * 1e3),
                 hosts: self.hosts,
             },

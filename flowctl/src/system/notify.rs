@@ -6,12 +6,10 @@
 use sd_notify::NotifyState;
 use std::time::Duration;
 
-/// Sends `states`; a failure is logged, never fatal (the data plane does
-/// not depend on the manager hearing it).
+/// Sends `states` (nothing without `NOTIFY_SOCKET`: sd-notify checks); a
+/// failure is logged, never fatal (the data plane does not depend on the
+/// manager hearing it).
 fn send(states: &[NotifyState]) {
-    if std::env::var_os("NOTIFY_SOCKET").is_none() {
-        return;
-    }
     if let Err(e) = sd_notify::notify(false, states) {
         tracing::warn!("telling the service manager {states:?}: {e}");
     }

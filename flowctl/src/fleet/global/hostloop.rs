@@ -7,8 +7,8 @@
 //! (each names a key as the store does and as the kernel does, remembered
 //! for the grants); the keys' offered counts and quota spending, read eight
 //! times a refresh; the grant sink, which writes a lease into the key's
-//! grant word (a burst of at least one unit, the lease's end beside it) and
-//! tells a cut from a raise; and the settle hold: after a grant is lowered
+//! grant word (exactly what the store reserved, the lease's end beside it)
+//! and tells a cut from a raise; and the settle hold: after a grant is lowered
 //! no batch leaves for [`SETTLE`], so no acknowledgement of the lower grant
 //! reaches the store before the kernel, which re-reads a grant word at most
 //! every `grant::REFRESH_NS`, enforces it.
