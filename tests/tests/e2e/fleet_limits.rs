@@ -184,9 +184,26 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
     }
     // The store hangs (SIGSTOP): no host raises a rate while it does; the
     // leases end, the keys fall back to `none`.
-    let held = lease_rates(labs);
-    assert!(held.iter().all(|&r| r > 0), "every host holds a lease before the outage: {held:?}");
+    let before = lease_rates(labs);
+    assert!(
+        before.iter().all(|&r| r > 0),
+        "every host holds a lease before the outage: {before:?}"
+    );
     redis.server.pause();
+    // What the hosts hold once each has seen the store hang: `status` reads
+    // a state published every 500 ms, so a reading taken before the pause
+    // can miss a grant the store made just before it; from here on no
+    // answer can come, and no rate may rise.
+    let t0 = Instant::now();
+    while !fleet_lab::attachments(labs)
+        .unwrap()
+        .iter()
+        .all(|a| a["leases"]["store"]["state"] == "unreachable")
+    {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the hang is not seen within 5 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held = lease_rates(labs);
     let shows_outage = || {
         let l = attachment(&labs[0].veth_srv).unwrap()["leases"].clone();
         assert_eq!(l["store"]["up"], false, "the outage shows: {l}");
