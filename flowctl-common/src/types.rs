@@ -456,21 +456,24 @@ impl SrcKey {
 
 /// Per-source cache entry: the source's class (the LPM trie's answer) and the
 /// bucket of the one source-keyed rule that owns the entry. The common case, a
-/// source hitting one source-keyed rule, costs a single hash lookup; the entry
-/// is kept small (24 bytes) because its cache misses are the hot path's cost.
+/// source hitting one source-keyed rule, costs a single hash lookup, local or
+/// global. A local owner uses only `bucket.tat`, which sits in the entry's
+/// first 24 bytes beside the class, so its path touches what it touched when
+/// the entry was 24 bytes; a global owner (docs/fleet.md) uses the whole
+/// bucket, its cached grant and demand count included, so a leased hot key
+/// needs no second table (docs/design.md, "Where bucket state lives").
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SrcEntry {
-    /// GCRA theoretical arrival time of the owner's bucket (ns). First field:
-    /// the compare-and-swap needs it 8-byte aligned.
-    pub tat: u64,
     /// Low 32 bits of the generation `class` was computed for.
     pub generation: u32,
-    /// `state_id` of the source-keyed rule whose bucket `tat` is (0: none).
+    /// `state_id` of the source-keyed rule whose bucket `bucket` is (0: none).
     pub owner_state: u32,
     /// Index into the slot's `SRC_CLASSES` (`NO_CLASS`: none).
     pub class: u32,
     pub _pad: u32,
+    /// The owner's bucket (8-byte aligned, for the compare-and-swap).
+    pub bucket: GlobalBucket,
 }
 
 /// Key of the shared key table (buckets of every rule that the per-source
@@ -501,6 +504,9 @@ pub struct GlobalBucket {
     pub grant: u64,
     /// When it was read (`grant::REFRESH_NS`).
     pub grant_read_ns: u64,
+    /// When the lease read with `grant` ends (kernel clock, ns). With the
+    /// three fields above, all a leased key's packet reads.
+    pub grant_expires_ns: u64,
     /// Units offered by this key here since the bucket was made: the agent
     /// reads its growth as the key's demand.
     pub offered: u64,
@@ -509,8 +515,6 @@ pub struct GlobalBucket {
     /// The quota share read with `grant` (units per window; meaningful
     /// while `grant` holds a lease and the rule has a quota).
     pub quota: u64,
-    /// When the lease read with `grant` ends (kernel clock, ns).
-    pub grant_expires_ns: u64,
 }
 
 /// This host's grant for one key of a global rule (`FLOWCTL_GRANTS`,
@@ -649,7 +653,8 @@ assert_layout!(EgressTarget, 24, 4);
 assert_layout!(RuleCounters, 248, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
-assert_layout!(SrcEntry, 24, 8);
+assert_layout!(SrcEntry, 72, 8);
+assert_layout!(GlobalBucket, 56, 8);
 assert_layout!(BucketKey, 44, 4);
 
 #[cfg(feature = "user")]

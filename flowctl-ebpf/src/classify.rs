@@ -15,9 +15,9 @@ use crate::{
 };
 use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
 use flowctl_common::{
-    frag, matcher, reason, rule_set, unparsed, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
-    SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS,
-    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
+    frag, matcher, reason, rule_set, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap,
+    RuleConfig, SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
+    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
 };
 
 /// What classification found for a packet.
@@ -90,7 +90,13 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
 
     // Refresh the cache entry when it was stale or missing.
     if entry_ptr.is_null() {
-        let e = SrcEntry { tat: 0, generation, owner_state: 0, class, _pad: 0 };
+        let e = SrcEntry {
+            generation,
+            owner_state: 0,
+            class,
+            _pad: 0,
+            bucket: GlobalBucket::default(),
+        };
         if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.source_inserts += 1;

@@ -625,7 +625,7 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
     let now = flowctl::system::clock::monotonic_ns();
     // Two tokens spent of a 1/min bucket: the TAT is about 2 minutes of
     // emission ahead of the first packet, not 6.
-    let ahead = e.tat.saturating_sub(now);
+    let ahead = e.bucket.tat.saturating_sub(now);
     assert!(
         ahead <= 2 * 60_000_000_000 && ahead > 60_000_000_000,
         "TAT {ahead} ns ahead: quota refusals took tokens?"
@@ -1008,7 +1008,11 @@ fn profile_admission_ratio_reaches_the_kernel() {
 /// A global rule (docs/fleet.md): 1000/s fleet-wide per source, and this
 /// host's default share before a lease, `share`.
 fn global_profile(share: &str) -> String {
-    profile(&format!("[fleet]\nredis = \"redis://127.0.0.1:6379\"\n[[rule]]\nname = \"g\"\nproto = \"udp\"\nrate = \"1000/s\"\nburst = 500\nkey = \"src\"\nscope = \"global\"\ndefault_share = \"{share}\"\n"))
+    global_profile_keyed(share, "src")
+}
+
+fn global_profile_keyed(share: &str, key: &str) -> String {
+    profile(&format!("[fleet]\nredis = \"redis://127.0.0.1:6379\"\n[[rule]]\nname = \"g\"\nproto = \"udp\"\nrate = \"1000/s\"\nburst = 500\nkey = \"{key}\"\nscope = \"global\"\ndefault_share = \"{share}\"\n"))
 }
 
 fn global_key(p: &TestPlane, src: [u8; 4]) -> flowctl_common::BucketKey {
@@ -1104,6 +1108,109 @@ fn global_rule_without_a_share_waits_for_its_lease() {
     assert_eq!(gk.bucket(&hot[0].key).unwrap().grant, flowctl_common::grant::NO_LEASE);
 }
 
+/// A source key's bucket lives in the source's cache entry, so a leased
+/// key costs one hash lookup per packet as a local source-keyed rule's
+/// does, and its admissions are decided inline (`global::fast`): at the
+/// grant's rate, every packet counted as demand, refusals through the full
+/// stage. A key of another kind keeps its bucket in `FLOWCTL_GLOBAL_KEYS`.
+fn global_source_key_lives_in_the_source_entry() {
+    let p = TestPlane::new(&global_profile("none"));
+    let f = V4::new([10, 7, 0, 3]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    let key = global_key(&p, [10, 7, 0, 3]);
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    assert_eq!(p.run(&f), XDP_DROP, "no lease, no share");
+    let pinned =
+        |name: &str| aya::maps::MapData::from_pin(p.id.pin_dir().join(name)).expect("a pinned map");
+    let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned(
+            flowctl_common::map_names::SRC_CACHE,
+        )))
+        .unwrap();
+    let table: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::GlobalBucket> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned(
+            flowctl_common::map_names::GLOBAL_KEYS,
+        )))
+        .unwrap();
+    let src = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a07_0003] };
+    assert_eq!(cache.get(&src, 0).unwrap().owner_state, key.state_id, "the rule owns the entry");
+    assert!(table.get(&key, 0).is_err(), "nothing in the key table");
+    assert_eq!(p.counters("g").key_inserts, 1);
+    // A lease of 1000/s with a burst of 10. The re-read carries the share's
+    // credit over (none), then the bucket fills at one unit per ms.
+    let interval = flowctl_common::gcra::interval_fp(1000, 1);
+    gk.set_grant(&key, interval, 10).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    p.run(&f);
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    gk.hot(64);
+    let t0 = std::time::Instant::now();
+    let v: Vec<u32> = (0..40).map(|_| p.run(&f)).collect();
+    let elapsed_ms = t0.elapsed().as_millis() as usize;
+    let passed = v.iter().filter(|x| **x == XDP_PASS).count();
+    assert!(v[..10].iter().all(|x| *x == XDP_PASS), "the grant's burst: {v:?}");
+    assert!(passed <= 10 + 1 + elapsed_ms, "{passed} passed in {elapsed_ms} ms: {v:?}");
+    // The refusals: the first through the full stage (debt remembered, key
+    // reported), the rest inline, reported again only after HOT_EVERY_NS.
+    let reports = gk.hot(64);
+    assert!(passed < 40, "some refused: {v:?}");
+    assert!(!reports.is_empty() && reports.len() <= 1 + elapsed_ms / 100, "{reports:?}");
+    assert!(reports.iter().all(|r| r.why == flowctl_common::grant::hot::REFUSED));
+    let e = cache.get(&src, 0).unwrap();
+    assert_eq!(e.bucket.grant, flowctl_common::grant::encode(interval, 10), "the cached grant");
+    assert_eq!(e.bucket.offered, 42, "every packet is demand, fast path or not");
+    assert_eq!(gk.bucket(&key).unwrap(), e.bucket, "the agent reads the entry's bucket");
+    let c = p.counters("g");
+    assert_eq!(c.offered_pkts, 42);
+    assert_eq!(c.passed_pkts + c.dropped_pkts[reason::RATE], 42);
+    assert!(table.get(&key, 0).is_err(), "still nothing in the key table");
+
+    // Keyed by source and port: the key table, not the cache.
+    let p = TestPlane::new(&global_profile_keyed("1/s", "src_dport"));
+    assert_eq!(p.run(&f), XDP_PASS, "the share's unit");
+    let gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    let key = flowctl_common::BucketKey { dport: 9, ..global_key(&p, [10, 7, 0, 3]) };
+    assert_eq!(gk.bucket(&key).expect("the key's bucket").offered, 1);
+}
+
+/// A leased key whose bucket was evicted (a flood of new sources through
+/// the source cache) comes back empty, not with its default share's burst
+/// carried into the lease: eviction never mints units the store did not
+/// grant, even for a key that was never refused (so has no debt slot).
+/// (Before the fix it came back with the share's 100 units, capped at the
+/// lease's 5.)
+fn global_leased_key_comes_back_empty_after_eviction() {
+    let p = TestPlane::new(&global_profile("100/s"));
+    let victim = V4::new([10, 7, 1, 1]).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    let key = global_key(&p, [10, 7, 1, 1]);
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    assert_eq!(p.run(&victim), XDP_PASS, "the share's first unit");
+    // A lease of 1/min with a burst of 5; wait for the re-read.
+    gk.set_grant(&key, flowctl_common::gcra::interval_fp(1, 60), 5).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // The share (100/s, burst 100) had 99 units left: the lease starts
+    // with its own depth, 5, all spent here and none refused, so the key
+    // has no debt to remember.
+    let before: Vec<u32> = (0..5).map(|_| p.run(&victim)).collect();
+    assert_eq!(before, [XDP_PASS; 5], "the lease's credit, capped at its burst");
+    // 16,384 new sources on the same rule: four times the 4096-entry cache.
+    for i in 0..16_384u32 {
+        let b = i.to_be_bytes();
+        p.run(&V4::new([10, 40 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 9 }, 0));
+    }
+    let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
+                .unwrap(),
+        ))
+        .unwrap();
+    let src = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a07_0101] };
+    assert!(cache.get(&src, 0).is_err(), "the flood evicted the victim's entry");
+    // Back, leased, with nothing: the share's burst is not carried over.
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    let after: Vec<u32> = (0..10).map(|_| p.run(&victim)).collect();
+    assert!(after.iter().all(|v| *v == XDP_DROP), "nothing minted by the eviction: {after:?}");
+}
+
 /// A global rule with a quota (600 a minute fleet-wide; the default share
 /// of 100/s of 1000/s brings 60 of it): before its lease a key admits its
 /// default share's quota, a lease's quota share then continues the same
@@ -1180,6 +1287,8 @@ fn main() {
         profile_admission_ratio_reaches_the_kernel: [Root],
         global_rule_runs_at_its_grant_and_reports_hot_keys: [Root],
         global_rule_without_a_share_waits_for_its_lease: [Root],
+        global_source_key_lives_in_the_source_entry: [Root],
+        global_leased_key_comes_back_empty_after_eviction: [Root],
         global_quota_runs_at_its_share_and_keeps_what_was_spent: [Root],
     ]);
 }

@@ -197,7 +197,7 @@ pub(super) fn refuse_key_at(record: u32, key: &BucketKey, tat_ptr: *mut u64, old
 /// the mark (`slot` is computed only then).
 #[inline(always)]
 fn note_debt(slot: impl FnOnce() -> u32, tat_ptr: *mut u64, old: u64) {
-    if old & DEBT_MARK == 0 {
+    if !debt_noted(old) {
         remember_debt(slot(), old);
         unsafe {
             let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
@@ -224,7 +224,7 @@ fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u
     if rule.key_kind == key_kind::SRC && !entry.is_null() {
         let owner = unsafe { (*entry).owner_state };
         if owner == rule.state_id {
-            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+            return BucketRef::Ptr(unsafe { &mut (*entry).bucket.tat as *mut u64 });
         }
         if owner == 0 {
             // Claim the entry, starting from the key's remembered debt (a full
@@ -232,10 +232,10 @@ fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u
             // the same values.
             let start = initial_tat(rule.record, &bucket_key(meta, rule), now);
             unsafe {
-                (*entry).tat = start;
+                (*entry).bucket.tat = start;
                 (*entry).owner_state = rule.state_id;
             }
-            return BucketRef::Ptr(unsafe { &mut (*entry).tat as *mut u64 });
+            return BucketRef::Ptr(unsafe { &mut (*entry).bucket.tat as *mut u64 });
         }
     }
     let key = bucket_key(meta, rule);
@@ -247,6 +247,12 @@ fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u
 
 /// Bit 0 of a stored TAT: this bucket's current debt is in `FLOWCTL_DEBT`.
 const DEBT_MARK: u64 = 1;
+
+/// Whether a refused bucket's debt is already remembered (its mark is set).
+#[inline(always)]
+pub(super) fn debt_noted(tat: u64) -> bool {
+    tat & DEBT_MARK != 0
+}
 
 /// A TAT with the debt mark clear, rounded up (later, so never more lenient).
 #[inline(always)]

@@ -2,30 +2,33 @@
 //! key's quota window and token bucket at the quota, rate and burst this
 //! host's lease grants it, or at the rule's default share while it has
 //! none. The grant lives in `FLOWCTL_GRANTS`, written by the agent; the
-//! bucket keeps a copy it re-reads at most every `grant::REFRESH_NS`, so a
-//! hot key costs one map lookup per packet like a local rule's (and one
-//! more for a quota, as a local rule's quota does). A new grant changes the
-//! rate and depth, never the TAT: the bucket is not reset. Keys that are refused, or
+//! bucket keeps a copy it re-reads at most every `grant::REFRESH_NS`. A
+//! source key's bucket lives in the source's cache entry, as a local
+//! source-keyed rule's does, and its admissions are decided inline in the
+//! decision ([`fast`]): one map lookup per packet like a local rule's (and
+//! one more for a quota, as a local rule's quota does). Other key kinds'
+//! buckets live in `FLOWCTL_GLOBAL_KEYS`. A new grant changes the rate and
+//! depth, never the TAT: the bucket is not reset. Keys that are refused, or
 //! that use more than half their default burst, are reported to the agent
 //! (`FLOWCTL_HOT_KEYS`), at most every `grant::HOT_EVERY_NS` each, so it
 //! asks for their leases; and every key counts what it offers, which the
 //! agent reads as its demand.
 
-use super::bucket::{initial_tat, refuse_key_at, unmarked, unmarked_down};
+use super::bucket::{debt_noted, initial_tat, refuse_key_at, unmarked, unmarked_down};
 use super::quota::{NoQuota, Quota, QuotaCommit, QuotaStage};
 use crate::{
     accounting::{counters, flowctl_account},
-    decision::{outcome_code, packed, Outcome},
+    decision::{outcome_code, packed, Decision, Outcome},
     maps::{
         packet, GlobalScratch, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GLOBAL_SCRATCH, FLOWCTL_GRANTS,
-        FLOWCTL_HOT_KEYS, FLOWCTL_RULES,
+        FLOWCTL_HOT_KEYS, FLOWCTL_RULES, FLOWCTL_SRC_CACHE,
     },
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 use flowctl_common::{
-    action, gcra, grant, keys::bucket_key, reason, unit, BucketKey, GlobalBucket, HotKey,
-    PacketMeta, RuleConfig, CAS_RETRIES,
+    action, gcra, grant, key_kind, keys::bucket_key, reason, unit, BucketKey, GlobalBucket, HotKey,
+    PacketMeta, RuleConfig, SrcEntry, SrcKey, CAS_RETRIES,
 };
 
 /// What [`admit`] decides.
@@ -66,13 +69,104 @@ pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
     packed::pack(act, c, record, rule_at, v & packed::SAMPLE != 0) | (v & (3 << 61))
 }
 
+/// A leased (or unleased) hot key's common case, inline in the decision
+/// (`stages::enforce`), so it costs what a local source-keyed rule's packet
+/// costs: one hash lookup (the source's cache entry, which holds the
+/// bucket), no call, no key built. It decides only an admission that needs
+/// nothing else: a source-keyed rule without a quota, whose bucket is in
+/// the entry, with a copy of the grant still fresh, admitted by one
+/// compare-and-swap and not due a hot-key report, or refused with its debt
+/// already remembered and its report already made. Anything else (a first
+/// refusal, a grant to re-read, a report, a lost swap) returns `None`
+/// having changed nothing, and `flowctl_global_decide` decides it in full.
+#[inline(always)]
+pub fn fast(rule: &RuleConfig, entry: *mut SrcEntry, cost: u64, now: u64) -> Option<Decision> {
+    if rule.key_kind != key_kind::SRC || rule.quota_bucket_ns != 0 || entry.is_null() {
+        return None;
+    }
+    if unsafe { (*entry).owner_state } != rule.state_id {
+        return None;
+    }
+    let b = unsafe { &mut (*entry).bucket };
+    let (interval_fp, burst_ns, leased) = terms(rule, cached_grant(b, now)?);
+    let tat_ptr = &mut b.tat as *mut u64;
+    let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+    let Some(new) = gcra::admit(old, now, gcra::increment_ns(interval_fp, cost), burst_ns) else {
+        // A refusal the full stage would only count: the debt is already
+        // remembered and the key was reported hot within HOT_EVERY_NS.
+        if !debt_noted(old) || hot_due(b, now) {
+            return None;
+        }
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
+        return Some(super::verdict(rule, reason::RATE));
+    };
+    let new = unmarked(new);
+    if !leased && new.saturating_sub(now) > burst_ns / 2 && hot_due(b, now) {
+        return None;
+    }
+    let (_, ok) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            tat_ptr, old, new,
+        )
+    };
+    if !ok {
+        return None;
+    }
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
+    Some(Decision::of(rule, Outcome::Pass))
+}
+
+/// The rate (as `interval_fp`) and depth (ns) the bucket runs at under the
+/// grant `word`, and whether that is a lease (else the rule's default
+/// share).
+#[inline(always)]
+fn terms(rule: &RuleConfig, word: u64) -> (u64, u64, bool) {
+    match grant::decode(word) {
+        Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
+        None => (rule.interval_fp, rule.burst_ns, false),
+    }
+}
+
+/// The bucket's copy of its grant, while it needs no re-read: read within
+/// `grant::REFRESH_NS`, and its lease (if any) not ended. A lease that
+/// ended is re-read at once (and found ended), so the key goes back to its
+/// default share on time, debt carried over.
+#[inline(always)]
+fn cached_grant(b: &GlobalBucket, now: u64) -> Option<u64> {
+    let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
+    let cached = unsafe { core::ptr::read_volatile(&b.grant) };
+    let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
+    let live = cached == grant::NO_LEASE || now < ends;
+    (read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS && live).then_some(cached)
+}
+
+/// Whether the key may be reported hot now (`grant::HOT_EVERY_NS` apart).
+#[inline(always)]
+fn hot_due(b: &GlobalBucket, now: u64) -> bool {
+    let last = unsafe { core::ptr::read_volatile(&b.hot_ns) };
+    last == 0 || now.saturating_sub(last) >= grant::HOT_EVERY_NS
+}
+
 /// The bucket decision for a global rule's packet of `cost` units.
 #[inline(always)]
 fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64) -> u32 {
     let Some(scratch) = FLOWCTL_GLOBAL_SCRATCH.get_ptr_mut(0) else { return code::PASS };
     unsafe { (*scratch).key = bucket_key(meta, rule) };
     let key = unsafe { &(*scratch).key };
-    let Some(b) = bucket(scratch, record, now) else {
+    // A source key without a quota: its bucket in the source's cache entry
+    // when the rule owns it or can claim it. Only this branch's body is
+    // walked a second time by the verifier for a pointer into the entry
+    // (6.1 walked the whole stage twice when every bucket could be in
+    // either map: 130k more instructions).
+    if rule.key_kind == key_kind::SRC && rule.quota_bucket_ns == 0 {
+        if let Some(b) = entry_bucket(rule, meta, record, key, now) {
+            let b = unsafe { &mut *b };
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
+            let terms = terms(rule, current_grant(b, key, (rule.interval_fp, rule.burst_ns), now));
+            return spend(b, record, key, cost, now, terms, &mut NoQuota);
+        }
+    }
+    let Some(b) = table_bucket(scratch, rule, record, now) else {
         // The table refused the insert: admit, and say so (as local rules).
         if let Some(c) = counters(record) {
             c.insert_failures += 1;
@@ -82,10 +176,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     let b = unsafe { &mut *b };
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
     let word = current_grant(b, key, (rule.interval_fp, rule.burst_ns), now);
-    let (interval_fp, burst_ns, leased) = match grant::decode(word) {
-        Some((interval, units)) => (interval, gcra::increment_ns(interval, units), true),
-        None => (rule.interval_fp, rule.burst_ns, false),
-    };
+    let (interval_fp, burst_ns, leased) = terms(rule, word);
     if rule.quota_bucket_ns == 0 {
         return spend(b, record, key, cost, now, (interval_fp, burst_ns, leased), &mut NoQuota);
     }
@@ -151,23 +242,52 @@ fn spend(
     code::CONTENDED
 }
 
-/// The key's bucket, made (from its remembered debt) if it has none, in
-/// the CPU's scratch entry, as the key is (see `GlobalScratch`).
+/// A source key's bucket in its source's cache entry, as a local
+/// source-keyed rule's is: the entry's when the rule owns it, claimed when
+/// no rule does; `None` when another rule owns it (or the source has no
+/// entry), and the key's bucket is in the key table.
 #[inline(always)]
-fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut GlobalBucket> {
+fn entry_bucket(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    record: u32,
+    key: &BucketKey,
+    now: u64,
+) -> Option<*mut GlobalBucket> {
+    let e = FLOWCTL_SRC_CACHE.get_ptr_mut(&SrcKey::of(meta))?;
+    let owner = unsafe { (*e).owner_state };
+    if owner == rule.state_id {
+        return Some(unsafe { &mut (*e).bucket });
+    }
+    if owner != 0 {
+        return None;
+    }
+    // Claim it (racing CPUs store the same values).
+    let b = unsafe { &mut (*e).bucket };
+    start(b, rule, record, key, now);
+    unsafe { (*e).owner_state = rule.state_id };
+    if let Some(c) = counters(record) {
+        c.key_inserts += 1;
+    }
+    Some(b)
+}
+
+/// The key's bucket in `FLOWCTL_GLOBAL_KEYS`, made (from its remembered
+/// debt) if it has none, in the CPU's scratch entry, as the key is (see
+/// `GlobalScratch`).
+#[inline(always)]
+fn table_bucket(
+    scratch: *mut GlobalScratch,
+    rule: &RuleConfig,
+    record: u32,
+    now: u64,
+) -> Option<*mut GlobalBucket> {
     let key = unsafe { &(*scratch).key };
     if let Some(p) = FLOWCTL_GLOBAL_KEYS.get_ptr_mut(key) {
         return Some(p);
     }
-    // Field by field: a struct literal is zero-filled through memset.
     let fresh = unsafe { &mut (*scratch).fresh };
-    fresh.tat = initial_tat(record, key, now);
-    fresh.grant = grant::NO_LEASE;
-    fresh.grant_read_ns = 0;
-    fresh.offered = 0;
-    fresh.hot_ns = 0;
-    fresh.quota = 0;
-    fresh.grant_expires_ns = 0;
+    start(fresh, rule, record, key, now);
     // BPF_NOEXIST: if another CPU made it first, use that one.
     if FLOWCTL_GLOBAL_KEYS.insert(key, fresh, 1).is_ok() {
         if let Some(c) = counters(record) {
@@ -175,6 +295,29 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
         }
     }
     FLOWCTL_GLOBAL_KEYS.get_ptr_mut(key)
+}
+
+/// A new bucket: its remembered debt, no lease read yet; empty if the key
+/// holds a lease here. Only a key that was hot here gets a lease, so a
+/// leased key without a bucket lost it to eviction (a flood of new sources
+/// in the source cache, or of keys in the key table), and its credit with
+/// it: starting full at the default share would carry that share's burst
+/// into the lease at the next re-read, units the store never granted.
+/// Field by field: a struct literal is zero-filled through memset.
+#[inline(always)]
+fn start(b: &mut GlobalBucket, rule: &RuleConfig, record: u32, key: &BucketKey, now: u64) {
+    let debt = initial_tat(record, key, now);
+    let leased = matches!(unsafe { FLOWCTL_GRANTS.get(key) }, Some(g) if now < g.expires_ns);
+    // Empty at the share's depth (the bucket's terms until its first
+    // re-read), so the re-read carries no credit into the lease.
+    let empty = unmarked_down(now.saturating_add(rule.burst_ns));
+    b.tat = if leased && debt < empty { empty } else { debt };
+    b.grant = grant::NO_LEASE;
+    b.grant_read_ns = 0;
+    b.grant_expires_ns = 0;
+    b.offered = 0;
+    b.hot_ns = 0;
+    b.quota = 0;
 }
 
 /// The key's grant word: the bucket's copy, re-read from the map when it is
@@ -187,15 +330,10 @@ fn bucket(scratch: *mut GlobalScratch, record: u32, now: u64) -> Option<*mut Glo
 /// share had left (nothing with `default_share = "none"`).
 #[inline(always)]
 fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: u64) -> u64 {
-    let read = unsafe { core::ptr::read_volatile(&b.grant_read_ns) };
-    let cached = unsafe { core::ptr::read_volatile(&b.grant) };
-    let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
-    // A lease that ended is re-read at once (and found ended), so the key
-    // goes back to its default share on time, debt carried over.
-    let live = cached == grant::NO_LEASE || now < ends;
-    if read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS && live {
-        return cached;
+    if let Some(word) = cached_grant(b, now) {
+        return word;
     }
+    let cached = unsafe { core::ptr::read_volatile(&b.grant) };
     let (word, quota, expires) = match unsafe { FLOWCTL_GRANTS.get(key) } {
         Some(g) if now < g.expires_ns => (g.word, g.quota, g.expires_ns),
         _ => (grant::NO_LEASE, 0, 0),
@@ -234,8 +372,7 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: 
 /// per key (a full ring drops the report; the next one comes later).
 #[inline(always)]
 fn report_hot(b: &mut GlobalBucket, record: u32, key: &BucketKey, why: u32, now: u64) {
-    let last = unsafe { core::ptr::read_volatile(&b.hot_ns) };
-    if last != 0 && now.saturating_sub(last) < grant::HOT_EVERY_NS {
+    if !hot_due(b, now) {
         return;
     }
     unsafe { core::ptr::write_volatile(&mut b.hot_ns, now) };

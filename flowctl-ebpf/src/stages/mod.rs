@@ -66,10 +66,14 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
         return verdict(rule, reason::BBR);
     }
 
-    // A global rule's quota and bucket run at its lease's shares, decided
-    // by the entry point's call to `global::flowctl_global_decide`: its
+    // A global rule's quota and bucket run at its lease's shares: a hot
+    // source key's admission here (`global::fast`), anything else decided
+    // by the entry point's call to `global::flowctl_global_decide`, whose
     // frame is not stacked on this one.
     if rule.global != 0 {
+        if let Some(d) = global::fast(rule, entry_ptr, cost, now) {
+            return d;
+        }
         return Decision::of(rule, Outcome::Global);
     }
 

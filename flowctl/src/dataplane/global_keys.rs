@@ -1,5 +1,6 @@
 //! Global rules' per-key state in the kernel (docs/fleet.md): the keys'
-//! buckets (`FLOWCTL_GLOBAL_KEYS`, read for their offered counts), this
+//! buckets (a source key's in its source-cache entry, `FLOWCTL_SRC_CACHE`,
+//! any other in `FLOWCTL_GLOBAL_KEYS`; read for their offered counts), this
 //! host's grants (`FLOWCTL_GRANTS`, the one writer of which is the agent's
 //! lease loop) and the hot-key reports (`FLOWCTL_HOT_KEYS`, one consumer).
 
@@ -8,9 +9,11 @@ use anyhow::{Context, Result};
 use aya::maps::{HashMap, Map, MapData, RingBuf};
 use flowctl_common::{
     grant, map_names as names, window, BucketKey, GlobalBucket, GrantValue, HotKey, QuotaRing,
+    SrcEntry, SrcKey,
 };
 
 pub struct GlobalKeys {
+    sources: HashMap<MapData, SrcKey, SrcEntry>,
     buckets: HashMap<MapData, BucketKey, GlobalBucket>,
     grants: HashMap<MapData, BucketKey, GrantValue>,
     quotas: HashMap<MapData, BucketKey, QuotaRing>,
@@ -21,6 +24,7 @@ impl GlobalKeys {
     pub fn open(id: &AttachId) -> Result<Self> {
         let d = id.pin_dir();
         Ok(Self {
+            sources: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::SRC_CACHE)?))?,
             buckets: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::GLOBAL_KEYS)?))?,
             grants: HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?,
             quotas: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::QUOTAS)?))?,
@@ -33,9 +37,15 @@ impl GlobalKeys {
         drain_ring(&mut self.hot, max)
     }
 
-    /// A key's bucket (`None`: the kernel has none, or evicted it).
+    /// A key's bucket (`None`: the kernel has none, or evicted it): in the
+    /// source's cache entry when the key's rule owns it (the kernel puts a
+    /// source key's bucket there when it can), else in the key table.
     pub fn bucket(&self, key: &BucketKey) -> Option<GlobalBucket> {
-        self.buckets.get(key, 0).ok()
+        let in_source = source_of(key)
+            .and_then(|src| self.sources.get(&src, 0).ok())
+            .filter(|e| e.owner_state == key.state_id)
+            .map(|e| e.bucket);
+        in_source.or_else(|| self.buckets.get(key, 0).ok())
     }
 
     /// Grants `key` one unit per `interval_fp` with `burst_units` here, and
@@ -84,5 +94,36 @@ impl GlobalKeys {
     /// The grant stored for `key` (`None`: no lease).
     pub fn grant(&self, key: &BucketKey) -> Option<GrantValue> {
         self.grants.get(key, 0).ok()
+    }
+}
+
+/// The source-cache key whose entry can hold `key`'s bucket: a source key's
+/// (family and source set, nothing else; `keys::bucket_key`), as the kernel
+/// spells the source (`SrcKey::of`). An entry's `owner_state` then says
+/// whether it holds this rule's bucket.
+fn source_of(key: &BucketKey) -> Option<SrcKey> {
+    let only_src = key.proto == 0 && key.sport == 0 && key.dport == 0 && key.dst == [0; 4];
+    match key.family {
+        4 if only_src => Some(SrcKey { addr: [0, 0, 0xffff, key.src[0]] }),
+        6 if only_src => Some(SrcKey { addr: key.src }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_key_maps_to_its_source_cache_key_and_nothing_else_does() {
+        let v4 =
+            BucketKey { state_id: 3, family: 4, src: [0x0a00_0001, 0, 0, 0], ..Default::default() };
+        assert_eq!(source_of(&v4), Some(SrcKey { addr: [0, 0, 0xffff, 0x0a00_0001] }));
+        let v6 = BucketKey { state_id: 3, family: 6, src: [1, 2, 3, 4], ..Default::default() };
+        assert_eq!(source_of(&v6), Some(SrcKey { addr: [1, 2, 3, 4] }));
+        // src_dport, 5-tuple, rule and dport keys never live in the cache.
+        assert_eq!(source_of(&BucketKey { dport: 80, ..v4 }), None);
+        assert_eq!(source_of(&BucketKey { proto: 6, dst: [9, 0, 0, 0], ..v4 }), None);
+        assert_eq!(source_of(&BucketKey { state_id: 3, ..Default::default() }), None);
     }
 }

@@ -140,7 +140,7 @@ pub fn error_paths_say_how_to_fix() {
     assert!(fits.status.success() && text(&fits).contains("on 64 CPUs"), "{}", text(&fits));
     assert_eq!(over.status.code(), Some(1), "{}", text(&over));
     assert!(
-        text(&over).contains("on 128 CPUs: 1.01 GiB preallocated, over the budget"),
+        text(&over).contains("on 128 CPUs: 1.06 GiB preallocated, over the budget"),
         "{}",
         text(&over)
     );
