@@ -446,10 +446,17 @@ pub struct SrcKey {
 impl SrcKey {
     #[inline(always)]
     pub fn of(meta: &PacketMeta) -> Self {
-        if meta.family == 4 {
-            Self { addr: [0, 0, 0xffff, meta.src[0]] }
+        Self::from_src(meta.family, &meta.src)
+    }
+
+    /// The key of a source of `family` (4: `src[0]` alone) in the words
+    /// `PacketMeta` and `BucketKey` hold it.
+    #[inline(always)]
+    pub fn from_src(family: u8, src: &[u32; 4]) -> Self {
+        if family == 4 {
+            Self { addr: [0, 0, 0xffff, src[0]] }
         } else {
-            Self { addr: meta.src }
+            Self { addr: *src }
         }
     }
 }

@@ -154,6 +154,16 @@ impl TestPlane {
         dataplane::KeySamples::open(&self.id).unwrap().drain(usize::MAX)
     }
 
+    /// One of the plane's pinned LRU hash tables (`map_names::*`), typed,
+    /// to read what the kernel keeps per key.
+    pub fn lru_table<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> aya::maps::HashMap<aya::maps::MapData, K, V> {
+        let data = aya::maps::MapData::from_pin(self.id.pin_dir().join(name)).unwrap();
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap()
+    }
+
     pub fn verified_insns(&self) -> u32 {
         self.prog().info().unwrap().verified_instruction_count().unwrap_or(0)
     }

@@ -555,11 +555,7 @@ fn eviction_hands_no_fresh_burst_to_refused_keys() {
         p.run(&V4::new([10, 30 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
     }
     let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
-                .unwrap(),
-        ))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::SRC_CACHE);
     let key = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a14_0001] };
     assert!(cache.get(&key, 0).is_err(), "the flood evicted the victim's entry");
     assert_eq!(p.run(&victim), XDP_DROP, "back after eviction, still refused");
@@ -616,11 +612,7 @@ fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
     // bucket's limits did not change... but the quota is part of the rule's
     // identity, so the rule restarts): instead read the key's TAT directly.
     let keys: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
-                .unwrap(),
-        ))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::SRC_CACHE);
     let e = keys.get(&flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a29_0001] }, 0).unwrap();
     let now = flowctl::system::clock::monotonic_ns();
     // Two tokens spent of a 1/min bucket: the TAT is about 2 minutes of
@@ -665,11 +657,7 @@ fn quota_exact_under_concurrency() {
     flowctl_tests::testrun::hammer_on_two_cpus(&p, &frame, 100, 2000);
     let c = p.counters("exact");
     let quotas: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::QUOTAS))
-                .unwrap(),
-        ))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::QUOTAS);
     let ring_total: u64 = quotas
         .iter()
         .filter_map(|r| r.ok())
@@ -1119,18 +1107,10 @@ fn global_source_key_lives_in_the_source_entry() {
     let key = global_key(&p, [10, 7, 0, 3]);
     let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
     assert_eq!(p.run(&f), XDP_DROP, "no lease, no share");
-    let pinned =
-        |name: &str| aya::maps::MapData::from_pin(p.id.pin_dir().join(name)).expect("a pinned map");
     let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned(
-            flowctl_common::map_names::SRC_CACHE,
-        )))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::SRC_CACHE);
     let table: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::GlobalBucket> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned(
-            flowctl_common::map_names::GLOBAL_KEYS,
-        )))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::GLOBAL_KEYS);
     let src = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a07_0003] };
     assert_eq!(cache.get(&src, 0).unwrap().owner_state, key.state_id, "the rule owns the entry");
     assert!(table.get(&key, 0).is_err(), "nothing in the key table");
@@ -1198,11 +1178,7 @@ fn global_leased_key_comes_back_empty_after_eviction() {
         p.run(&V4::new([10, 40 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 9 }, 0));
     }
     let cache: aya::maps::HashMap<_, flowctl_common::SrcKey, flowctl_common::SrcEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(p.id.pin_dir().join(flowctl_common::map_names::SRC_CACHE))
-                .unwrap(),
-        ))
-        .unwrap();
+        p.lru_table(flowctl_common::map_names::SRC_CACHE);
     let src = flowctl_common::SrcKey { addr: [0, 0, 0xffff, 0x0a07_0101] };
     assert!(cache.get(&src, 0).is_err(), "the flood evicted the victim's entry");
     // Back, leased, with nothing: the share's burst is not carried over.

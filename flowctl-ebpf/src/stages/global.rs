@@ -101,7 +101,7 @@ pub fn fast(rule: &RuleConfig, entry: *mut SrcEntry, cost: u64, now: u64) -> Opt
         return Some(super::verdict(rule, reason::RATE));
     };
     let new = unmarked(new);
-    if !leased && new.saturating_sub(now) > burst_ns / 2 && hot_due(b, now) {
+    if half_share_spent(leased, new, now, burst_ns) && hot_due(b, now) {
         return None;
     }
     let (_, ok) = unsafe {
@@ -138,6 +138,14 @@ fn cached_grant(b: &GlobalBucket, now: u64) -> Option<u64> {
     let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
     let live = cached == grant::NO_LEASE || now < ends;
     (read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS && live).then_some(cached)
+}
+
+/// Whether an admission at the default share (no lease) left the bucket
+/// more than half spent (TAT `new`): the key is hot, and is reported so the
+/// agent asks for its lease.
+#[inline(always)]
+fn half_share_spent(leased: bool, new: u64, now: u64, burst_ns: u64) -> bool {
+    !leased && new.saturating_sub(now) > burst_ns / 2
 }
 
 /// Whether the key may be reported hot now (`grant::HOT_EVERY_NS` apart).
@@ -231,7 +239,7 @@ fn spend(
             )
         };
         if ok {
-            if !leased && new.saturating_sub(now) > burst_ns / 2 {
+            if half_share_spent(leased, new, now, burst_ns) {
                 report_hot(b, record, key, grant::hot::HALF_SHARE, now);
             }
             return code::PASS;

@@ -67,7 +67,8 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     }
 
     // A global rule's quota and bucket run at its lease's shares: a hot
-    // source key's admission here (`global::fast`), anything else decided
+    // source key's admission, or its refusal once reported, here
+    // (`global::fast`), anything else decided
     // by the entry point's call to `global::flowctl_global_decide`, whose
     // frame is not stacked on this one.
     if rule.global != 0 {

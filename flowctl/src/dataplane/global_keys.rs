@@ -103,11 +103,7 @@ impl GlobalKeys {
 /// whether it holds this rule's bucket.
 fn source_of(key: &BucketKey) -> Option<SrcKey> {
     let only_src = key.proto == 0 && key.sport == 0 && key.dport == 0 && key.dst == [0; 4];
-    match key.family {
-        4 if only_src => Some(SrcKey { addr: [0, 0, 0xffff, key.src[0]] }),
-        6 if only_src => Some(SrcKey { addr: key.src }),
-        _ => None,
-    }
+    (only_src && matches!(key.family, 4 | 6)).then(|| SrcKey::from_src(key.family, &key.src))
 }
 
 #[cfg(test)]
