@@ -19,7 +19,10 @@ use flowctl_tests::{
 };
 use serde_json::Value;
 use std::{
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        OnceLock,
+    },
     time::{Duration, Instant},
 };
 
@@ -182,40 +185,45 @@ pub fn global_limit_holds_across_three_agents_through_redis() {
     for (i, n) in steady.iter().enumerate() {
         assert!(*n as f64 >= 0.5 * RATE / 3.0 * 6.0, "host {i} starved: {steady:?}");
     }
-    // The store hangs (SIGSTOP): no host raises a rate while it does; the
+    // The store hangs (SIGSTOP) halfway through a phase, while traffic
+    // flows (a host whose traffic ended releases its lease, so leases are
+    // only held while it flows): no host raises a rate while it hangs; the
     // leases end, the keys fall back to `none`.
-    let before = lease_rates(labs);
-    assert!(
-        before.iter().all(|&r| r > 0),
-        "every host holds a lease before the outage: {before:?}"
-    );
-    redis.server.pause();
-    // What the hosts hold once each has seen the store hang: `status` reads
-    // a state published every 500 ms, so a reading taken before the pause
-    // can miss a grant the store made just before it; from here on no
-    // answer can come, and no rate may rise.
-    let t0 = Instant::now();
-    while !fleet_lab::attachments(labs)
-        .unwrap()
-        .iter()
-        .all(|a| a["leases"]["store"]["state"] == "unreachable")
-    {
-        assert!(t0.elapsed() < Duration::from_secs(5), "the hang is not seen within 5 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let held = lease_rates(labs);
-    let shows_outage = || {
+    let held: OnceLock<Vec<u64>> = OnceLock::new();
+    let hang = || {
+        let before = lease_rates(labs);
+        assert!(
+            before.iter().all(|&r| r > 0),
+            "every host holds a lease before the outage: {before:?}"
+        );
+        redis.server.pause();
+        // The baseline is what the hosts hold once each has seen the store
+        // hang: `status` reads a state published every 500 ms, so a reading
+        // taken before the pause can miss a grant the store made just
+        // before it; from here on no answer can come, and no rate may rise.
+        let t0 = Instant::now();
+        while !fleet_lab::attachments(labs)
+            .unwrap()
+            .iter()
+            .all(|a| a["leases"]["store"]["state"] == "unreachable")
+        {
+            assert!(t0.elapsed() < Duration::from_secs(5), "the hang is not seen within 5 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        held.set(lease_rates(labs)).expect("set once");
         let l = attachment(&labs[0].veth_srv).unwrap()["leases"].clone();
         assert_eq!(l["store"]["up"], false, "the outage shows: {l}");
         assert_eq!(l["store"]["state"], "unreachable", "{l}");
     };
     let raises_nothing = |all: &[Value]| {
+        let Some(held) = held.get() else { return };
         let now: Vec<u64> = all.iter().map(fleet_lab::lease_rate).collect();
-        for (n, h) in now.iter().zip(&held) {
+        for (n, h) in now.iter().zip(held) {
             assert!(n <= h, "a lease's rate rose while the store hung: {now:?}, held {held:?}");
         }
     };
-    phase(labs, "store paused", 4.0, &shows_outage, &raises_nothing);
+    phase(labs, "store paused halfway", 8.0, &hang, &raises_nothing);
+    assert!(held.get().is_some(), "the store was paused");
     redis.server.resume();
     // Back: no spike in any window.
     phase(labs, "store back", 4.0, &|| {}, &nothing);
