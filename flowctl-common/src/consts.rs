@@ -117,7 +117,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -147,6 +147,7 @@ pub mod map_names {
     pub const EGRESS_COUNTS: &str = "FLOWCTL_EGRESS_COUNTS";
     pub const GLOBAL_KEYS: &str = "FLOWCTL_GLOBAL_KEYS";
     pub const GRANTS: &str = "FLOWCTL_GRANTS";
+    pub const LEASE_FILTER: &str = "FLOWCTL_LEASE_FILTER";
     pub const HOT_KEYS: &str = "FLOWCTL_HOT_KEYS";
     pub const BOOKINGS: &str = "FLOWCTL_BOOKINGS";
     /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
@@ -155,7 +156,7 @@ pub mod map_names {
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 24] = [
+    pub const ALL: [&str; 25] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -178,6 +179,7 @@ pub mod map_names {
         EGRESS_COUNTS,
         GLOBAL_KEYS,
         GRANTS,
+        LEASE_FILTER,
         HOT_KEYS,
         BOOKINGS,
     ];

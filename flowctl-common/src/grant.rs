@@ -11,6 +11,8 @@
 //! store (only then may the store give the difference to other hosts).
 //! Word 0 means "no lease": the key runs at the rule's default share.
 
+use crate::BucketKey;
+
 /// How often the kernel re-reads a key's grant from the map, at most.
 pub const REFRESH_NS: u64 = 50_000_000;
 /// How often one key is reported hot to the agent, at most.
@@ -29,6 +31,41 @@ pub const MAX_INTERVAL_FP: u64 = (1 << INTERVAL_BITS) - 1;
 const MANTISSA_BITS: u32 = 12;
 const EXPONENT_BITS: u32 = 4;
 pub const MAX_BURST_UNITS: u64 = ((1 << MANTISSA_BITS) - 1) << ((1 << EXPONENT_BITS) - 1);
+
+/// Words of the lease filter (`FLOWCTL_LEASE_FILTER`, one bit per slot):
+/// 2^20 bits, 128 KiB, so with every grant held (`MAX_GRANTS`, 2^16) a key
+/// without a lease finds its bit set in about 1 - e^(-1/16) = 6% of cases.
+pub const LEASE_FILTER_WORDS: u32 = 1 << 14;
+const LEASE_FILTER_BITS: u64 = LEASE_FILTER_WORDS as u64 * 64;
+
+/// The lease filter's slot of `key`: its word and the bit in it. The agent
+/// sets a key's bit before it writes the key's grant and clears it (when
+/// no other granted key has the bit) after it removes the grant, so a
+/// clear bit means the key holds no grant, and the kernel skips the
+/// `FLOWCTL_GRANTS` lookup of a key without a lease (a flood's keys, or a
+/// key visited less often than `REFRESH_NS`). A set bit only costs the
+/// lookup. One multiply-xorshift fold over the key's fields, the same in
+/// the kernel and the agent.
+#[inline(always)]
+pub fn filter_slot(key: &BucketKey) -> (u32, u64) {
+    let words = [
+        key.state_id as u64 | (key.family as u64) << 32 | (key.proto as u64) << 40,
+        key.sport as u64 | (key.dport as u64) << 16,
+        key.src[0] as u64 | (key.src[1] as u64) << 32,
+        key.src[2] as u64 | (key.src[3] as u64) << 32,
+        key.dst[0] as u64 | (key.dst[1] as u64) << 32,
+        key.dst[2] as u64 | (key.dst[3] as u64) << 32,
+    ];
+    let mut h: u64 = 0x243f_6a88_85a3_08d3;
+    let mut i = 0;
+    while i < words.len() {
+        h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^= h >> 29;
+        i += 1;
+    }
+    let bit = h % LEASE_FILTER_BITS;
+    ((bit / 64) as u32, 1 << (bit % 64))
+}
 
 /// Why a key is reported hot (`HotKey::why`).
 pub mod hot {
@@ -66,6 +103,34 @@ pub fn decode(word: u64) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filter_slots_spread_and_stay_in_range() {
+        // 4096 source keys of one rule over 2^20 bits: few share a bit
+        // (expected about 8 pairs), and every slot is in the filter.
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..4096u32 {
+            let k = BucketKey {
+                state_id: 7,
+                family: 4,
+                src: [0x0a00_0000 + i, 0, 0, 0],
+                ..Default::default()
+            };
+            let (w, m) = filter_slot(&k);
+            assert!(w < LEASE_FILTER_WORDS && m.count_ones() == 1);
+            seen.insert((w, m));
+        }
+        assert!(seen.len() > 4096 - 40, "{} distinct slots", seen.len());
+        // Every field counts.
+        let k = BucketKey { state_id: 7, family: 4, src: [1, 0, 0, 0], ..Default::default() };
+        for other in [
+            BucketKey { state_id: 8, ..k },
+            BucketKey { dport: 80, ..k },
+            BucketKey { dst: [0, 0, 0, 1], ..k },
+        ] {
+            assert_ne!(filter_slot(&k), filter_slot(&other));
+        }
+    }
 
     #[test]
     fn words_round_trip_and_round_toward_the_limit() {

@@ -61,6 +61,23 @@ pub fn flow_key(meta: &PacketMeta, state_id: u32) -> BucketKey {
     }
 }
 
+/// The bucket key of `meta` under a source-keyed (`key_kind::SRC`) rule of
+/// state `state_id`: [`bucket_key`]'s, without its branches on the kind
+/// (the inline fast path of global rules, `stages::global::fast`).
+#[inline(always)]
+pub fn source_key(meta: &PacketMeta, state_id: u32) -> BucketKey {
+    BucketKey {
+        state_id,
+        family: meta.family,
+        proto: 0,
+        sport: 0,
+        dport: 0,
+        _pad: 0,
+        src: meta.src,
+        dst: [0; 4],
+    }
+}
+
 /// The bucket key of `meta` under `rule`. Fields the key kind does not use stay
 /// zero, so all packets that share a bucket build the same key. Every field is
 /// computed on its own (no `..Default::default()`): zero-filling a 44-byte
@@ -159,6 +176,23 @@ mod tests {
             seen.insert(s);
         }
         assert!(seen.len() > 900, "4096 keys spread over {} of 1024 slots", seen.len());
+    }
+
+    #[test]
+    fn a_source_key_is_the_src_kind_s_bucket_key() {
+        let r = RuleConfig { state_id: 9, key_kind: key_kind::SRC, ..Default::default() };
+        for family in [4, 6] {
+            let meta = PacketMeta {
+                family,
+                proto: 6,
+                sport: 1234,
+                dport: 80,
+                src: [1, 2, 3, 4],
+                dst: [5, 6, 7, 8],
+                ..Default::default()
+            };
+            assert_eq!(source_key(&meta, 9), bucket_key(&meta, &r));
+        }
     }
 
     #[test]

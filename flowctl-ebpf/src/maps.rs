@@ -78,6 +78,11 @@ pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::wit
 /// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);
+/// One bit per slot of keys that may hold a grant (`grant::filter_slot`),
+/// written by the agent: a clear bit spares a key the grants lookup.
+#[map]
+pub static FLOWCTL_LEASE_FILTER: Array<u64> =
+    Array::pinned(flowctl_common::grant::LEASE_FILTER_WORDS, 0);
 /// Refused SYNs' bookings (`stages::booking`): flow -> slot (ns).
 #[map]
 pub static FLOWCTL_BOOKINGS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(BOOKING_ENTRIES, 0);

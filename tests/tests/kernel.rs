@@ -1187,6 +1187,71 @@ fn global_leased_key_comes_back_empty_after_eviction() {
     assert!(after.iter().all(|v| *v == XDP_DROP), "nothing minted by the eviction: {after:?}");
 }
 
+/// The lease filter: a key's grant is looked for only where its bit is
+/// set, so a grant written behind the filter's back (straight into
+/// `FLOWCTL_GRANTS`) is never read, in the fast path or the full stage;
+/// and a bit two granted keys share stays set when one of them is cleared,
+/// so the other's grant is still read (here by a bucket made afterwards).
+fn global_lease_filter_hides_only_keys_without_a_grant() {
+    use flowctl_common::{grant, map_names, BucketKey, GrantValue};
+    let p = TestPlane::new(&global_profile("100/s"));
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    let frame = |src: [u8; 4]| V4::new(src).build(L4::Udp { sport: 1, dport: 9 }, 0);
+    let interval = flowctl_common::gcra::interval_fp(1, 60);
+    // Two sources of 10.9/16 whose keys share a slot (2^20 slots: a few
+    // thousand keys give a pair).
+    let mut by_slot = std::collections::HashMap::new();
+    let (a, c) = (0u32..65_536)
+        .map(|i| [10, 9, (i >> 8) as u8, i as u8])
+        .find_map(|src| {
+            by_slot.insert(grant::filter_slot(&global_key(&p, src)), src).map(|other| (other, src))
+        })
+        .expect("two keys that share a slot");
+    let (ka, kc) = (global_key(&p, a), global_key(&p, c));
+    // Behind the filter's back: a key with traffic (a bucket, its grant
+    // copy due a re-read) and a new one never see it.
+    let hidden = [10, 8, 0, 1];
+    let kh = global_key(&p, hidden);
+    assert_eq!(p.run(&frame(hidden)), XDP_PASS);
+    let mut grants: aya::maps::HashMap<_, BucketKey, GrantValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
+            aya::maps::MapData::from_pin(p.id.pin_dir().join(map_names::GRANTS)).unwrap(),
+        ))
+        .unwrap();
+    let g = GrantValue { word: grant::encode(interval, 5), quota: 0, expires_ns: u64::MAX };
+    let unseen = global_key(&p, [10, 8, 0, 2]);
+    for k in [kh, unseen] {
+        grants.insert(k, g, 0).unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // Eight pass: the share's depth (100), not the hidden lease's (5).
+    for _ in 0..8 {
+        assert_eq!(p.run(&frame(hidden)), XDP_PASS, "the share's rate, not the hidden 1/min");
+        p.run(&frame([10, 8, 0, 2]));
+    }
+    for k in [kh, unseen] {
+        assert_eq!(gk.bucket(&k).unwrap().grant, grant::NO_LEASE, "not read: {k:?}");
+        grants.remove(&k).unwrap();
+    }
+    // Through the agent's writer: a and c share a bit; a cleared, c's
+    // grant is read by c's first packet, and cached.
+    gk.set_grant(&ka, interval, 5).unwrap();
+    gk.set_grant(&kc, interval, 5).unwrap();
+    gk.clear_grant(&ka).unwrap();
+    p.run(&frame(c));
+    p.run(&frame(a));
+    assert_eq!(gk.bucket(&kc).unwrap().grant, grant::encode(interval, 5), "c's grant read");
+    assert_eq!(gk.bucket(&ka).unwrap().grant, grant::NO_LEASE, "a cleared");
+    // c cleared too: the bit goes (a fresh writer sees no grant to count).
+    gk.clear_grant(&kc).unwrap();
+    let filter: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(
+        aya::maps::MapData::from_pin(p.id.pin_dir().join(map_names::LEASE_FILTER)).unwrap(),
+    ))
+    .unwrap();
+    let (word, bit) = grant::filter_slot(&kc);
+    assert_eq!(filter.get(&word, 0).unwrap() & bit, 0, "the shared bit cleared with its last key");
+}
+
 /// A global rule with a quota (600 a minute fleet-wide; the default share
 /// of 100/s of 1000/s brings 60 of it): before its lease a key admits its
 /// default share's quota, a lease's quota share then continues the same
@@ -1265,6 +1330,7 @@ fn main() {
         global_rule_without_a_share_waits_for_its_lease: [Root],
         global_source_key_lives_in_the_source_entry: [Root],
         global_leased_key_comes_back_empty_after_eviction: [Root],
+        global_lease_filter_hides_only_keys_without_a_grant: [Root],
         global_quota_runs_at_its_share_and_keeps_what_was_spent: [Root],
     ]);
 }

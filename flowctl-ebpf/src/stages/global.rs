@@ -21,14 +21,14 @@ use crate::{
     decision::{outcome_code, packed, Decision, Outcome},
     maps::{
         packet, GlobalScratch, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GLOBAL_SCRATCH, FLOWCTL_GRANTS,
-        FLOWCTL_HOT_KEYS, FLOWCTL_RULES, FLOWCTL_SRC_CACHE,
+        FLOWCTL_HOT_KEYS, FLOWCTL_LEASE_FILTER, FLOWCTL_RULES, FLOWCTL_SRC_CACHE,
     },
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 use flowctl_common::{
-    action, gcra, grant, key_kind, keys::bucket_key, reason, unit, BucketKey, GlobalBucket, HotKey,
-    PacketMeta, RuleConfig, SrcEntry, SrcKey, CAS_RETRIES,
+    action, gcra, grant, key_kind, keys, keys::bucket_key, reason, unit, BucketKey, GlobalBucket,
+    HotKey, PacketMeta, RuleConfig, SrcEntry, SrcKey, CAS_RETRIES,
 };
 
 /// What [`admit`] decides.
@@ -80,7 +80,13 @@ pub extern "C" fn flowctl_global_decide(v: u64) -> u64 {
 /// refusal, a grant to re-read, a report, a lost swap) returns `None`
 /// having changed nothing, and `flowctl_global_decide` decides it in full.
 #[inline(always)]
-pub fn fast(rule: &RuleConfig, entry: *mut SrcEntry, cost: u64, now: u64) -> Option<Decision> {
+pub fn fast(
+    rule: &RuleConfig,
+    meta: &PacketMeta,
+    entry: *mut SrcEntry,
+    cost: u64,
+    now: u64,
+) -> Option<Decision> {
     if rule.key_kind != key_kind::SRC || rule.quota_bucket_ns != 0 || entry.is_null() {
         return None;
     }
@@ -88,7 +94,14 @@ pub fn fast(rule: &RuleConfig, entry: *mut SrcEntry, cost: u64, now: u64) -> Opt
         return None;
     }
     let b = unsafe { &mut (*entry).bucket };
-    let (interval_fp, burst_ns, leased) = terms(rule, cached_grant(b, now)?);
+    let word = match cached_grant(b, now) {
+        Some(word) => word,
+        // Due a re-read, but the key has no lease and the filter says none
+        // was written since: a flood's keys and rarely seen ones stay here.
+        None if no_lease_yet(b, &keys::source_key(meta, rule.state_id)) => grant::NO_LEASE,
+        None => return None,
+    };
+    let (interval_fp, burst_ns, leased) = terms(rule, word);
     let tat_ptr = &mut b.tat as *mut u64;
     let old = unsafe { core::ptr::read_volatile(tat_ptr) };
     let Some(new) = gcra::admit(old, now, gcra::increment_ns(interval_fp, cost), burst_ns) else {
@@ -138,6 +151,27 @@ fn cached_grant(b: &GlobalBucket, now: u64) -> Option<u64> {
     let ends = unsafe { core::ptr::read_volatile(&b.grant_expires_ns) };
     let live = cached == grant::NO_LEASE || now < ends;
     (read != 0 && now.saturating_sub(read) <= grant::REFRESH_NS && live).then_some(cached)
+}
+
+/// Whether a bucket whose copy of its grant is "no lease" may keep it
+/// without a re-read: the key's bit in the lease filter is clear, so no
+/// grant is in `FLOWCTL_GRANTS` for it (the agent sets the bit before it
+/// writes a grant). A lease the bucket holds is always re-read: its end
+/// or cut must take effect within `grant::REFRESH_NS`.
+#[inline(always)]
+fn no_lease_yet(b: &GlobalBucket, key: &BucketKey) -> bool {
+    let cached = unsafe { core::ptr::read_volatile(&b.grant) };
+    cached == grant::NO_LEASE && !may_hold_lease(key)
+}
+
+/// Whether `key`'s bit in the lease filter is set (or cannot be read).
+#[inline(always)]
+fn may_hold_lease(key: &BucketKey) -> bool {
+    let (word, bit) = grant::filter_slot(key);
+    match FLOWCTL_LEASE_FILTER.get(word) {
+        Some(w) => (unsafe { core::ptr::read_volatile(w) } & bit) != 0,
+        None => true,
+    }
 }
 
 /// Whether an admission at the default share (no lease) left the bucket
@@ -315,7 +349,8 @@ fn table_bucket(
 #[inline(always)]
 fn start(b: &mut GlobalBucket, rule: &RuleConfig, record: u32, key: &BucketKey, now: u64) {
     let debt = initial_tat(record, key, now);
-    let leased = matches!(unsafe { FLOWCTL_GRANTS.get(key) }, Some(g) if now < g.expires_ns);
+    let leased = may_hold_lease(key)
+        && matches!(unsafe { FLOWCTL_GRANTS.get(key) }, Some(g) if now < g.expires_ns);
     // Empty at the share's depth (the bucket's terms until its first
     // re-read), so the re-read carries no credit into the lease.
     let empty = unmarked_down(now.saturating_add(rule.burst_ns));
@@ -340,6 +375,9 @@ fn start(b: &mut GlobalBucket, rule: &RuleConfig, record: u32, key: &BucketKey, 
 fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: u64) -> u64 {
     if let Some(word) = cached_grant(b, now) {
         return word;
+    }
+    if no_lease_yet(b, key) {
+        return grant::NO_LEASE;
     }
     let cached = unsafe { core::ptr::read_volatile(&b.grant) };
     let (word, quota, expires) = match unsafe { FLOWCTL_GRANTS.get(key) } {

@@ -2,11 +2,12 @@
 //! buckets (a source key's in its source-cache entry, `FLOWCTL_SRC_CACHE`,
 //! any other in `FLOWCTL_GLOBAL_KEYS`; read for their offered counts), this
 //! host's grants (`FLOWCTL_GRANTS`, the one writer of which is the agent's
-//! lease loop) and the hot-key reports (`FLOWCTL_HOT_KEYS`, one consumer).
+//! lease loop, with the lease filter beside them: `lease_filter`) and the
+//! hot-key reports (`FLOWCTL_HOT_KEYS`, one consumer).
 
-use super::{maps::open_pinned, pins::AttachId, samples::drain_ring};
+use super::{lease_filter::LeaseFilter, maps::open_pinned, pins::AttachId, samples::drain_ring};
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, RingBuf};
+use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use flowctl_common::{
     grant, map_names as names, window, BucketKey, GlobalBucket, GrantValue, HotKey, QuotaRing,
     SrcEntry, SrcKey,
@@ -16,6 +17,7 @@ pub struct GlobalKeys {
     sources: HashMap<MapData, SrcKey, SrcEntry>,
     buckets: HashMap<MapData, BucketKey, GlobalBucket>,
     grants: HashMap<MapData, BucketKey, GrantValue>,
+    filter: LeaseFilter,
     quotas: HashMap<MapData, BucketKey, QuotaRing>,
     hot: RingBuf<MapData>,
 }
@@ -23,10 +25,15 @@ pub struct GlobalKeys {
 impl GlobalKeys {
     pub fn open(id: &AttachId) -> Result<Self> {
         let d = id.pin_dir();
+        let grants: HashMap<MapData, BucketKey, GrantValue> =
+            HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?;
+        let words = Array::try_from(Map::Array(open_pinned(&d, names::LEASE_FILTER)?))?;
+        let filter = LeaseFilter::open(words, grants.keys().filter_map(|k| k.ok()))?;
         Ok(Self {
             sources: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::SRC_CACHE)?))?,
             buckets: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::GLOBAL_KEYS)?))?,
-            grants: HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?,
+            grants,
+            filter,
             quotas: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::QUOTAS)?))?,
             hot: RingBuf::try_from(Map::RingBuf(open_pinned(&d, names::HOT_KEYS)?))?,
         })
@@ -63,6 +70,9 @@ impl GlobalKeys {
     ) -> Result<()> {
         let word = grant::encode(interval_fp, burst_units);
         let g = GrantValue { word, quota, expires_ns };
+        // The filter's bit first: the kernel looks for a grant only where
+        // the bit is set.
+        self.filter.granting(key)?;
         self.grants.insert(key, g, 0).context("writing a grant into FLOWCTL_GRANTS")
     }
 
@@ -84,11 +94,12 @@ impl GlobalKeys {
     /// Ends `key`'s lease here: back to the rule's default share.
     pub fn clear_grant(&mut self, key: &BucketKey) -> Result<()> {
         match self.grants.remove(key) {
-            Ok(()) => Ok(()),
             // Not there: nothing to end.
-            Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(e).context("removing a grant from FLOWCTL_GRANTS"),
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(e) => return Err(e).context("removing a grant from FLOWCTL_GRANTS"),
         }
+        // The bit last, once no grant needs it.
+        self.filter.removed(key)
     }
 
     /// The grant stored for `key` (`None`: no lease).

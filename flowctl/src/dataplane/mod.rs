@@ -35,6 +35,7 @@ mod control;
 mod egress;
 mod global_keys;
 mod inspect;
+mod lease_filter;
 mod load;
 mod maps;
 pub mod object;

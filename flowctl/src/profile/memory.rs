@@ -39,8 +39,10 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
         + MAX_RULE_RECORDS * size_of::<ControlRecord>()
         + DEBT_SLOTS * size_of::<u64>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
-        + HOT_KEY_RING_BYTES as usize;
-    let grants = MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
+        + HOT_KEY_RING_BYTES as usize
+        + grant::LEASE_FILTER_WORDS as usize * size_of::<u64>();
+    let grants =
+        MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<GrantValue>());
     let bookings =
         BOOKING_ENTRIES as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
     let counters = (COUNTER_RECORDS * size_of::<RuleCounters>()) as u64 * cpus;
