@@ -17,6 +17,12 @@ use crate::BucketKey;
 pub const REFRESH_NS: u64 = 50_000_000;
 /// How often one key is reported hot to the agent, at most.
 pub const HOT_EVERY_NS: u64 = 100_000_000;
+/// Refused keys one rule record may send to the full stage to be reported,
+/// per CPU per [`HOT_EVERY_NS`] (the agent takes 4096 reports a tick): a
+/// flood of refused sources is refused inline past that, its keys still
+/// due a report, rather than each writing one into a ring the agent could
+/// not drain anyway.
+pub const REFUSED_REPORTS_PER_WINDOW: u64 = 1024;
 /// The word of a key without a lease.
 pub const NO_LEASE: u64 = 0;
 

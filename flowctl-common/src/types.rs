@@ -524,6 +524,17 @@ pub struct GlobalBucket {
     pub quota: u64,
 }
 
+/// One rule record's refused-key reports on one CPU in the current window
+/// (`grant::REFUSED_REPORTS_PER_WINDOW`; per-CPU, so plain stores).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportWindow {
+    /// When the window began (ns).
+    pub start_ns: u64,
+    /// Refused keys handed to the full stage to be reported in it.
+    pub used: u64,
+}
+
 /// This host's grant for one key of a global rule (`FLOWCTL_GRANTS`,
 /// written whole by the agent): the rate and burst as one word
 /// (`grant::encode`), and the key's quota share.

@@ -12,10 +12,10 @@ use aya_ebpf::{
 };
 use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
-    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, RuleBitmap, RuleConfig,
-    RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES, COUNTER_RECORDS,
-    DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES,
-    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
+    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, ReportWindow, RuleBitmap,
+    RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES,
+    COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
+    DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
     MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
     PROTO_INDICES, RULE_SETS, SLOTS,
@@ -78,6 +78,12 @@ pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::wit
 /// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);
+/// Per rule record, per CPU: refused keys sent to be reported in the
+/// current window (`stages::global::flowctl_take_report`). Not pinned: a reload
+/// starting a fresh window costs nothing.
+#[map]
+pub static FLOWCTL_REPORT_WINDOWS: PerCpuArray<ReportWindow> =
+    PerCpuArray::with_max_entries(COUNTER_RECORDS as u32, 0);
 /// One bit per slot of keys that may hold a grant (`grant::filter_slot`),
 /// written by the agent: a clear bit spares a key the grants lookup.
 #[map]

@@ -1252,6 +1252,59 @@ fn global_lease_filter_hides_only_keys_without_a_grant() {
     assert_eq!(filter.get(&word, 0).unwrap() & bit, 0, "the shared bit cleared with its last key");
 }
 
+/// A flood of refused keys, each due a report, sends at most
+/// `REFUSED_REPORTS_PER_WINDOW` of them per rule per CPU per 100 ms to the
+/// full stage to be reported; the rest are refused inline, still counted
+/// (offered, dropped). Without the ration all 2000 would report.
+fn global_refused_reports_are_rationed_per_rule() {
+    use flowctl_common::grant;
+    const N: u32 = 2000;
+    let p = TestPlane::new(&global_profile("1/min"));
+    let mut gk = flowctl::dataplane::GlobalKeys::open(&p.id).unwrap();
+    let frames: Vec<Vec<u8>> = (0..N)
+        .map(|i| {
+            let b = i.to_be_bytes();
+            V4::new([10, 50, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 9 }, 0)
+        })
+        .collect();
+    // One CPU's window: the ration is per CPU.
+    let (reports, elapsed, passed) = std::thread::scope(|s| {
+        s.spawn(|| {
+            flowctl_tests::testrun::pin_to_cpu(0);
+            // The share's one unit (unless the key's debt slot holds
+            // another's debt), then a refusal: its debt noted, the key
+            // reported.
+            let mut passed = 0;
+            for f in &frames {
+                passed += (p.run(f) == XDP_PASS) as u64;
+                assert_eq!(p.run(f), XDP_DROP);
+            }
+            let _ = gk.hot(1 << 16);
+            // Every key due a report again.
+            std::thread::sleep(std::time::Duration::from_millis(110));
+            let t0 = std::time::Instant::now();
+            for f in &frames {
+                assert_eq!(p.run(f), XDP_DROP);
+            }
+            let elapsed = t0.elapsed();
+            let hot = gk.hot(1 << 16);
+            assert!(hot.iter().all(|h| h.why == grant::hot::REFUSED), "{hot:?}");
+            (hot.len() as u64, elapsed, passed)
+        })
+        .join()
+        .unwrap()
+    });
+    let windows = 1 + elapsed.as_nanos() as u64 / grant::HOT_EVERY_NS;
+    println!("{reports} of {N} refused keys reported in {elapsed:?} ({windows} windows)");
+    assert!(reports >= grant::REFUSED_REPORTS_PER_WINDOW.min(N as u64), "the ration is used");
+    assert!(
+        reports <= grant::REFUSED_REPORTS_PER_WINDOW * windows,
+        "{reports} reports in {windows} windows"
+    );
+    let c = p.counters("g");
+    assert_eq!((c.offered_pkts, c.passed_pkts), (3 * N as u64, passed), "every packet counted");
+}
+
 /// A global rule with a quota (600 a minute fleet-wide; the default share
 /// of 100/s of 1000/s brings 60 of it): before its lease a key admits its
 /// default share's quota, a lease's quota share then continues the same
@@ -1331,6 +1384,7 @@ fn main() {
         global_source_key_lives_in_the_source_entry: [Root],
         global_leased_key_comes_back_empty_after_eviction: [Root],
         global_lease_filter_hides_only_keys_without_a_grant: [Root],
+        global_refused_reports_are_rationed_per_rule: [Root],
         global_quota_runs_at_its_share_and_keeps_what_was_spent: [Root],
     ]);
 }

@@ -72,7 +72,7 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // by the entry point's call to `global::flowctl_global_decide`, whose
     // frame is not stacked on this one.
     if rule.global != 0 {
-        if let Some(d) = global::fast(rule, meta, entry_ptr, cost, now) {
+        if let Some(d) = global::fast(rule, meta, record, entry_ptr, cost, now) {
             return d;
         }
         return Decision::of(rule, Outcome::Global);

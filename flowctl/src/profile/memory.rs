@@ -45,7 +45,8 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
         MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<GrantValue>());
     let bookings =
         BOOKING_ENTRIES as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
-    let counters = (COUNTER_RECORDS * size_of::<RuleCounters>()) as u64 * cpus;
+    let counters =
+        (COUNTER_RECORDS * (size_of::<RuleCounters>() + size_of::<ReportWindow>())) as u64 * cpus;
     arrays as u64 + counters + grants + bookings
 }
 
