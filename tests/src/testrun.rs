@@ -154,14 +154,18 @@ impl TestPlane {
         dataplane::KeySamples::open(&self.id).unwrap().drain(usize::MAX)
     }
 
-    /// One of the plane's pinned LRU hash tables (`map_names::*`), typed,
-    /// to read what the kernel keeps per key.
+    /// One of the plane's pinned maps (`map_names::*`), untyped.
+    pub fn pinned(&self, name: &str) -> aya::maps::MapData {
+        aya::maps::MapData::from_pin(self.id.pin_dir().join(name)).unwrap()
+    }
+
+    /// One of the plane's pinned LRU hash tables, typed, to read what the
+    /// kernel keeps per key.
     pub fn lru_table<K: aya::Pod, V: aya::Pod>(
         &self,
         name: &str,
     ) -> aya::maps::HashMap<aya::maps::MapData, K, V> {
-        let data = aya::maps::MapData::from_pin(self.id.pin_dir().join(name)).unwrap();
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap()
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(self.pinned(name))).unwrap()
     }
 
     pub fn verified_insns(&self) -> u32 {

@@ -1214,10 +1214,7 @@ fn global_lease_filter_hides_only_keys_without_a_grant() {
     let kh = global_key(&p, hidden);
     assert_eq!(p.run(&frame(hidden)), XDP_PASS);
     let mut grants: aya::maps::HashMap<_, BucketKey, GrantValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
-            aya::maps::MapData::from_pin(p.id.pin_dir().join(map_names::GRANTS)).unwrap(),
-        ))
-        .unwrap();
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(p.pinned(map_names::GRANTS))).unwrap();
     let g = GrantValue { word: grant::encode(interval, 5), quota: 0, expires_ns: u64::MAX };
     let unseen = global_key(&p, [10, 8, 0, 2]);
     for k in [kh, unseen] {
@@ -1242,12 +1239,11 @@ fn global_lease_filter_hides_only_keys_without_a_grant() {
     p.run(&frame(a));
     assert_eq!(gk.bucket(&kc).unwrap().grant, grant::encode(interval, 5), "c's grant read");
     assert_eq!(gk.bucket(&ka).unwrap().grant, grant::NO_LEASE, "a cleared");
-    // c cleared too: the bit goes (a fresh writer sees no grant to count).
+    // c cleared too: the bit goes with its last key.
     gk.clear_grant(&kc).unwrap();
-    let filter: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(
-        aya::maps::MapData::from_pin(p.id.pin_dir().join(map_names::LEASE_FILTER)).unwrap(),
-    ))
-    .unwrap();
+    let filter: aya::maps::Array<_, u64> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(p.pinned(map_names::LEASE_FILTER)))
+            .unwrap();
     let (word, bit) = grant::filter_slot(&kc);
     assert_eq!(filter.get(&word, 0).unwrap() & bit, 0, "the shared bit cleared with its last key");
 }

@@ -28,7 +28,9 @@ impl GlobalKeys {
         let grants: HashMap<MapData, BucketKey, GrantValue> =
             HashMap::try_from(Map::HashMap(open_pinned(&d, names::GRANTS)?))?;
         let words = Array::try_from(Map::Array(open_pinned(&d, names::LEASE_FILTER)?))?;
-        let filter = LeaseFilter::open(words, grants.keys().filter_map(|k| k.ok()))?;
+        let granted: Vec<BucketKey> =
+            grants.keys().collect::<Result<_, _>>().context("listing FLOWCTL_GRANTS")?;
+        let filter = LeaseFilter::open(words, granted.into_iter())?;
         Ok(Self {
             sources: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::SRC_CACHE)?))?,
             buckets: HashMap::try_from(Map::LruHashMap(open_pinned(&d, names::GLOBAL_KEYS)?))?,

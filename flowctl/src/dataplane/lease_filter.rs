@@ -1,5 +1,5 @@
-//! The lease filter (`FLOWCTL_LEASE_FILTER`, docs/design.md, "Where a
-//! global rule's buckets live"): one bit per slot (`grant::filter_slot`) of
+//! The lease filter (`FLOWCTL_LEASE_FILTER`, docs/design.md, "A key
+//! without a lease skips the re-read"): one bit per slot (`grant::filter_slot`) of
 //! the keys that may hold a grant in `FLOWCTL_GRANTS`, so the kernel skips
 //! the grants lookup of a key without a lease. The lease loop is its one
 //! writer, through [`GlobalKeys`](super::GlobalKeys): a key's bit is set
