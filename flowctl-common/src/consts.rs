@@ -38,13 +38,9 @@ pub const MAX_SRC_CLASSES: usize = MAX_RULES + 2;
 /// Trie value meaning "no class" (only before the first apply).
 pub const NO_CLASS: u32 = u32::MAX;
 
-/// Debt slots per rule record. When a bucket refuses a packet, its TAT is
-/// remembered in slot `hash(key) % DEBT_SLOTS_PER_RULE` of the rule's region;
-/// a bucket created for a key (new, or back after LRU eviction) starts from
-/// that debt, so eviction never hands a refused key a fresh burst. Regions are
-/// per rule, so a flood on one rule cannot touch another rule's debts.
-pub const DEBT_SLOTS_PER_RULE: usize = 1024;
-pub const DEBT_SLOTS: usize = MAX_RULE_RECORDS * DEBT_SLOTS_PER_RULE;
+/// Remembered debts of refused buckets live in `FLOWCTL_DEBT`, a region of
+/// tagged sets per rule record (`debt::DEBT_SETS_PER_RULE`): see `debt`.
+pub use crate::debt::{DEBT_SETS, DEBT_SETS_PER_RULE};
 
 /// Default and hard limits of the key tables (entries).
 pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
@@ -117,7 +113,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).

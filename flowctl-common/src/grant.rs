@@ -43,6 +43,9 @@ pub const MAX_BURST_UNITS: u64 = ((1 << MANTISSA_BITS) - 1) << ((1 << EXPONENT_B
 /// without a lease finds its bit set in about 1 - e^(-1/16) = 6% of cases.
 pub const LEASE_FILTER_WORDS: u32 = 1 << 14;
 const LEASE_FILTER_BITS: u64 = LEASE_FILTER_WORDS as u64 * 64;
+/// The filter's fixed seed: the agent and the kernel must agree on it, and
+/// an attacker who aims keys at set bits only buys grants lookups.
+const FILTER_SEED: u64 = 0x243f_6a88_85a3_08d3;
 
 /// The lease filter's slot of `key`: its word and the bit in it. The agent
 /// sets a key's bit before it writes the key's grant and clears it (when
@@ -50,25 +53,10 @@ const LEASE_FILTER_BITS: u64 = LEASE_FILTER_WORDS as u64 * 64;
 /// clear bit means the key holds no grant, and the kernel skips the
 /// `FLOWCTL_GRANTS` lookup of a key without a lease (a flood's keys, or a
 /// key visited less often than `REFRESH_NS`). A set bit only costs the
-/// lookup. One multiply-xorshift fold over the key's fields, the same in
-/// the kernel and the agent.
+/// lookup. One `keys::key_hash`, the same in the kernel and the agent.
 #[inline(always)]
 pub fn filter_slot(key: &BucketKey) -> (u32, u64) {
-    let words = [
-        key.state_id as u64 | (key.family as u64) << 32 | (key.proto as u64) << 40,
-        key.sport as u64 | (key.dport as u64) << 16,
-        key.src[0] as u64 | (key.src[1] as u64) << 32,
-        key.src[2] as u64 | (key.src[3] as u64) << 32,
-        key.dst[0] as u64 | (key.dst[1] as u64) << 32,
-        key.dst[2] as u64 | (key.dst[3] as u64) << 32,
-    ];
-    let mut h: u64 = 0x243f_6a88_85a3_08d3;
-    let mut i = 0;
-    while i < words.len() {
-        h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        h ^= h >> 29;
-        i += 1;
-    }
+    let h = crate::keys::key_hash(FILTER_SEED, key);
     let bit = h % LEASE_FILTER_BITS;
     ((bit / 64) as u32, 1 << (bit % 64))
 }

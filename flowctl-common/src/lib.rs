@@ -12,6 +12,7 @@ pub mod bbr;
 pub mod booking;
 pub mod breaker;
 pub mod consts;
+pub mod debt;
 pub mod gcra;
 pub mod grant;
 pub mod keys;

@@ -682,6 +682,7 @@ mod pod {
     unsafe impl aya::Pod for RuleConfig {}
     unsafe impl aya::Pod for GlobalBucket {}
     unsafe impl aya::Pod for GrantValue {}
+    unsafe impl aya::Pod for crate::debt::DebtSet {}
     unsafe impl aya::Pod for HotKey {}
     unsafe impl aya::Pod for GlobalRecord {}
     unsafe impl aya::Pod for ControlRecord {}

@@ -14,7 +14,7 @@ use flowctl_common::{
     stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
     GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, ReportWindow, RuleBitmap,
     RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES,
-    COUNTER_RECORDS, DEBT_SLOTS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
+    COUNTER_RECORDS, DEBT_SETS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
     DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
     MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
@@ -95,9 +95,10 @@ pub static FLOWCTL_BOOKINGS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(BOO
 /// Hot keys of global rules, for the agent (`HotKey`).
 #[map]
 pub static FLOWCTL_HOT_KEYS: RingBuf = RingBuf::pinned(HOT_KEY_RING_BYTES, 0);
-/// Remembered debts of refused buckets (see `DEBT_SLOTS_PER_RULE`).
+/// Remembered debts of refused buckets: a region of tagged sets per rule
+/// record (`flowctl_common::debt`).
 #[map]
-pub static FLOWCTL_DEBT: Array<u64> = Array::pinned(DEBT_SLOTS as u32, 0);
+pub static FLOWCTL_DEBT: Array<flowctl_common::debt::DebtSet> = Array::pinned(DEBT_SETS as u32, 0);
 
 // What the agent's control loops set per rule record, and what they read.
 

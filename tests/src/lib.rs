@@ -15,6 +15,7 @@ pub mod downstream;
 pub mod etcd;
 pub mod fleet_bench;
 pub mod fleet_lab;
+pub mod flood;
 pub mod fuzz;
 pub mod lab;
 pub mod need;

@@ -564,6 +564,33 @@ fn eviction_hands_no_fresh_burst_to_refused_keys() {
     assert_eq!(p.run(&fresh), XDP_PASS);
 }
 
+/// Debts are remembered per key (`flowctl_common::debt`, tagged ways), not
+/// per hash slot: after a flood of 2000 refused sources on a rule, twice
+/// what its region holds, every brand-new source of that rule still gets
+/// its burst (the untagged 1024 slots this replaced started about 86% of
+/// them in another source's debt), and the debtors that come back after
+/// eviction are refused again as far as the region kept their debts.
+fn a_flood_of_refused_sources_leaves_new_sources_their_burst() {
+    const FLOOD: u32 = 2000;
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n";
+    let p = TestPlane::new(text);
+    let src = |net: u8, i: u32| {
+        let b = i.to_be_bytes();
+        V4::new([10, net, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0)
+    };
+    for i in 0..FLOOD {
+        let f = src(31, i);
+        assert_eq!([p.run(&f), p.run(&f)], [XDP_PASS, XDP_DROP], "flood source {i}");
+    }
+    let refused_new = (0..400).filter(|&i| p.run(&src(32, i)) != XDP_PASS).count();
+    assert_eq!(refused_new, 0, "new sources refused at their first packet");
+    // The flood's sources, evicted by the 400 new ones and each other.
+    let still_refused = (0..FLOOD).filter(|&i| p.run(&src(31, i)) == XDP_DROP).count();
+    println!("{still_refused} of {FLOOD} debtors refused again after eviction");
+    assert!(still_refused >= 900, "the region keeps about 1024 debts: {still_refused}");
+}
+
 const QUOTA_RULE: &str = "[[rule]]\nname = \"q\"\nproto = \"udp\"\nquota = 5\nquota_window = \"400ms\"\nquota_buckets = 4\nkey = \"src\"\n";
 
 /// A quota rule admits exactly N inside the window, then again once the
@@ -1267,9 +1294,8 @@ fn global_refused_reports_are_rationed_per_rule() {
     let (reports, elapsed, passed) = std::thread::scope(|s| {
         s.spawn(|| {
             flowctl_tests::testrun::pin_to_cpu(0);
-            // The share's one unit (unless the key's debt slot holds
-            // another's debt), then a refusal: its debt noted, the key
-            // reported.
+            // The share's one unit, then a refusal: its debt noted, the
+            // key reported.
             let mut passed = 0;
             for f in &frames {
                 passed += (p.run(f) == XDP_PASS) as u64;
@@ -1297,6 +1323,7 @@ fn global_refused_reports_are_rationed_per_rule() {
         reports <= grant::REFUSED_REPORTS_PER_WINDOW * windows,
         "{reports} reports in {windows} windows"
     );
+    assert_eq!(passed, N as u64, "no key starts in another's debt");
     let c = p.counters("g");
     assert_eq!((c.offered_pkts, c.passed_pkts), (3 * N as u64, passed), "every packet counted");
 }
@@ -1362,6 +1389,7 @@ fn main() {
         exact_under_concurrency: [Root],
         verifier_rejection_carries_the_log_tail: [Root],
         eviction_hands_no_fresh_burst_to_refused_keys: [Root],
+        a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         quota_admits_n_per_window: [Root],
         quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
         quota_exact_under_concurrency: [Root],

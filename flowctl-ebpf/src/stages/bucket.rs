@@ -1,8 +1,9 @@
 //! Stage 4: the key's token bucket (GCRA, algorithms.md section 1),
 //! one TAT per key: in the source's cache entry for a source-keyed rule
 //! that owns it, else in the shared key table (`FLOWCTL_KEYS`). A refused
-//! key's debt is remembered (`FLOWCTL_DEBT`), so eviction never hands it a
-//! fresh burst (docs/design.md, "Where bucket state lives").
+//! key's debt is remembered in its own tagged way of `FLOWCTL_DEBT`
+//! (`flowctl_common::debt`), so eviction never hands it a fresh burst and
+//! no other key starts with it (docs/design.md, "Where bucket state lives").
 
 use super::{
     quota::{QuotaCommit, QuotaStage},
@@ -11,13 +12,12 @@ use super::{
 use crate::{
     accounting::counters,
     decision::{Decision, Outcome},
-    maps::{FLOWCTL_DEBT, FLOWCTL_KEYS},
+    maps::{packet, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_RULES},
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    booking, gcra, key_kind,
-    keys::{bucket_key, debt_slot},
-    reason, BucketKey, PacketMeta, RuleConfig, SrcEntry, CAS_RETRIES,
+    booking, debt, gcra, key_kind, keys::bucket_key, reason, PacketMeta, RuleConfig, SrcEntry,
+    CAS_RETRIES,
 };
 
 /// Stage 4 (and the commit of stage 3): look at the bucket, commit the
@@ -42,14 +42,13 @@ pub fn admit<Q: QuotaStage>(
             BucketRef::Ptr(p) => {
                 let old = unsafe { core::ptr::read_volatile(p) };
                 if gcra::admit(old, now, inc, rule.burst_ns).is_none() {
-                    return refuse_rate(rule, meta, record, p, old);
+                    return refuse_rate(rule, record, p, old, now);
                 }
                 tat_ptr = p;
             }
             BucketRef::Missing => {
-                let key = bucket_key(meta, rule);
                 let Some(first) =
-                    gcra::admit(initial_tat(record, &key, now), now, inc, rule.burst_ns)
+                    gcra::admit(initial_tat(rule.at, record, now), now, inc, rule.burst_ns)
                 else {
                     // Costlier than the whole bucket, or still in debt:
                     // refused without creating state.
@@ -97,7 +96,7 @@ pub fn admit<Q: QuotaStage>(
         let Some(new) = gcra::admit(old, now, inc, rule.burst_ns) else {
             // Another CPU took the last token between the look and the swap.
             quota.rollback(cost);
-            return refuse_rate(rule, meta, record, tat_ptr, old);
+            return refuse_rate(rule, record, tat_ptr, old, now);
         };
         // Admitting moves the TAT: clear the mark by rounding up to even.
         let new = unmarked(new);
@@ -167,46 +166,77 @@ pub(super) fn refund(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry,
 }
 
 /// A token-bucket refusal. Bit 0 of a TAT marks "debt already remembered": a
-/// key that keeps being refused pays for the debt slot once, not per packet.
-/// The mark makes the TAT 1 ns later, never earlier.
+/// key that keeps being refused pays for the debt table once, not per
+/// packet. The mark makes the TAT 1 ns later, never earlier.
 #[inline(always)]
-fn refuse_rate(
-    rule: &RuleConfig,
-    meta: &PacketMeta,
-    record: u32,
-    tat_ptr: *mut u64,
-    old: u64,
-) -> Decision {
-    refuse_rate_at(rule, meta, record, tat_ptr, old);
+fn refuse_rate(rule: &RuleConfig, record: u32, tat_ptr: *mut u64, old: u64, now: u64) -> Decision {
+    if !debt_noted(old) {
+        note_debt(rule.at, record, tat_ptr, old, now);
+    }
     verdict(rule, reason::RATE)
 }
 
-/// Remembers a refused bucket's debt once (see [`refuse_rate`]).
+/// The same for the global stage's bucket of the rule at `rule_at`.
 #[inline(always)]
-fn refuse_rate_at(rule: &RuleConfig, meta: &PacketMeta, record: u32, tat_ptr: *mut u64, old: u64) {
-    note_debt(|| debt_slot(record, &bucket_key(meta, rule)), tat_ptr, old);
-}
-
-/// The same for a bucket whose key is at hand (the global stage's).
-#[inline(always)]
-pub(super) fn refuse_key_at(record: u32, key: &BucketKey, tat_ptr: *mut u64, old: u64) {
-    note_debt(|| debt_slot(record, key), tat_ptr, old);
-}
-
-/// On a bucket's first refusal of an episode: its debt into its slot, and
-/// the mark (`slot` is computed only then).
-#[inline(always)]
-fn note_debt(slot: impl FnOnce() -> u32, tat_ptr: *mut u64, old: u64) {
+pub(super) fn refuse_key_at(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
     if !debt_noted(old) {
-        remember_debt(slot(), old);
-        unsafe {
-            let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr,
-                old,
-                old | DEBT_MARK,
-            );
+        note_debt(rule_at, record, tat_ptr, old, now);
+    }
+}
+
+/// On a bucket's first refusal of an episode: its debt into the debt
+/// table, and the mark.
+#[inline(always)]
+fn note_debt(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
+    flowctl_remember_debt(rule_at, record, old, now);
+    unsafe {
+        let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            tat_ptr,
+            old,
+            old | DEBT_MARK,
+        );
+    }
+}
+
+/// Writes the debt `tat` of the packet in flight's bucket under the rule at
+/// `rule_at` (`FLOWCTL_RULES`) into its set (`debt::remember`). Global
+/// functions, this and `flowctl_recall_debt`, and they build the key and
+/// hash it themselves from the packet and the rule: inline, the hash over
+/// the key's 44 bytes (314k instructions) and the seed's lookup (277k) were
+/// verified once per path of every stage that creates or refuses a bucket,
+/// and took 6.1 from 375k to 851k. Racing CPUs may lose one of two debts;
+/// see `debt`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_remember_debt(rule_at: u32, record: u32, tat: u64, now: u64) -> u32 {
+    if let Some((set, tag)) = debt_way(rule_at, record) {
+        if let Some(s) = FLOWCTL_DEBT.get_ptr_mut(set) {
+            debt::remember(unsafe { &mut *s }, tag, tat, now);
         }
     }
+    0
+}
+
+/// The debt remembered for the packet in flight's bucket under the rule at
+/// `rule_at`, when it is still in the future; else 0 (`debt::recall`).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_recall_debt(rule_at: u32, record: u32, now: u64) -> u64 {
+    let Some((set, tag)) = debt_way(rule_at, record) else { return 0 };
+    match FLOWCTL_DEBT.get(set) {
+        Some(s) => debt::recall(s, tag, now),
+        None => 0,
+    }
+}
+
+/// The debt table's set and tag of the packet in flight's key under the
+/// rule at `rule_at`, keyed by the load's random `hash_seed`.
+#[inline(always)]
+fn debt_way(rule_at: u32, record: u32) -> Option<(u32, u64)> {
+    let global = FLOWCTL_GLOBAL.get(0)?;
+    let rule = FLOWCTL_RULES.get(rule_at)?;
+    let meta = packet()?;
+    Some(debt::locate(global.hash_seed, record, &bucket_key(meta, rule)))
 }
 
 enum BucketRef {
@@ -230,7 +260,7 @@ fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u
             // Claim the entry, starting from the key's remembered debt (a full
             // bucket when there is none). Two CPUs may race here; both store
             // the same values.
-            let start = initial_tat(rule.record, &bucket_key(meta, rule), now);
+            let start = initial_tat(rule.at, rule.record, now);
             unsafe {
                 (*entry).bucket.tat = start;
                 (*entry).owner_state = rule.state_id;
@@ -269,26 +299,10 @@ pub(super) fn unmarked_down(tat: u64) -> u64 {
     tat & !DEBT_MARK
 }
 
-/// Where a bucket starts: the debt remembered for its key's slot when that is
-/// still in the future, else 0 (a full bucket).
+/// Where a bucket of the rule at `rule_at` starts, for the packet in flight:
+/// the debt remembered for its key when that is still in the future, else
+/// 0 (a full bucket).
 #[inline(always)]
-pub(super) fn initial_tat(record: u32, key: &BucketKey, now: u64) -> u64 {
-    match FLOWCTL_DEBT.get(debt_slot(record, key)) {
-        Some(d) if *d > now => *d,
-        _ => 0,
-    }
-}
-
-/// Remember a refused bucket's TAT, so the key cannot shed its debt by being
-/// evicted. Racing CPUs may lose a larger value; the slot then holds a debt
-/// that ends sooner, never one that was not owed.
-#[inline(always)]
-fn remember_debt(slot: u32, tat: u64) {
-    if let Some(d) = FLOWCTL_DEBT.get_ptr_mut(slot) {
-        unsafe {
-            if tat > *d {
-                *d = tat;
-            }
-        }
-    }
+pub(super) fn initial_tat(rule_at: u32, record: u32, now: u64) -> u64 {
+    flowctl_recall_debt(rule_at, record, now)
 }

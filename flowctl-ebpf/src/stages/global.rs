@@ -229,7 +229,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
             let b = unsafe { &mut *b };
             unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&mut b.offered, cost) };
             let terms = terms(rule, current_grant(b, key, (rule.interval_fp, rule.burst_ns), now));
-            return spend(b, record, key, cost, now, terms, &mut NoQuota);
+            return spend(b, (record, rule.at), key, cost, now, terms, &mut NoQuota);
         }
     }
     let Some(b) = table_bucket(scratch, rule, record, now) else {
@@ -244,7 +244,15 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     let word = current_grant(b, key, (rule.interval_fp, rule.burst_ns), now);
     let (interval_fp, burst_ns, leased) = terms(rule, word);
     if rule.quota_bucket_ns == 0 {
-        return spend(b, record, key, cost, now, (interval_fp, burst_ns, leased), &mut NoQuota);
+        return spend(
+            b,
+            (record, rule.at),
+            key,
+            cost,
+            now,
+            (interval_fp, burst_ns, leased),
+            &mut NoQuota,
+        );
     }
     // Stage 3: the window at this host's quota share (the rule's default
     // share's without a lease), checked now, committed with the bucket's
@@ -259,7 +267,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
         report_hot(b, record, key, grant::hot::REFUSED, now);
         return code::QUOTA;
     }
-    spend(b, record, key, cost, now, (interval_fp, burst_ns, leased), &mut quota)
+    spend(b, (record, rule.at), key, cost, now, (interval_fp, burst_ns, leased), &mut quota)
 }
 
 /// Stage 4: the bucket's compare-and-swap at the grant's (or default
@@ -268,7 +276,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
 #[inline(always)]
 fn spend(
     b: &mut GlobalBucket,
-    record: u32,
+    (record, rule_at): (u32, u32),
     key: &BucketKey,
     cost: u64,
     now: u64,
@@ -282,7 +290,7 @@ fn spend(
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let Some(new) = gcra::admit(old, now, inc, burst_ns) else {
             report_hot(b, record, key, grant::hot::REFUSED, now);
-            refuse_key_at(record, key, tat_ptr, old);
+            refuse_key_at(rule_at, record, tat_ptr, old, now);
             return code::RATE;
         };
         match quota.commit(cost) {
@@ -372,7 +380,7 @@ fn table_bucket(
 /// Field by field: a struct literal is zero-filled through memset.
 #[inline(always)]
 fn start(b: &mut GlobalBucket, rule: &RuleConfig, record: u32, key: &BucketKey, now: u64) {
-    let debt = initial_tat(record, key, now);
+    let debt = initial_tat(rule.at, record, now);
     let leased = may_hold_lease(key)
         && matches!(unsafe { FLOWCTL_GRANTS.get(key) }, Some(g) if now < g.expires_ns);
     // Empty at the share's depth (the bucket's terms until its first

@@ -14,7 +14,7 @@ use aya::{
     Pod,
 };
 use flowctl_common::{
-    tables, RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SLOTS_PER_RULE, LAYOUT_VERSION,
+    tables, RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SETS_PER_RULE, LAYOUT_VERSION,
     MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
     RULE_SETS,
 };
@@ -201,8 +201,8 @@ fn write_slot<V: Pod>(
 fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -> Result<()> {
     let zeros = PerCpuValues::try_from(vec![RuleCounters::default(); ncpu])?;
     maps.counters.set(record, zeros, 0)?;
-    let debts = record * DEBT_SLOTS_PER_RULE as u32;
-    zero(&mut maps.debt, debts..debts + DEBT_SLOTS_PER_RULE as u32)?;
+    let debts = record * DEBT_SETS_PER_RULE as u32;
+    zero(&mut maps.debt, debts..debts + DEBT_SETS_PER_RULE as u32)?;
     for i in 0..stats_buckets {
         let idx = record * stats_buckets + i;
         if maps.stats.get(&idx, 0)?.iter().any(|b| b.epoch != 0) {
@@ -215,10 +215,15 @@ fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -
 
 /// Zeroes the entries `range` of a u64 array, writing only those that are
 /// not zero already.
-fn zero(map: &mut Array<MapData, u64>, range: Range<u32>) -> Result<()> {
+/// Zeroes the entries of `range` that are not zero already (a read is
+/// cheaper than a write on a map the kernel is using).
+fn zero<V: Pod + Default + PartialEq>(
+    map: &mut Array<MapData, V>,
+    range: Range<u32>,
+) -> Result<()> {
     for i in range {
-        if map.get(&i, 0)? != 0 {
-            map.set(i, 0, 0)?;
+        if map.get(&i, 0)? != V::default() {
+            map.set(i, V::default(), 0)?;
         }
     }
     Ok(())

@@ -27,7 +27,7 @@ pub struct Maps {
     pub classes: Array<MapData, RuleBitmap>,
     pub counters: PerCpuArray<MapData, RuleCounters>,
     pub control: Array<MapData, ControlRecord>,
-    pub debt: Array<MapData, u64>,
+    pub debt: Array<MapData, flowctl_common::debt::DebtSet>,
     pub stats: PerCpuArray<MapData, StatsBucket>,
     pub agent: Array<MapData, AgentRecord>,
     /// BBR rules' open-connection rings (see `OPEN_BUCKETS`).

@@ -37,7 +37,7 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * size_of::<RuleBitmap>()
         + SLOTS * MAX_RULES * size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * size_of::<ControlRecord>()
-        + DEBT_SLOTS * size_of::<u64>()
+        + DEBT_SETS * size_of::<debt::DebtSet>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
         + HOT_KEY_RING_BYTES as usize
         + grant::LEASE_FILTER_WORDS as usize * size_of::<u64>();

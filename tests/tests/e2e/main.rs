@@ -11,6 +11,7 @@ mod breakers;
 mod fleet_limits;
 mod fleet_profiles;
 mod fleet_quotas;
+mod floods;
 mod klimiter;
 mod lifecycle;
 mod limits;
@@ -21,6 +22,7 @@ use breakers::*;
 use fleet_limits::*;
 use fleet_profiles::*;
 use fleet_quotas::*;
+use floods::*;
 use klimiter::*;
 use lifecycle::*;
 use limits::*;
@@ -44,6 +46,7 @@ fn main() {
         tcp_connection_rate_within_bounds: [Root],
         tcp_connection_quota: [Root],
         booked_retransmissions_give_tcp_clients_the_rate: [Root],
+        a_million_source_syn_flood_spares_new_clients: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],

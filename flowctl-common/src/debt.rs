@@ -1,0 +1,223 @@
+//! Remembered debts of refused buckets (docs/design.md, "Where bucket state
+//! lives"): when a bucket refuses a packet, its TAT is written here, so a
+//! key whose bucket the LRU table evicts comes back still in debt instead
+//! of with a fresh burst.
+//!
+//! Each rule record owns [`DEBT_SETS_PER_RULE`] sets of [`DEBT_WAYS`]
+//! tagged ways (a set is one 64-byte line). A key's set and tag come from
+//! one seeded hash ([`locate`]): the seed is the load's random
+//! `GlobalRecord::hash_seed`, so a sender cannot aim its keys at a victim's
+//! set. A new bucket starts from the debt of the way whose tag is its own
+//! ([`recall`]), never from another key's: the untagged slots this replaced
+//! handed a brand-new source the debt of whichever flood source shared its
+//! slot, which under a flood of many refused sources refused most new
+//! sources' first packet.
+//!
+//! Error bounds, per rule record:
+//! - A key that was never refused starts in debt only if another refused
+//!   key of its rule has its 63-bit tag in the same set: at most
+//!   `DEBT_WAYS * 2^-55` per new bucket (the tag's bits beyond the set's).
+//! - A debt is forgotten only to make room: [`remember`] replaces the way
+//!   whose debt ends first (an ended debt first), and keeps nothing when all
+//!   four end later than the new one. A forgotten debt costs something only
+//!   if its key's bucket is evicted as well and the key comes back before
+//!   the debt ends: it then starts with a full bucket, one burst. With up
+//!   to `DEBT_SETS_PER_RULE * DEBT_WAYS` = 1024 debts live at once nothing
+//!   is forgotten unless a set overflows (more than four of them in one
+//!   set); past that the table keeps the 1024-odd debts that end last.
+//! - Writers do not lock: two CPUs replacing the same way at the same
+//!   instant may leave one key's tag with the other's TAT. Both keys were
+//!   just refused, so the mix-up only moves a debtor's debt by at most one
+//!   bucket depth; a key that was never refused cannot receive it.
+
+use crate::{keys::key_hash, BucketKey, MAX_RULE_RECORDS};
+
+/// Ways per set: four 16-byte ways fill one 64-byte cache line.
+pub const DEBT_WAYS: usize = 4;
+/// Sets per rule record: 1024 ways, 16 KiB.
+pub const DEBT_SETS_PER_RULE: usize = 256;
+/// Entries of `FLOWCTL_DEBT` (one set each).
+pub const DEBT_SETS: usize = MAX_RULE_RECORDS * DEBT_SETS_PER_RULE;
+
+/// One remembered debt: a key's tag (0: empty) and its bucket's TAT when
+/// it was refused.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DebtWay {
+    pub tag: u64,
+    pub tat: u64,
+}
+
+/// One set of `FLOWCTL_DEBT`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DebtSet {
+    pub ways: [DebtWay; DEBT_WAYS],
+}
+
+/// The set (an index into `FLOWCTL_DEBT`, within the record's region) and
+/// the tag of `key` under rule record `record`. The tag is never 0.
+#[inline(always)]
+pub fn locate(seed: u64, record: u32, key: &BucketKey) -> (u32, u64) {
+    let h = key_hash(seed, key);
+    let set = (h >> 56) as u32 % DEBT_SETS_PER_RULE as u32;
+    (record * DEBT_SETS_PER_RULE as u32 + set, h | 1)
+}
+
+/// The debt remembered for `tag`, when it is still in the future; else 0
+/// (a full bucket).
+#[inline(always)]
+pub fn recall(set: &DebtSet, tag: u64, now: u64) -> u64 {
+    let mut i = 0;
+    while i < DEBT_WAYS {
+        let w = &set.ways[i];
+        if w.tag == tag && w.tat > now {
+            return w.tat;
+        }
+        i += 1;
+    }
+    0
+}
+
+/// Remembers that the bucket of `tag` was refused with TAT `tat`: in its
+/// own way (the later of the two debts), else in the way whose debt ends
+/// first, if that ends before `tat`. The way's TAT is cleared before its
+/// tag changes, so a reader between the stores sees no debt rather than
+/// the previous key's.
+#[inline(always)]
+pub fn remember(set: &mut DebtSet, tag: u64, tat: u64, now: u64) {
+    let mut victim = 0;
+    let mut least = u64::MAX;
+    let mut i = 0;
+    while i < DEBT_WAYS {
+        let w = &mut set.ways[i];
+        if w.tag == tag {
+            if tat > w.tat {
+                unsafe { core::ptr::write_volatile(&mut w.tat, tat) };
+            }
+            return;
+        }
+        let left = if w.tat > now { w.tat } else { 0 };
+        if left < least {
+            least = left;
+            victim = i;
+        }
+        i += 1;
+    }
+    if tat <= least || victim >= DEBT_WAYS {
+        return;
+    }
+    let w = &mut set.ways[victim];
+    unsafe {
+        core::ptr::write_volatile(&mut w.tat, 0);
+        core::ptr::write_volatile(&mut w.tag, tag);
+        core::ptr::write_volatile(&mut w.tat, tat);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(i: u32) -> BucketKey {
+        BucketKey { state_id: 7, family: 4, src: [0x0a00_0000 + i, 0, 0, 0], ..Default::default() }
+    }
+
+    /// A host model of one rule's region, as the kernel uses it.
+    struct Region(Vec<DebtSet>);
+    impl Region {
+        fn new() -> Self {
+            Self(vec![DebtSet::default(); DEBT_SETS_PER_RULE])
+        }
+        fn at(&mut self, k: &BucketKey) -> (&mut DebtSet, u64) {
+            let (set, tag) = locate(0x5eed, 3, k);
+            (&mut self.0[(set - 3 * DEBT_SETS_PER_RULE as u32) as usize], tag)
+        }
+        fn remember(&mut self, k: &BucketKey, tat: u64, now: u64) {
+            let (s, tag) = self.at(k);
+            remember(s, tag, tat, now);
+        }
+        fn recall(&mut self, k: &BucketKey, now: u64) -> u64 {
+            let (s, tag) = self.at(k);
+            recall(s, tag, now)
+        }
+    }
+
+    #[test]
+    fn sets_stay_in_the_record_s_region_and_tags_are_never_empty() {
+        for i in 0..10_000 {
+            let (set, tag) = locate(1, 9, &key(i));
+            assert!((9 * 256..10 * 256).contains(&(set as usize)));
+            assert_ne!(tag, 0);
+        }
+    }
+
+    #[test]
+    fn a_flood_of_refused_keys_gives_no_new_key_a_debt() {
+        // The untagged slots this replaced: 2000 debtors over 1024 slots
+        // put about 86% of new keys in debt.
+        let mut r = Region::new();
+        let now = 1_000_000;
+        for i in 0..100_000 {
+            r.remember(&key(i), now + 5_000_000 + i as u64, now);
+        }
+        let inherited = (1_000_000..1_010_000).filter(|&i| r.recall(&key(i), now) != 0).count();
+        assert_eq!(inherited, 0);
+    }
+
+    #[test]
+    fn a_debt_is_kept_until_it_ends_and_ended_ways_are_reused_first() {
+        let mut r = Region::new();
+        r.remember(&key(1), 500, 100);
+        assert_eq!(r.recall(&key(1), 100), 500);
+        assert_eq!(r.recall(&key(1), 500), 0, "ended");
+        // A later refusal of the same key keeps the later debt.
+        r.remember(&key(1), 400, 100);
+        assert_eq!(r.recall(&key(1), 100), 500);
+        r.remember(&key(1), 900, 100);
+        assert_eq!(r.recall(&key(1), 100), 900);
+    }
+
+    proptest! {
+        /// With no more live debts than the region holds and no set
+        /// overfull, every debt is recalled exactly; in any case a key
+        /// recalls only a debt it was given (its own), and when a set
+        /// overflows it keeps the debts that end last.
+        #[test]
+        fn recalls_only_own_debts_and_keeps_the_latest(
+            debts in proptest::collection::vec((0u32..5000, 1u64..1_000_000), 1..3000),
+        ) {
+            // A key's TAT only grows, so each of its refusals is later.
+            let now = 10;
+            let mut r = Region::new();
+            let mut own = std::collections::HashMap::new();
+            for &(k, step) in &debts {
+                let e = own.entry(k).or_insert(now);
+                *e += step;
+                r.remember(&key(k), *e, now);
+            }
+            let mut by_set: std::collections::HashMap<u32, Vec<u64>> = Default::default();
+            for (&k, &d) in &own {
+                by_set.entry(locate(0x5eed, 3, &key(k)).0).or_default().push(d);
+            }
+            for (&k, &d) in &own {
+                let got = r.recall(&key(k), now);
+                prop_assert!(got == 0 || got == d, "key {} recalled {} of its {}", k, got, d);
+                let mut set = by_set[&locate(0x5eed, 3, &key(k)).0].clone();
+                if set.len() <= DEBT_WAYS {
+                    prop_assert_eq!(got, d);
+                }
+                set.sort_unstable();
+                // Arrival order decides among a set's later debts, but the
+                // latest one is never dropped for an earlier one.
+                if d == set[set.len() - 1] && (set.len() == 1 || set[set.len() - 2] < d) {
+                    prop_assert_eq!(got, d);
+                }
+            }
+            for k in 5000..5200 {
+                prop_assert_eq!(r.recall(&key(k), now), 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! Floods from many spoofed sources against a connection limit, with
+//! brand-new legitimate clients connecting throughout.
+
+use flowctl_tests::{
+    agent::Agent,
+    cli::rule,
+    flood::{blackhole_replies, clients_from, syn_flood, FIRST_SYN, FLOOD_NET},
+    lab::Lab,
+    tempfile::TempFile,
+    traffic::{blast, TcpServer},
+};
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+/// A SYN flood from 1,000,000 distinct spoofed sources (three SYNs each, a
+/// pass over all of them at a time, at most 3M frames and 60 s) against a
+/// per-source connection limit of 1/min with a burst of 1, while 200
+/// brand-new client addresses connect one after another during the passes
+/// that are refused (every flood source in debt):
+/// - at most 1% of the new clients' first SYNs are refused (the untagged
+///   debt slots this replaced started most new sources in a flood source's
+///   debt);
+/// - the flood gets at most `sources * (burst + rate * t)` SYNs in;
+/// - another rule's drained key, evicted by the flood from the shared
+///   source cache, is still refused afterwards (its debt is its rule's).
+pub fn a_million_source_syn_flood_spares_new_clients() {
+    const SOURCES: u32 = 1_000_000;
+    const PASSES: u32 = 3;
+    let lab = Lab::new("fflood", 250);
+    blackhole_replies(&lab);
+    let prof = TempFile::profile(
+        "[[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7500\nunit = \"connections\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n\
+[[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7501\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
+    );
+    let server = TcpServer::start(&lab, 7500);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    // The other rule's key, drained before the flood: 3 in, 2 refused.
+    blast(&lab, 7501, 200, 1.0, 5);
+    let other = rule(&lab.veth_srv, "other");
+    assert_eq!(other["passed_pkts"].as_u64(), Some(3), "{other}");
+    let addrs: Vec<String> = (20..220).map(|h| format!("10.201.250.{h}")).collect();
+    for a in &addrs {
+        lab.add_client_address(a);
+    }
+
+    let t0 = Instant::now();
+    let (sent, clients) = std::thread::scope(|s| {
+        static PROGRESS: AtomicU64 = AtomicU64::new(0);
+        let flood = s.spawn(|| syn_flood(&lab, 7500, (SOURCES, PASSES), 60.0, &PROGRESS));
+        // From the second pass on, every source the flood sends from is
+        // refused and in debt: the clients meet a million debtors.
+        let wait = Instant::now();
+        while PROGRESS.load(Ordering::Relaxed) < SOURCES as u64 && wait.elapsed().as_secs() < 30 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let clients = clients_from(&lab, addrs.clone(), 7500, Duration::from_millis(15));
+        (flood.join().unwrap(), clients)
+    });
+    let t = t0.elapsed().as_secs_f64();
+    let r = rule(&lab.veth_srv, "syn");
+    let got = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    let (seen, passed, dropped) = (got("syn_seen"), got("syn_passed"), got("syn_dropped"));
+    // The server's count of the flood: every SYN from the flood's range the
+    // limiter passed reached the listener and was dropped there, its
+    // SYN-ACK's route being the blackhole (and nothing else drops here).
+    let listen_drops = nstat(&lab.ns_srv, "TcpExtListenDrops");
+    let flood_in = listen_drops;
+    // So the new clients' SYNs the limiter refused are the rule's refusals
+    // less the flood's (every frame the sender's kernel took reached XDP).
+    let clients_refused = dropped - (sent.frames - flood_in);
+    let bound = SOURCES as f64 * (1.0 + t / 60.0);
+    println!(
+        "flood: {} frames in {:.1} s ({:.0}/s, {} not taken) from {SOURCES} sources of {}/{}; the rule saw {seen} SYNs, passed {passed}, dropped {dropped}; {flood_in} reached the listener, bound {bound:.0} (t = {t:.1} s)",
+        sent.frames,
+        sent.secs,
+        sent.frames as f64 / sent.secs,
+        sent.lost,
+        FLOOD_NET.0,
+        FLOOD_NET.1
+    );
+    println!(
+        "clients: {} new addresses, {} SYNs seen, {clients_refused} refused by the limiter; {} established, {} within {:?} (the rest lost a SYN to the veth's full queue)",
+        clients.attempts,
+        seen - sent.frames,
+        clients.established,
+        clients.first_syn,
+        FIRST_SYN
+    );
+    assert!(
+        clients_refused as f64 <= 0.01 * clients.attempts as f64,
+        "{clients_refused} of {} new clients' SYNs refused",
+        clients.attempts
+    );
+    assert_eq!(clients.established, clients.attempts, "every new client connects");
+    assert!(clients.first_syn as f64 >= 0.9 * clients.attempts as f64, "{clients:?}");
+    assert!(passed - flood_in >= clients.established as u64, "a SYN in per client");
+    assert!((flood_in as f64) <= bound, "the flood got {flood_in} SYNs in, bound {bound:.0}");
+    // The other rule's drained key is still refused.
+    let (sent_after, _, _) = blast(&lab, 7501, 100, 1.0, 1);
+    assert_eq!(sent_after, 1);
+    let other = rule(&lab.veth_srv, "other");
+    assert_eq!(other["passed_pkts"].as_u64(), Some(3), "the drained key stays drained: {other}");
+    server.stop();
+    agent.stop();
+}
+
+/// A `nstat` counter of namespace `ns` (absolute, since the namespace began).
+fn nstat(ns: &str, name: &str) -> u64 {
+    let out = flowctl_tests::lab::sh_ns(ns, &["nstat", "-az", name]);
+    out.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.split_whitespace().next()))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {out}"))
+}
