@@ -31,22 +31,35 @@ pub fn blackhole_replies(lab: &Lab) {
 /// What a flood sent.
 #[derive(Debug)]
 pub struct Sent {
-    /// Frames the kernel took: each reached the receiving side's XDP
-    /// program (a veth whose peer's queue is full refuses the send, ENOBUFS).
+    /// Frames the kernel took. A veth whose peer's queue is full drops the
+    /// frame, and says so (ENOBUFS) only since Linux 6.16 (dc82a33); the
+    /// caller subtracts the drops the sender was not told of
+    /// ([`tx_dropped`] grows by both kinds, `refused_sends` counts the
+    /// told ones).
     pub frames: u64,
     /// Frames refused even after retries.
     pub lost: u64,
+    /// Send attempts the kernel refused (each also a veth drop).
+    pub refused_sends: u64,
     pub secs: f64,
+}
+
+/// The `tx_dropped` counter of `dev` in namespace `ns`.
+pub fn tx_dropped(ns: &str, dev: &str) -> u64 {
+    let out = sh_ns(ns, &["ip", "-s", "-j", "link", "show", dev]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("ip -j output");
+    v[0]["stats64"]["tx"]["dropped"].as_u64().unwrap_or_else(|| panic!("no tx dropped: {out}"))
 }
 
 /// Sends `passes` SYNs from each of `sources` addresses of [`FLOOD_NET`]
 /// (pass by pass: every source once, then again) to `lab`'s server port
-/// `dport`, stopping early after `max_secs`; `progress` counts the frames
-/// taken so far, for whoever waits on a pass.
+/// `dport` at about `pps` (below what the receiving side's XDP program
+/// drains, so its queue seldom overflows), stopping early after `max_secs`;
+/// `progress` counts the frames taken so far, for whoever waits on a pass.
 pub fn syn_flood(
     lab: &Lab,
     dport: u16,
-    (sources, passes): (u32, u32),
+    (sources, passes, pps): (u32, u32, u64),
     max_secs: f64,
     progress: &'static AtomicU64,
 ) -> Sent {
@@ -60,15 +73,24 @@ pub fn syn_flood(
         let base = u32::from(FLOOD_NET.0);
         let mut frame = syn_frame(src_mac, dst_mac, dst, dport);
         let start = Instant::now();
-        let (mut frames, mut lost) = (0u64, 0u64);
+        let (mut frames, mut lost, mut refused_sends) = (0u64, 0u64, 0u64);
         'passes: for pass in 0..passes {
             for i in 0..sources {
                 // Check the clock every 4096 frames: the bound in seconds.
-                if i % 4096 == 0 && start.elapsed().as_secs_f64() > max_secs {
-                    break 'passes;
+                if i % 256 == 0 {
+                    let due = Duration::from_secs_f64((frames + lost) as f64 / pps as f64);
+                    let elapsed = start.elapsed();
+                    if elapsed.as_secs_f64() > max_secs {
+                        break 'passes;
+                    }
+                    if let Some(ahead) = due.checked_sub(elapsed) {
+                        std::thread::sleep(ahead);
+                    }
                 }
                 set_source(&mut frame, base + i, (1024 + pass % 60000) as u16);
-                if sock.send(&frame) {
+                let (taken, refused) = sock.send(&frame);
+                refused_sends += refused;
+                if taken {
                     frames += 1;
                     if frames % 1024 == 0 {
                         progress.store(frames, Ordering::Relaxed);
@@ -79,7 +101,7 @@ pub fn syn_flood(
             }
         }
         progress.store(frames, Ordering::Relaxed);
-        Sent { frames, lost, secs: start.elapsed().as_secs_f64() }
+        Sent { frames, lost, refused_sends, secs: start.elapsed().as_secs_f64() }
     })
 }
 
@@ -214,18 +236,18 @@ impl RawSocket {
         Self(fd)
     }
 
-    /// One frame: whether the kernel took it. A full queue (ENOBUFS) is
-    /// waited out, a little longer each time, up to about 10 ms: the flood
-    /// goes as fast as the receiver drains it.
-    fn send(&self, frame: &[u8]) -> bool {
+    /// One frame: whether the kernel took it, and how many attempts it
+    /// refused first. A full queue (ENOBUFS) is waited out, a little longer
+    /// each time, up to about 1 ms.
+    fn send(&self, frame: &[u8]) -> (bool, u64) {
         for attempt in 0..20u64 {
             let n = unsafe { libc::send(self.0, frame.as_ptr().cast(), frame.len(), 0) };
             if n == frame.len() as isize {
-                return true;
+                return (true, attempt);
             }
             std::thread::sleep(Duration::from_micros(5 * (attempt + 1)));
         }
-        false
+        (false, 20)
     }
 }
 

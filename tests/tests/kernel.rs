@@ -1182,7 +1182,7 @@ fn global_source_key_lives_in_the_source_entry() {
 /// A leased key whose bucket was evicted (a flood of new sources through
 /// the source cache) comes back empty, not with its default share's burst
 /// carried into the lease: eviction never mints units the store did not
-/// grant, even for a key that was never refused (so has no debt slot).
+/// grant, even for a key that was never refused (so has no remembered debt).
 /// (Before the fix it came back with the share's 100 units, capped at the
 /// lease's 5.)
 fn global_leased_key_comes_back_empty_after_eviction() {

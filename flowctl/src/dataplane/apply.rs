@@ -213,8 +213,6 @@ fn clear_record(maps: &mut Maps, record: u32, stats_buckets: u32, ncpu: usize) -
     zero(&mut maps.open, open..open + OPEN_BUCKETS as u32)
 }
 
-/// Zeroes the entries `range` of a u64 array, writing only those that are
-/// not zero already.
 /// Zeroes the entries of `range` that are not zero already (a read is
 /// cheaper than a write on a map the kernel is using).
 fn zero<V: Pod + Default + PartialEq>(
