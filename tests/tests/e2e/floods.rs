@@ -23,8 +23,9 @@ use std::{
 ///   debt slots this replaced started most new sources in a flood source's
 ///   debt);
 /// - the flood gets at most `sources * (burst + rate * t)` SYNs in;
-/// - another rule's drained key, evicted by the flood from the shared
-///   source cache, is still refused afterwards (its debt is its rule's).
+/// - another rule's drained key is still refused afterwards (at the default
+///   1M-entry source cache the flood may or may not evict it; the kernel
+///   test `eviction_hands_no_fresh_burst_to_refused_keys` forces that case).
 pub fn a_million_source_syn_flood_spares_new_clients() {
     const SOURCES: u32 = 1_000_000;
     const PASSES: u32 = 3;
