@@ -76,6 +76,10 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     if g.layout_version != 0 && g.layout_version != LAYOUT_VERSION {
         bail!("pinned layout version {} is not {LAYOUT_VERSION}", g.layout_version);
     }
+    // Before anything is written: without a random seed nothing is applied.
+    if g.hash_seed == 0 {
+        g.hash_seed = random_seed()?;
+    }
 
     let configs: Vec<RuleConfig> = set
         .rules
@@ -172,9 +176,6 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     g.malformed_verdict = set.settings.malformed_verdict;
     g.fragment_verdict = set.settings.fragment_verdict;
     g.grace_ns = set.settings.grace_ns;
-    if g.hash_seed == 0 {
-        g.hash_seed = random_u64();
-    }
     maps.global.set(0, g, 0)?;
     state.rules = planned;
     state.next_state_id = next;
@@ -227,11 +228,14 @@ fn zero<V: Pod + Default + PartialEq>(
     Ok(())
 }
 
-fn random_u64() -> u64 {
+/// The load's hash seed (never 0, which means "not set yet"). It keys the
+/// admission stage's flow hash and the debt table's sets and tags, so a
+/// sender who could predict it could aim packets: no fallback, an error.
+fn random_seed() -> Result<u64> {
+    use std::io::Read;
     let mut b = [0u8; 8];
-    if let Ok(mut f) = fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut b);
-    }
-    u64::from_ne_bytes(b) | 1
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| anyhow!("reading /dev/urandom for the hash seed: {e}; mount /dev (devtmpfs) in the agent's environment"))?;
+    Ok(u64::from_ne_bytes(b) | 1)
 }
