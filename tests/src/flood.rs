@@ -5,7 +5,10 @@
 //! ([`FLOOD_NET`]), which the protected namespace routes into a blackhole
 //! ([`blackhole_replies`]): the server's SYN-ACKs to them go nowhere.
 
-use crate::lab::{sh, sh_ns, Lab};
+use crate::{
+    lab::{mac, sh, sh_ns, Lab},
+    packet::checksum,
+};
 use std::{
     net::{Ipv4Addr, SocketAddr},
     sync::atomic::{AtomicU64, Ordering},
@@ -64,8 +67,8 @@ pub fn syn_flood(
     progress: &'static AtomicU64,
 ) -> Sent {
     assert!(sources <= 1 << (32 - FLOOD_NET.1), "more sources than the flood's range");
-    let src_mac = mac_of(&lab.ns_cli, &lab.veth_cli);
-    let dst_mac = mac_of(&lab.ns_srv, &lab.veth_srv);
+    let src_mac = mac(&lab.ns_cli, &lab.veth_cli);
+    let dst_mac = mac(&lab.ns_srv, &lab.veth_srv);
     let dst: Ipv4Addr = lab.ip_srv.parse().unwrap();
     let dev = lab.veth_cli.clone();
     Lab::in_ns(&lab.ns_cli, move || {
@@ -147,20 +150,6 @@ pub fn clients_from(lab: &Lab, addrs: Vec<String>, port: u16, gap: Duration) -> 
     })
 }
 
-fn mac_of(ns: &str, dev: &str) -> [u8; 6] {
-    let out = sh_ns(ns, &["ip", "-o", "link", "show", dev]);
-    let hex = out
-        .split_whitespace()
-        .skip_while(|w| *w != "link/ether")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no MAC for {dev}: {out}"));
-    let mut mac = [0u8; 6];
-    for (i, b) in hex.split(':').enumerate().take(6) {
-        mac[i] = u8::from_str_radix(b, 16).unwrap();
-    }
-    mac
-}
-
 /// Offsets in the frame `syn_frame` builds.
 const IP: usize = 14;
 const TCP: usize = IP + 20;
@@ -188,26 +177,13 @@ fn syn_frame(src_mac: [u8; 6], dst_mac: [u8; 6], dst: Ipv4Addr, dport: u16) -> [
 fn set_source(f: &mut [u8; FRAME_LEN], src: u32, sport: u16) {
     f[IP + 12..IP + 16].copy_from_slice(&src.to_be_bytes());
     f[IP + 10..IP + 12].fill(0);
-    let c = checksum(&f[IP..TCP], 0);
+    let c = checksum(&[&f[IP..TCP]]);
     f[IP + 10..IP + 12].copy_from_slice(&c.to_be_bytes());
     f[TCP..TCP + 2].copy_from_slice(&sport.to_be_bytes());
     f[TCP + 16..TCP + 18].fill(0);
     // The pseudo header: addresses, protocol, TCP length.
-    let pseudo = sum(&f[IP + 12..IP + 20]) + 6 + 20;
-    let c = checksum(&f[TCP..FRAME_LEN], pseudo);
+    let c = checksum(&[&f[IP + 12..IP + 20], &[0, 6, 0, 20], &f[TCP..FRAME_LEN]]);
     f[TCP + 16..TCP + 18].copy_from_slice(&c.to_be_bytes());
-}
-
-fn sum(b: &[u8]) -> u32 {
-    b.chunks(2).map(|w| u32::from(w[0]) << 8 | u32::from(*w.get(1).unwrap_or(&0))).sum()
-}
-
-fn checksum(b: &[u8], start: u32) -> u16 {
-    let mut s = start + sum(b);
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
 }
 
 /// An AF_PACKET socket bound to one interface of the current namespace.
@@ -218,7 +194,10 @@ impl RawSocket {
         let name = std::ffi::CString::new(dev).unwrap();
         let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
         assert_ne!(ifindex, 0, "no interface {dev} here");
-        let proto = (libc::ETH_P_ALL as u16).to_be();
+        // Protocol 0: send only. ETH_P_ALL would also queue a copy of every
+        // frame the interface carries, the flood's own included, to this
+        // socket, which never reads.
+        let proto = 0u16;
         let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
         assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
@@ -265,8 +244,8 @@ mod tests {
     fn checksums_verify() {
         let mut f = syn_frame([2; 6], [4; 6], Ipv4Addr::new(10, 201, 1, 1), 80);
         set_source(&mut f, u32::from(Ipv4Addr::new(172, 16, 3, 4)), 1234);
-        assert_eq!(checksum(&f[IP..TCP], 0), 0, "IPv4 header");
-        let pseudo = sum(&f[IP + 12..IP + 20]) + 6 + 20;
-        assert_eq!(checksum(&f[TCP..FRAME_LEN], pseudo), 0, "TCP");
+        assert_eq!(checksum(&[&f[IP..TCP]]), 0, "IPv4 header");
+        let pseudo = [&f[IP + 12..IP + 20], &[0, 6, 0, 20], &f[TCP..FRAME_LEN]];
+        assert_eq!(checksum(&pseudo), 0, "TCP");
     }
 }

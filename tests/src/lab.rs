@@ -192,3 +192,10 @@ impl Drop for StoreNet {
         }
     }
 }
+
+/// The MAC address of `dev` in namespace `ns`.
+pub fn mac(ns: &str, dev: &str) -> [u8; 6] {
+    let s = sh(&["ip", "netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/address")]);
+    let b: Vec<u8> = s.trim().split(':').map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+    b.try_into().unwrap()
+}

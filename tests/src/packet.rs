@@ -160,3 +160,17 @@ pub fn arp() -> Vec<u8> {
     f.resize(42, 0);
     f
 }
+
+/// The one's-complement checksum of `parts` (big-endian 16-bit words).
+pub fn checksum(parts: &[&[u8]]) -> u16 {
+    let mut sum: u32 = 0;
+    for p in parts {
+        for w in p.chunks(2) {
+            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+        }
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}

@@ -9,8 +9,9 @@
 use flowctl_tests::{
     agent::Agent,
     cli::{agent_ready, attachment},
-    lab::{sh, Lab},
+    lab::{mac, sh, Lab},
     need::in_vm,
+    packet::checksum,
     tempfile::TempFile,
 };
 use std::{
@@ -29,26 +30,6 @@ fn attach(lab: &Lab, profile: &TempFile) -> Agent {
     let up_within = Duration::from_secs(if in_vm() { 180 } else { 20 });
     let cmd = Agent::attach(lab, profile.path(), &[]);
     Agent::spawn(cmd, up_within, Duration::from_secs(3), || agent_ready(&lab.veth_srv))
-}
-
-fn mac(ns: &str, dev: &str) -> [u8; 6] {
-    let s = sh(&["ip", "netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/address")]);
-    let b: Vec<u8> = s.trim().split(':').map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
-    b.try_into().unwrap()
-}
-
-/// The one's-complement checksum of `parts` (big-endian 16-bit words).
-fn checksum(parts: &[&[u8]]) -> u16 {
-    let mut sum: u32 = 0;
-    for p in parts {
-        for w in p.chunks(2) {
-            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
-        }
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
 }
 
 struct Frames {

@@ -73,8 +73,7 @@ pub fn a_million_source_syn_flood_spares_new_clients() {
     // The server's count of the flood: every SYN from the flood's range the
     // limiter passed reached the listener and was dropped there, its
     // SYN-ACK's route being the blackhole (and nothing else drops here).
-    let listen_drops = nstat(&lab.ns_srv, "TcpExtListenDrops");
-    let flood_in = listen_drops;
+    let flood_in = nstat(&lab.ns_srv, "TcpExtListenDrops");
     // So the new clients' SYNs the limiter refused are the rule's refusals
     // less the flood's: the frames the sender's kernel took, less those the
     // veth dropped without saying so (at most: a client's SYN may be one).
