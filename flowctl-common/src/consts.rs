@@ -30,6 +30,31 @@ pub mod rule_set {
     /// Rules without a protocol constraint.
     pub const ANY_PROTO: usize = 1;
 }
+/// Limits a rule may add to its own `rate` (`[[rule.limit]]`): a packet
+/// must pass all of them (docs/design.md, "Nested limits").
+pub const MAX_NESTED_LIMITS: usize = 3;
+/// Entries of `FLOWCTL_RULES`: each slot's rules at `slot * MAX_RULES + i`,
+/// then the nested limits of every rule at `nested_limit_at`.
+pub const RULE_CONFIGS: usize = MAX_RULES * SLOTS * (1 + MAX_NESTED_LIMITS);
+
+/// Bucket-state ids a rule's state takes (`RuleConfig::state_id`): its
+/// own, then one per nested limit (`nested_state_id`), so no two limits'
+/// buckets share a key.
+pub const STATE_IDS_PER_RULE: u32 = 1 + MAX_NESTED_LIMITS as u32;
+
+/// The state id of nested limit `i` (from 0) of a rule of state `state_id`.
+#[inline(always)]
+pub const fn nested_state_id(state_id: u32, i: u32) -> u32 {
+    state_id + 1 + i
+}
+
+/// Where in `FLOWCTL_RULES` nested limit `i` (from 0) of the rule at
+/// `rule_at` lives.
+#[inline(always)]
+pub const fn nested_limit_at(rule_at: u32, i: u32) -> u32 {
+    (MAX_RULES * SLOTS) as u32 + rule_at * MAX_NESTED_LIMITS as u32 + i
+}
+
 /// Distinct source classes per slot: one per distinct prefix in a profile,
 /// plus the two default routes. The LPM trie maps a source to its class; the
 /// class's rule bitmap lives in `SRC_CLASSES`, so the per-source cache stores a
@@ -113,7 +138,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 9;
+pub const LAYOUT_VERSION: u32 = 10;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).

@@ -3,7 +3,7 @@
 //! parses), except the LPM trie key, whose data the kernel requires in network
 //! order. Every layout is checked at compile time at the bottom of this file.
 
-use crate::consts::{BITMAP_WORDS, MAX_RULES};
+use crate::consts::{BITMAP_WORDS, MAX_NESTED_LIMITS, MAX_RULES};
 
 /// What a rule does with traffic it matches.
 pub mod action {
@@ -144,7 +144,10 @@ pub struct RuleConfig {
     /// retransmission (`booking`, docs/algorithms.md 1.7); the rule's
     /// bucket then runs in `flowctl_book_decide`.
     pub book_syns: u8,
-    pub _pad: [u8; 2],
+    /// On a rule: how many nested limits it has (0 to `MAX_NESTED_LIMITS`),
+    /// at `nested_limit_at(at, 0..nested)`. On a nested limit: 0.
+    pub nested: u8,
+    pub _pad: u8,
     /// Quota bucket length L in ns (0: no quota).
     pub quota_bucket_ns: u64,
     /// Quota: at most this many units per window.
@@ -403,6 +406,9 @@ pub struct RuleCounters {
     /// Retransmitted SYNs admitted on their booking (counted as passed
     /// too, and charged nothing more).
     pub redeemed_syns: u64,
+    /// Packets refused by each nested limit (counted as `rate` drops, or
+    /// would-drops, too); the rule's own rate refused the rest.
+    pub limit_refusals: [u64; MAX_NESTED_LIMITS],
     pub dropped_pkts: [u64; reason::COUNT],
     pub dropped_bytes: [u64; reason::COUNT],
 }
@@ -424,6 +430,9 @@ impl RuleCounters {
         self.unparsed_pkts += o.unparsed_pkts;
         self.booked_syns += o.booked_syns;
         self.redeemed_syns += o.redeemed_syns;
+        for i in 0..MAX_NESTED_LIMITS {
+            self.limit_refusals[i] += o.limit_refusals[i];
+        }
         for i in 0..reason::COUNT {
             self.dropped_pkts[i] += o.dropped_pkts[i];
             self.dropped_bytes[i] += o.dropped_bytes[i];
@@ -484,7 +493,8 @@ pub struct SrcEntry {
 }
 
 /// Key of the shared key table (buckets of every rule that the per-source
-/// cache does not hold). `state_id` keeps rules apart.
+/// cache does not hold). `state_id` keeps rules apart, and a rule's nested
+/// limits (each has its own: `STATE_IDS_PER_RULE`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct BucketKey {
@@ -668,7 +678,7 @@ assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
 assert_layout!(EgressTarget, 24, 4);
-assert_layout!(RuleCounters, 248, 8);
+assert_layout!(RuleCounters, 272, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
 assert_layout!(SrcEntry, 72, 8);

@@ -38,9 +38,11 @@ pub enum Outcome {
     Pass,
     Drop(usize),
     WouldDrop,
-    /// A global rule's bucket decides, in `flowctl_global_decide`, called
-    /// from the entry point (nothing is counted before it).
-    Global,
+    /// A stage beside the decision decides, called from the entry point
+    /// (nothing is counted before it): `packed::GLOBAL`, a global rule's
+    /// bucket (`flowctl_global_decide`), or `packed::NESTED`, the quota
+    /// and limits of a rule with nested limits (`flowctl_nested_decide`).
+    Beside(u64),
 }
 
 /// An outcome as one scalar for `flowctl_account`: 0 pass, 1 would-drop,
@@ -51,19 +53,23 @@ pub fn outcome_code(o: Outcome) -> u32 {
         Outcome::Pass => 0,
         Outcome::WouldDrop => 1,
         Outcome::Drop(why) => 2 + why as u32,
-        Outcome::Global => 0xff,
+        Outcome::Beside(_) => 0xff,
     }
 }
 
 /// What `flowctl_decide` returns, in one register: the XDP action (bits
 /// 0-7), the outcome code (8-15), the counter record (16-31), the rule's
-/// table index (32-47, 0xffff: none), "the booking stage finishes" (59),
+/// table index (32-47, 0xffff: none), "the nested limits' stage decides"
+/// (58), "the booking stage finishes" (59),
 /// "a global rule's bucket decides" (60), the rule's BBR flags (61-62) and "sample this packet" (63).
 pub mod packed {
     pub const SAMPLE: u64 = 1 << 63;
     /// Not decided yet: the entry point calls the global stage, which
     /// decides, counts and packs the result again.
     pub const GLOBAL: u64 = 1 << 60;
+    /// Not decided yet: the entry point calls the nested limits' stage
+    /// (`stages::nested`), which decides, counts and packs it again.
+    pub const NESTED: u64 = 1 << 58;
     /// Judged by the bucket (its outcome code in bits 8-15), not counted
     /// yet: the entry point calls the booking stage, which finishes the
     /// decision, counts and packs it again.

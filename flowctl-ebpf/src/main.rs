@@ -80,6 +80,9 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     if v & packed::GLOBAL != 0 {
         v = stages::global::flowctl_global_decide(v);
     }
+    if v & packed::NESTED != 0 {
+        v = stages::nested::flowctl_nested_decide(v);
+    }
     if v & packed::BOOK != 0 {
         v = stages::booking::flowctl_book_decide(v);
     }
@@ -154,10 +157,8 @@ fn decide(parsed: u32, wire_len: u64) -> u64 {
     };
     let d = stages::enforce(global, meta, now);
     let sample = global.key_sample_every != 0;
-    if let Outcome::Global = d.outcome {
-        return packed::pack(0, 0, d.record, d.rule_at, sample)
-            | packed::GLOBAL
-            | (d.bbr as u64 & 3) << 61;
+    if let Outcome::Beside(stage) = d.outcome {
+        return packed::pack(0, 0, d.record, d.rule_at, sample) | stage | (d.bbr as u64 & 3) << 61;
     }
     let code = outcome_code(d.outcome);
     if d.book != 0 {

@@ -17,8 +17,8 @@ use flowctl_common::{
     COUNTER_RECORDS, DEBT_SETS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
     DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
-    MAX_GRANTS, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
-    PROTO_INDICES, RULE_SETS, SLOTS,
+    MAX_GRANTS, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
+    RULE_CONFIGS, RULE_SETS, SLOTS,
 };
 
 // The profile, as the agent applied it: two slots of everything it reads
@@ -27,7 +27,7 @@ use flowctl_common::{
 #[map]
 pub static FLOWCTL_GLOBAL: Array<GlobalRecord> = Array::pinned(1, 0);
 #[map]
-pub static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned((MAX_RULES * SLOTS) as u32, 0);
+pub static FLOWCTL_RULES: Array<RuleConfig> = Array::pinned(RULE_CONFIGS as u32, 0);
 #[map]
 pub static FLOWCTL_PROTO_BITS: Array<RuleBitmap> = Array::pinned((PROTO_INDICES * SLOTS) as u32, 0);
 #[map]
@@ -75,6 +75,16 @@ pub struct GlobalScratch {
 }
 #[map]
 pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::with_max_entries(1, 0);
+/// Keys being built, per CPU, not on the stack, for the same reason as
+/// `FLOWCTL_GLOBAL_SCRATCH`: at `key_scratch::LIMIT` the key of the limit
+/// `stages::nested` is deciding.
+#[map]
+pub static FLOWCTL_KEY_SCRATCH: PerCpuArray<BucketKey> =
+    PerCpuArray::with_max_entries(key_scratch::COUNT, 0);
+pub mod key_scratch {
+    pub const LIMIT: u32 = 0;
+    pub const COUNT: u32 = 1;
+}
 /// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);

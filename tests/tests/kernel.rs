@@ -591,6 +591,73 @@ fn a_flood_of_refused_sources_leaves_new_sources_their_burst() {
     assert!(still_refused >= 900, "the region keeps about 1024 debts: {still_refused}");
 }
 
+/// Nested limits (`[[rule.limit]]`): per source (burst 3), per source /24
+/// (burst 5) and per rule (burst 8), all at 1/min so nothing refills. Each
+/// binds in turn, the refusal is counted against the limit that made it,
+/// and a packet one limit refuses spends nothing in the others: no token
+/// and no new bucket.
+fn nested_limits_each_bind_and_refusals_spend_nothing() {
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"nest\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n\
+         [[rule.limit]]\nrate = \"1/min\"\nburst = 5\nkey = \"src_prefix\"\nprefix_v4 = 24\n\
+         [[rule.limit]]\nrate = \"1/min\"\nburst = 8\n",
+    ));
+    let from = |a: [u8; 4]| V4::new(a).build(L4::Udp { sport: 1, dport: 2 }, 0);
+    let runs = |a: [u8; 4], n: usize| -> Vec<u32> { (0..n).map(|_| p.run(&from(a))).collect() };
+    let (pass, drop) = (XDP_PASS, XDP_DROP);
+    let state = p.state.rules[0].state_id;
+    let own = |a: [u8; 4]| {
+        let mut k = flowctl_common::BucketKey { state_id: state, family: 4, ..Default::default() };
+        k.src[0] = u32::from_be_bytes(a);
+        k
+    };
+    let keys = p.lru_table::<flowctl_common::BucketKey, u64>(flowctl_common::map_names::KEYS);
+
+    // The source's own limit binds first; its refusals spend nothing in
+    // the /24's or the rule's.
+    assert_eq!(runs([10, 50, 1, 1], 5), [pass, pass, pass, drop, drop]);
+    let c = p.counters("nest");
+    assert_eq!((c.dropped_pkts[reason::RATE], c.limit_refusals), (2, [0, 0, 0]));
+    // A neighbour in the same /24 gets the two tokens the /24 has left.
+    assert_eq!(runs([10, 50, 1, 2], 2), [pass, pass]);
+    let b_tat = keys.get(&own([10, 50, 1, 2]), 0).expect("the neighbour's own bucket");
+    let inserts = p.counters("nest").key_inserts;
+    assert_eq!(runs([10, 50, 1, 2], 2), [drop, drop], "the /24 is empty");
+    assert_eq!(p.counters("nest").limit_refusals, [2, 0, 0]);
+    assert_eq!(
+        keys.get(&own([10, 50, 1, 2]), 0).unwrap() & !1,
+        b_tat & !1,
+        "the /24's refusals took no token from the source's own bucket"
+    );
+    // A new source in the full /24: refused, and no bucket made for it.
+    assert_eq!(runs([10, 50, 1, 3], 1), [drop]);
+    assert!(keys.get(&own([10, 50, 1, 3]), 0).is_err(), "no bucket for a refused new source");
+    assert_eq!(p.counters("nest").key_inserts, inserts);
+    // Another /24 has its own five, but the rule has 8 - 5 = 3 left.
+    assert_eq!(runs([10, 50, 2, 1], 4), [pass, pass, pass, drop]);
+    let c = p.counters("nest");
+    assert_eq!(c.limit_refusals, [3, 0, 0], "that drop was its own limit's");
+    assert_eq!(runs([10, 50, 3, 1], 2), [drop, drop], "the rule's limit is used up");
+    let c = p.counters("nest");
+    assert_eq!(c.limit_refusals, [3, 2, 0]);
+    assert_eq!(c.passed_pkts, 8, "the rule admitted its burst, and no more");
+    assert_eq!(c.dropped_pkts[reason::RATE], 2 + 2 + 1 + 1 + 2);
+}
+
+/// Every limit of a dry-run rule judges, counts, and lets the packet pass.
+fn nested_limits_in_dry_run_count_would_drops() {
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"nd\"\nproto = \"udp\"\naction = \"dry-run\"\nrate = \"1/min\"\nburst = 5\nkey = \"src\"\n\
+         [[rule.limit]]\nrate = \"1/min\"\nburst = 2\n",
+    ));
+    let v: Vec<u32> = (0..4)
+        .map(|_| p.run(&V4::new([10, 51, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0)))
+        .collect();
+    assert_eq!(v, [XDP_PASS; 4]);
+    let c = p.counters("nd");
+    assert_eq!((c.would_drop_pkts, c.limit_refusals[0]), (2, 2));
+}
+
 const QUOTA_RULE: &str = "[[rule]]\nname = \"q\"\nproto = \"udp\"\nquota = 5\nquota_window = \"400ms\"\nquota_buckets = 4\nkey = \"src\"\n";
 
 /// A quota rule admits exactly N inside the window, then again once the
@@ -1390,6 +1457,8 @@ fn main() {
         verifier_rejection_carries_the_log_tail: [Root],
         eviction_hands_no_fresh_burst_to_refused_keys: [Root],
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
+        nested_limits_each_bind_and_refusals_spend_nothing: [Root],
+        nested_limits_in_dry_run_count_would_drops: [Root],
         quota_admits_n_per_window: [Root],
         quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
         quota_exact_under_concurrency: [Root],

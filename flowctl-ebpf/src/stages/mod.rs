@@ -5,8 +5,9 @@
 //! 2. BBR ([`bbr`]): new connections beyond what the service carries while
 //!    it is overloaded;
 //! 3. quota ([`quota`]): the key's sliding window;
-//! 4. token bucket ([`bucket`]): the key's rate; for a global rule
-//!    ([`global`]), at the rate of this host's lease.
+//! 4. token bucket ([`bucket`]): the key's rate, and the rule's nested
+//!    limits' ([`nested`]); for a global rule ([`global`]), at the rate of
+//!    this host's lease.
 //!
 //! The first stage that refuses decides, and the drop is charged to its
 //! reason. The quota and the bucket commit only when every stage has
@@ -20,11 +21,12 @@ pub mod bbr;
 pub mod booking;
 mod bucket;
 pub mod global;
+pub mod nested;
 mod quota;
 
 use crate::{
     classify::{self, Match},
-    decision::{Decision, Outcome},
+    decision::{packed, Decision, Outcome},
 };
 use flowctl_common::{action, reason, tcp_flags, unit, GlobalRecord, PacketMeta, RuleConfig};
 use quota::{NoQuota, Quota};
@@ -66,16 +68,21 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
         return verdict(rule, reason::BBR);
     }
 
-    // A global rule's quota and bucket run at its lease's shares: a hot
-    // source key's admission, or its refusal once reported, here
-    // (`global::fast`), anything else decided
-    // by the entry point's call to `global::flowctl_global_decide`, whose
-    // frame is not stacked on this one.
-    if rule.global != 0 {
+    // Rules whose stages 3 and 4 run beside the decision, in a function the
+    // entry point calls with its packed result (their frames stacked on
+    // this one would pass 512 bytes): a rule with nested limits
+    // (`nested`), and a global rule, at its lease's shares, save a hot
+    // source key's admission, or its refusal once reported, decided here
+    // (`global::fast`). One branch for both: each branch here is walked
+    // once per path into it (a second cost 6.1 70k instructions).
+    if rule.global | rule.nested != 0 {
+        if rule.nested != 0 {
+            return Decision::of(rule, Outcome::Beside(packed::NESTED));
+        }
         if let Some(d) = global::fast(rule, meta, record, entry_ptr, cost, now) {
             return d;
         }
-        return Decision::of(rule, Outcome::Global);
+        return Decision::of(rule, Outcome::Beside(packed::GLOBAL));
     }
 
     // Stage 3: quota. Checked now; committed (exactly, by compare-and-swap)

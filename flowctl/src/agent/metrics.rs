@@ -37,6 +37,13 @@ struct BookingLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    rule: String,
+    /// 1 to `MAX_NESTED_LIMITS`: the `[[rule.limit]]` in profile order.
+    limit: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VerdictLabels {
     rule: String,
     verdict: String,
@@ -349,6 +356,7 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     let insert_failures = Family::<RuleLabel, Counter>::default();
     let key_inserts = Family::<RuleLabel, Counter>::default();
     let syn_bookings = Family::<BookingLabels, Counter>::default();
+    let limit_refusals = Family::<LimitLabels, Counter>::default();
     let ratio = Family::<RuleLabel, Gauge<f64, AtomicU64>>::default();
     let bbr_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
     let bbr_max_in_flight = Family::<RuleLabel, Gauge<i64>>::default();
@@ -370,6 +378,10 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
             let b = |outcome: &str| BookingLabels { rule: r.name.clone(), outcome: outcome.into() };
             syn_bookings.get_or_create(&b("booked")).inc_by(c.booked_syns);
             syn_bookings.get_or_create(&b("redeemed")).inc_by(c.redeemed_syns);
+        }
+        for (i, n) in c.limit_refusals.iter().enumerate().filter(|(_, n)| **n > 0) {
+            let l = LimitLabels { rule: r.name.clone(), limit: (i + 1).to_string() };
+            limit_refusals.get_or_create(&l).inc_by(*n);
         }
         let l = |verdict: &str, reason: &str| VerdictLabels {
             rule: r.name.clone(),
@@ -519,6 +531,11 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
         "flowctl_syn_bookings",
         "book_retransmits: refused SYNs that booked a token (booked), retransmissions admitted on one (redeemed)",
         syn_bookings,
+    );
+    reg.register(
+        "flowctl_limit_refusals",
+        "Packets a nested limit ([[rule.limit]], numbered from 1) refused; also counted as rate drops",
+        limit_refusals,
     );
     reg.register(
         "flowctl_bbr_in_flight",

@@ -54,6 +54,17 @@ pub fn explain(
                     out!("quota  {q}");
                 }
                 out!("key    {}", r.key_name());
+                for (n, l) in r.limits.iter().enumerate() {
+                    out!(
+                        "and    limit {} (line {}): {} {} with burst {} per {}",
+                        n + 1,
+                        l.line,
+                        l.rate_text,
+                        r.unit_name(),
+                        l.burst,
+                        l.key_name()
+                    );
+                }
             }
             if let Some(st) = st {
                 out!("state  id {} record {}", st.state_id, st.record);

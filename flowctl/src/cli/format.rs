@@ -46,8 +46,13 @@ pub fn limit_text(r: &profile::Rule) -> String {
             g.share.as_ref().map(|s| s.text.as_str()).unwrap_or("nothing")
         ),
     };
+    let nested: String = r
+        .limits
+        .iter()
+        .map(|l| format!(", and {} burst {} per {}", l.rate_text, l.burst, l.key_name()))
+        .collect();
     format!(
-        "{} per {}{scope}{}{}",
+        "{} per {}{nested}{scope}{}{}",
         parts.join(", "),
         r.key_name(),
         if r.book_retransmits { ", refused SYNs book their retransmission" } else { "" },
@@ -153,6 +158,7 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
         "unparsed_pkts": c.unparsed_pkts,
         "booked_syns": c.booked_syns, "redeemed_syns": c.redeemed_syns,
+        "limit_refusals": c.limit_refusals,
     })
 }
 

@@ -14,9 +14,9 @@ use aya::{
     Pod,
 };
 use flowctl_common::{
-    tables, RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SETS_PER_RULE, LAYOUT_VERSION,
-    MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
-    RULE_SETS,
+    nested_limit_at, nested_state_id, tables, RuleConfig, RuleCounters, StatsBucket, TrieData,
+    DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS,
+    PORT_INDICES, PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
 };
 use std::{fs, ops::Range};
 
@@ -37,9 +37,11 @@ pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) ->
                 old.iter().find(|o| o.fingerprint == fp && !used_states.contains(&o.state_id))
             })
             .map(|o| o.state_id);
+        // A new state takes a block of ids: its own and its nested limits'.
         let state_id = state.unwrap_or_else(|| {
-            *next_state_id += 1;
-            *next_state_id
+            let id = *next_state_id + 1;
+            *next_state_id += STATE_IDS_PER_RULE;
+            id
         });
         used_states.push(state_id);
         out.push(RuleState {
@@ -113,7 +115,8 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             at: slot * MAX_RULES as u32 + i as u32,
             global: r.global.is_some() as u8,
             book_syns: r.book_retransmits as u8,
-            _pad: [0; 2],
+            nested: r.limits.len() as u8,
+            _pad: 0,
             quota_bucket_ns: r.quota_bucket_ns,
             // A global rule's quota here is its default share's, like its
             // bucket (a lease's quota share replaces it per key).
@@ -125,6 +128,28 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         })
         .collect();
     write_slot(&mut maps.rules, slot, MAX_RULES, &configs)?;
+    // Nested limits before the flip, like everything the slot's rules name.
+    for (r, c) in set.rules.iter().zip(&configs) {
+        for (i, l) in r.limits.iter().enumerate() {
+            let limit = RuleConfig {
+                interval_fp: l.interval_fp,
+                burst_ns: l.burst_ns,
+                key_kind: l.key_kind,
+                prefix_v4: l.prefix_v4,
+                prefix_v6: l.prefix_v6,
+                has_bucket: 1,
+                at: nested_limit_at(c.at, i as u32),
+                state_id: nested_state_id(c.state_id, i as u32),
+                nested: 0,
+                bbr: 0,
+                quota_bucket_ns: 0,
+                quota_limit: 0,
+                quota_buckets: 0,
+                ..*c
+            };
+            maps.rules.set(limit.at, limit, 0)?;
+        }
+    }
     let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
     let t = tables::compile(&specs, slot as u8);
     write_slot(&mut maps.proto, slot, PROTO_INDICES, &t.proto)?;

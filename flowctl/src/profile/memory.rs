@@ -35,7 +35,7 @@ pub fn fixed_table_bytes() -> u64 {
 pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
     use flowctl_common::*;
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * size_of::<RuleBitmap>()
-        + SLOTS * MAX_RULES * size_of::<RuleConfig>()
+        + RULE_CONFIGS * size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * size_of::<ControlRecord>()
         + DEBT_SETS * size_of::<debt::DebtSet>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()

@@ -187,13 +187,59 @@ pub struct Rule {
     /// `book_retransmits = true`: a refused SYN books the next token for
     /// its retransmission (docs/algorithms.md, 1.7).
     pub book_retransmits: bool,
+    /// `[[rule.limit]]`: more token buckets, each with its own key, that a
+    /// packet must pass besides the rule's own (at most `MAX_NESTED_LIMITS`).
+    pub limits: Vec<NestedLimit>,
+}
+
+/// One `[[rule.limit]]`: a rate and burst in the rule's unit, per key of
+/// its own kind.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NestedLimit {
+    pub line: usize,
+    pub key_kind: u8,
+    pub prefix_v4: u8,
+    pub prefix_v6: u8,
+    /// As written, for display.
+    pub rate_text: String,
+    pub burst: u64,
+    pub interval_fp: u64,
+    pub burst_ns: u64,
+}
+
+impl NestedLimit {
+    pub fn key_name(&self) -> String {
+        key_name(self.key_kind, self.prefix_v4, self.prefix_v6)
+    }
+}
+
+/// A key kind as `check` and `status` show it.
+pub fn key_name(kind: u8, prefix_v4: u8, prefix_v6: u8) -> String {
+    match kind {
+        key_kind::RULE => "rule".into(),
+        key_kind::SRC => "src".into(),
+        key_kind::SRC_PREFIX => format!("src_prefix(/{prefix_v4},/{prefix_v6})"),
+        key_kind::DPORT => "dport".into(),
+        key_kind::SRC_DPORT => "src_dport".into(),
+        _ => "5tuple".into(),
+    }
+}
+
+/// Whole units per second of a GCRA interval (rounded down).
+fn per_second(interval_fp: u64) -> u128 {
+    (1_000_000_000u128 << flowctl_common::gcra::FRAC_BITS) / interval_fp as u128
 }
 
 impl Rule {
     /// What must be equal for `apply` to keep this rule's bucket state.
     pub fn state_fingerprint(&self) -> String {
+        let limits: Vec<_> = self
+            .limits
+            .iter()
+            .map(|l| (l.key_kind, l.prefix_v4, l.prefix_v6, l.interval_fp, l.burst_ns))
+            .collect();
         format!(
-            "{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
+            "{:?}|{:?}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:?}",
             self.spec,
             self.global,
             self.action,
@@ -205,19 +251,13 @@ impl Rule {
             self.burst_ns,
             self.quota_limit,
             self.quota_bucket_ns,
-            self.quota_buckets
+            self.quota_buckets,
+            limits
         )
     }
 
     pub fn key_name(&self) -> String {
-        match self.key_kind {
-            key_kind::RULE => "rule".into(),
-            key_kind::SRC => "src".into(),
-            key_kind::SRC_PREFIX => format!("src_prefix(/{},/{})", self.prefix_v4, self.prefix_v6),
-            key_kind::DPORT => "dport".into(),
-            key_kind::SRC_DPORT => "src_dport".into(),
-            _ => "5tuple".into(),
-        }
+        key_name(self.key_kind, self.prefix_v4, self.prefix_v6)
     }
 
     pub fn unit_name(&self) -> &'static str {
@@ -242,15 +282,22 @@ impl Rule {
         {
             return None;
         }
-        // Whole units per second: 10^9 ns * 2^FRAC_BITS / interval_fp.
-        let per_second =
-            (1_000_000_000u128 << flowctl_common::gcra::FRAC_BITS) / self.interval_fp as u128;
-        if self.burst as u128 >= per_second {
-            return None;
-        }
+        // The rule's own bucket, then its nested limits: the first whose
+        // burst is below one second of its rate.
+        let own = (self.line, "", self.burst, self.interval_fp, &self.rate_text);
+        let nested =
+            self.limits.iter().map(|l| (l.line, "limit", l.burst, l.interval_fp, &l.rate_text));
+        let (line, what, burst, _, rate) = std::iter::once(own)
+            .chain(nested)
+            .find(|(_, _, burst, interval_fp, _)| (*burst as u128) < per_second(*interval_fp))?;
+        let (fix, also) = if what.is_empty() {
+            ("book_retransmits = true", "")
+        } else {
+            ("a burst of one second of this limit's rate", " nested")
+        };
         Some(format!(
-            "rule `{}` (line {}): burst {} is below one second of its rate ({}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {} connections per second; use the default burst (one second of the rate) or book_retransmits = true (docs/algorithms.md, 1.7)",
-            self.name, self.line, self.burst, self.rate_text, self.burst
+            "rule `{}` (line {line}): the{also} burst {burst} is below one second of its rate ({rate}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {burst} connections per second; use the default burst (one second of the rate) or {fix} (docs/algorithms.md, 1.7)",
+            self.name
         ))
     }
 

@@ -94,6 +94,19 @@ pub struct RawRule {
     pub scope: Option<Spanned<String>>,
     pub default_share: Option<Spanned<String>>,
     pub book_retransmits: Option<Spanned<bool>>,
+    #[serde(default)]
+    pub limit: Vec<Spanned<RawLimit>>,
+}
+
+/// `[[rule.limit]]`: a nested limit of the rule above it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimit {
+    pub rate: Option<Spanned<String>>,
+    pub burst: Option<Spanned<RawAmount>>,
+    pub key: Option<Spanned<String>>,
+    pub prefix_v4: Option<Spanned<i64>>,
+    pub prefix_v6: Option<Spanned<i64>>,
 }
 
 /// A rule's `bbr = { ... }`.

@@ -8,17 +8,17 @@
 use super::{
     error::{Ctx, ProfileError},
     model::{
-        proto_name, BbrRule, DefaultShare, GlobalScope, Rule, DEFAULT_QUOTA_BUCKETS,
+        proto_name, BbrRule, DefaultShare, GlobalScope, NestedLimit, Rule, DEFAULT_QUOTA_BUCKETS,
         MIN_BYTE_BURST, TCP, UDP,
     },
     primitives::{amount, cidr, duration, keyword, name, ports, protocol, rate},
-    raw::{RawBbr, RawRule},
+    raw::{RawAmount, RawBbr, RawRule},
 };
 use flowctl_common::{
     action, gcra, key_kind,
     rate::{Dimension, Rate},
     tables::MatchSpec,
-    unit, MAX_QUOTA_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS,
+    unit, MAX_NESTED_LIMITS, MAX_QUOTA_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS,
 };
 use toml::Spanned;
 
@@ -58,6 +58,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         priority_span: None,
         global: None,
         book_retransmits: false,
+        limits: Vec::new(),
     };
     if action == action::PASS {
         nothing_to_limit(cx, r)?;
@@ -85,7 +86,60 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
     (rule.key_kind, rule.prefix_v4, rule.prefix_v6) = key(cx, r)?;
     rule.global = scope(cx, r, &rule)?;
     rule.book_retransmits = book_retransmits(cx, r, &rule)?;
+    rule.limits = nested_limits(cx, r, &rule)?;
     Ok(rule)
+}
+
+/// `[[rule.limit]]`: at most `MAX_NESTED_LIMITS`, on a rule with a `rate`
+/// of its own on this host and no quota (a global rule's bucket runs at
+/// its lease; a booked SYN would have to book every limit's token; the
+/// quota: `stages::nested` in flowctl-ebpf), each with a `rate`
+/// in the rule's unit, a `burst` (default one second of it) and a `key`
+/// (default `rule`).
+fn nested_limits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Vec<NestedLimit>, ProfileError> {
+    let Some(first) = r.limit.first() else { return Ok(Vec::new()) };
+    let why = if r.limit.len() > MAX_NESTED_LIMITS {
+        Some((r.limit[MAX_NESTED_LIMITS].span(), format!("rule `{}` has {} nested limits; at most {MAX_NESTED_LIMITS} (each costs every packet of the rule a key-table lookup)", rule.name, r.limit.len())))
+    } else if rule.interval_fp == 0 {
+        Some((
+            first.span(),
+            "nested limits add to the rule's own `rate`: give the rule one".to_string(),
+        ))
+    } else if rule.global.is_some() {
+        Some((first.span(), "nested limits are for local rules (a global rule's bucket runs at its lease's rate): drop them or scope = \"global\"".to_string()))
+    } else if rule.quota_bucket_ns != 0 {
+        Some((first.span(), "nested limits do not combine with a quota (the kernel's call chain for them has no stack left for the quota's window): drop one of them, or put the quota on a rule of its own".to_string()))
+    } else if rule.book_retransmits {
+        Some((first.span(), "nested limits do not combine with book_retransmits (a booked SYN would have to book a token of every limit): drop one of them".to_string()))
+    } else {
+        None
+    };
+    if let Some((span, why)) = why {
+        return Err(cx.err(span, why));
+    }
+    let mut out = Vec::new();
+    for raw in &r.limit {
+        let l = raw.get_ref();
+        let Some(rate_s) = &l.rate else {
+            return Err(cx.err(
+                raw.span(),
+                "a nested limit needs a `rate` (e.g. \"1000/s\") in the rule's unit",
+            ));
+        };
+        let b = bucket(cx, rate_s, rate(cx, rate_s)?, l.burst.as_ref(), rule)?;
+        let (key_kind, prefix_v4, prefix_v6) = key_of(cx, &l.key, &l.prefix_v4, &l.prefix_v6)?;
+        out.push(NestedLimit {
+            line: cx.line(&raw.span()),
+            key_kind,
+            prefix_v4,
+            prefix_v6,
+            burst_ns: gcra::burst_ns(b.interval_fp, b.burst),
+            rate_text: b.rate_text,
+            burst: b.burst,
+            interval_fp: b.interval_fp,
+        });
+    }
+    Ok(out)
 }
 
 /// `book_retransmits = true`: for a `connections` rule with a rate of its
@@ -239,6 +293,7 @@ fn nothing_to_limit(cx: &Ctx, r: &RawRule) -> Result<(), ProfileError> {
         ("burst", r.burst.as_ref().map(|x| x.span())),
         ("key", r.key.as_ref().map(|x| x.span())),
         ("quota", r.quota.as_ref().map(|x| x.span())),
+        ("[[rule.limit]]", r.limit.first().map(|x| x.span())),
     ] {
         if let Some(s) = s {
             return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
@@ -299,6 +354,27 @@ fn token_bucket(
         }
         return Ok(());
     };
+    let b = bucket(cx, rate_s, rate, r.burst.as_ref(), rule)?;
+    (rule.rate_text, rule.interval_fp, rule.burst) = (b.rate_text, b.interval_fp, b.burst);
+    Ok(())
+}
+
+/// A rate and burst, validated against the rule's unit.
+struct Bucket {
+    rate_text: String,
+    interval_fp: u64,
+    burst: u64,
+}
+
+/// The bucket of `rate` (as written: `rate_s`) with `burst`, in the unit
+/// of `rule`: the rule's own, or one of its nested limits'.
+fn bucket(
+    cx: &Ctx,
+    rate_s: &Spanned<String>,
+    rate: Rate,
+    burst: Option<&Spanned<RawAmount>>,
+    rule: &Rule,
+) -> Result<Bucket, ProfileError> {
     let bytes = rule.unit == unit::BYTES;
     if bytes != (rate.dim == Dimension::Bytes) {
         return Err(cx.err(
@@ -310,13 +386,12 @@ fn token_bucket(
             },
         ));
     }
-    rule.rate_text = rate_s.get_ref().clone();
     let (num, den) = (rate.num, rate.den);
     if num > u64::MAX as u128 || den > u64::MAX as u128 {
         return Err(cx.err(rate_s.span(), "rate out of range"));
     }
-    rule.interval_fp = gcra::interval_fp(num as u64, den as u64);
-    rule.burst = match &r.burst {
+    let interval_fp = gcra::interval_fp(num as u64, den as u64);
+    let burst = match burst {
         None => {
             let per_s = rate.per_second() as u64;
             per_s.max(if bytes { MIN_BYTE_BURST } else { 1 })
@@ -336,7 +411,7 @@ fn token_bucket(
             n
         }
     };
-    Ok(())
+    Ok(Bucket { rate_text: rate_s.get_ref().clone(), interval_fp, burst })
 }
 
 /// A `quota` over `quota_window`, counted in `quota_buckets` buckets.
@@ -525,7 +600,17 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
 /// The key (`key_kind`) and, for `src_prefix`, its prefix lengths
 /// (default /24 and /64; other keys use whole addresses).
 fn key(cx: &Ctx, r: &RawRule) -> Result<(u8, u8, u8), ProfileError> {
-    let kind = match &r.key {
+    key_of(cx, &r.key, &r.prefix_v4, &r.prefix_v6)
+}
+
+/// `key` with its `prefix_v4` and `prefix_v6`, of a rule or a nested limit.
+fn key_of(
+    cx: &Ctx,
+    key: &Option<Spanned<String>>,
+    prefix_v4: &Option<Spanned<i64>>,
+    prefix_v6: &Option<Spanned<i64>>,
+) -> Result<(u8, u8, u8), ProfileError> {
+    let kind = match key {
         None => key_kind::RULE,
         Some(k) => keyword(
             cx,
@@ -556,8 +641,8 @@ fn key(cx: &Ctx, r: &RawRule) -> Result<(u8, u8, u8), ProfileError> {
             Ok(n as u8)
         }
     };
-    let v4 = prefix(&r.prefix_v4, 32, 24)?;
-    let v6 = prefix(&r.prefix_v6, 128, 64)?;
+    let v4 = prefix(prefix_v4, 32, 24)?;
+    let v6 = prefix(prefix_v6, 128, 64)?;
     Ok(if kind == key_kind::SRC_PREFIX { (kind, v4, v6) } else { (kind, 32, 128) })
 }
 
@@ -618,6 +703,52 @@ mod tests {
         assert_eq!(rule("burst = 10\nbook_retransmits = true\n"), None);
         let packets = parse("p", "[[rule]]\nname = \"p\"\nrate = \"50/s\"\nburst = 1\n").unwrap();
         assert_eq!(packets.rules[0].advice(), None, "packet rules: nothing retransmits");
+    }
+
+    #[test]
+    fn nested_limits() {
+        let base = "[[rule]]\nname = \"n\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"10/s\"\nkey = \"src\"\n";
+        let text = format!("{base}[[rule.limit]]\nrate = \"1000/s\"\nkey = \"src_prefix\"\nprefix_v4 = 16\n[[rule.limit]]\nrate = \"20000/s\"\nburst = 500\n");
+        let s = parse("p", &text).unwrap();
+        let l = &s.rules[0].limits;
+        assert_eq!(l.len(), 2);
+        assert_eq!(
+            (l[0].key_kind, l[0].prefix_v4, l[0].burst, l[0].line),
+            (flowctl_common::key_kind::SRC_PREFIX, 16, 1000, 7)
+        );
+        assert_eq!(
+            (l[1].key_kind, l[1].burst, l[1].line),
+            (flowctl_common::key_kind::RULE, 500, 11)
+        );
+        assert_ne!(
+            s.rules[0].state_fingerprint(),
+            parse("p", base).unwrap().rules[0].state_fingerprint(),
+            "a rule's limits are part of its bucket state"
+        );
+        let four = format!("{base}{}", "[[rule.limit]]\nrate = \"100/s\"\n".repeat(4));
+        for (text, line, needle) in [
+            (four.as_str(), 13, "at most 3"),
+            ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\n[[rule.limit]]\nrate = \"1/s\"\n", 5, "own `rate`"),
+            (&format!("{base}quota = 5\nquota_window = \"1s\"\n[[rule.limit]]\nrate = \"1/s\"\n"), 9, "do not combine with a quota"),
+            (&format!("{base}book_retransmits = true\n[[rule.limit]]\nrate = \"1/s\"\n"), 8, "book_retransmits"),
+            (&format!("{base}[[rule.limit]]\nkey = \"src\"\n"), 7, "needs a `rate`"),
+            (&format!("{base}[[rule.limit]]\nrate = \"1Mbit/s\"\n"), 8, "byte rate"),
+            (&format!("{base}[[rule.limit]]\nrate = \"1/s\"\nprefix_v4 = 8\n"), 9, "src_prefix"),
+            (&format!("{base}[[rule.limit]]\nrate = \"1/s\"\nkey = \"dst\"\n"), 9, "use rule, src"),
+            (&format!("{base}[[rule.limit]]\nrate = \"1/s\"\nburtst = 3\n"), 9, "unknown field"),
+            ("[[rule]]\nname = \"p\"\naction = \"pass\"\n[[rule.limit]]\nrate = \"1/s\"\n", 4, "no effect"),
+        ] {
+            let e = err(text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_small_nested_connection_burst_gets_advice() {
+        let text = "[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\n[[rule.limit]]\nrate = \"100/s\"\nburst = 5\n";
+        let a = parse("p", text).unwrap().rules[0].advice().expect("advice for the limit");
+        assert!(a.contains("line 6") && a.contains("nested burst 5"), "{a}");
     }
 
     #[test]

@@ -321,8 +321,40 @@ fn main() {
     );
     drop((lean, off));
 
+    println!("\n1e. Nested limits: `measured` with 0 to 3 [[rule.limit]] (src /24, dport, rule), admitted and refused by the last (10k keys)");
+    let nested = |n: usize, last_rate: &str| {
+        let kinds = ["key = \"src_prefix\"", "key = \"dport\"", "key = \"rule\""];
+        let limits: String = (0..n)
+            .map(|i| {
+                let rate = if i + 1 == n { last_rate } else { "100G/s" };
+                format!("[[rule.limit]]\nrate = \"{rate}\"\n{}\n", kinds[i])
+            })
+            .collect();
+        let text = profile.replace(
+            "rate = \"100G/s\"\nkey = \"src\"\n",
+            &format!("rate = \"100G/s\"\nkey = \"src\"\n{limits}"),
+        );
+        assert!(n == 0 || text != profile, "the limits went into `measured`");
+        plane(&text)
+    };
+    let admitting: Vec<TestPlane> = (0..=3).map(|n| nested(n, "100G/s")).collect();
+    let refusing: Vec<TestPlane> = (1..=3).map(|n| nested(n, "1/h")).collect();
+    let fds: Vec<_> = admitting.iter().chain(&refusing).map(xdp_fd).collect();
+    let (nm, verdicts) = refs.interleaved(&fds, &frame, 10_000, repeat);
+    assert_eq!(verdicts[3], flowctl_common::XDP_PASS, "three limits admit");
+    assert_eq!(verdicts[6], flowctl_common::XDP_DROP, "the third limit refuses");
+    println!(
+        "  admitted: 0 limits {:.1} ns/packet, 1 {:.1} ({:.2}x), 2 {:.1} ({:.2}x), 3 {:.1} ({:.2}x)",
+        nm[0], nm[1], nm[1] / nm[0], nm[2], nm[2] / nm[0], nm[3], nm[3] / nm[0]
+    );
+    println!(
+        "  refused by the last: 1 {:.1} ns/packet ({:.2}x the 0-limit admitted path), 2 {:.1} ({:.2}x), 3 {:.1} ({:.2}x)",
+        nm[4], nm[4] / nm[0], nm[5], nm[5] / nm[0], nm[6], nm[6] / nm[0]
+    );
+    drop((admitting, refusing));
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 and 1b alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1e alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }

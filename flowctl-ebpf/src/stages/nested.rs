@@ -1,0 +1,285 @@
+//! Stage 4 of a rule with nested limits (`[[rule.limit]]`, docs/design.md
+//! "Nested limits"): its own token bucket and up to `MAX_NESTED_LIMITS`
+//! more, each with its own key kind, rate and burst, all of which a packet
+//! must pass. Limit 0 is the rule's own bucket (its config is the rule's),
+//! limit i > 0 the config at `nested_limit_at(rule_at, i - 1)`, with its
+//! own state id (`nested_state_id`). Every one of their buckets lives in
+//! the shared key table, so the rule's own bucket is not in the source's
+//! cache entry here; their debts live in the rule's region of the debt
+//! table, each under its own key. Such a rule has no quota (the profile
+//! refuses one): its code here would cost 6.1's verifier 30k instructions
+//! and the call chain the stack it does not have.
+//!
+//! They compose as the other stages do (`flowctl_nested_admit`): every
+//! limit looks first, reading only, then each takes its token, and a
+//! refusal at a take gives back what was taken.
+//!
+//! The stage runs beside the decision, called from the entry point with the
+//! decision's packed result (`packed::NESTED`), as the global rules' stage
+//! does: the decision's frame (320 bytes) with this stage's and the debt
+//! table's functions on top would pass the 512 bytes 6.1 allows a call
+//! chain (it rounds each frame up to 32 bytes). Each limit's look, take and
+//! give-back is a global function, verified once: inline, the loops over
+//! four limits multiplied the paths the verifier walks (666k instructions
+//! on 6.18 when tried). Inlining the debt table's work into them instead
+//! of calling its functions cost 6.1 73k instructions more.
+
+use super::bucket::{initial_tat, refuse_key_at, unmarked};
+use crate::{
+    accounting::{counters, flowctl_account},
+    decision::{outcome_code, packed, Outcome},
+    maps::{key_scratch, packet, FLOWCTL_KEYS, FLOWCTL_KEY_SCRATCH, FLOWCTL_RULES},
+};
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+use flowctl_common::{
+    action, gcra, keys::bucket_key, nested_limit_at, reason, unit, BucketKey, RuleConfig,
+    CAS_RETRIES, MAX_NESTED_LIMITS,
+};
+
+/// Limits a rule with nested limits has at most: its own and the nested.
+const MAX_LIMITS: u32 = 1 + MAX_NESTED_LIMITS as u32;
+
+/// Decides, counts (`flowctl_account`) and packs, as the decision would
+/// have, the packet the decision packed with `packed::NESTED`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_nested_decide(v: u64) -> u64 {
+    let (record, rule_at) = (packed::record(v), packed::rule_at(v));
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (Some(rule), Some(meta)) = (FLOWCTL_RULES.get(rule_at), packet()) else {
+        return xdp_action::XDP_PASS as u64;
+    };
+    // What the rule's unit counts: the stages before let only SYNs of a
+    // `connections` rule through to here.
+    let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
+    let outcome = match flowctl_nested_admit(rule_at, record, cost, now) {
+        0 => Outcome::Pass,
+        _ if rule.action == action::DRY_RUN => Outcome::WouldDrop,
+        r => Outcome::Drop(r as usize - 1),
+    };
+    let c = outcome_code(outcome);
+    let tcp = if meta.proto == 6 { meta.tcp_flags as u32 } else { 0 };
+    let act = flowctl_account(record, c, meta.len as u64, tcp, now);
+    packed::pack(act, c, record, rule_at, v & packed::SAMPLE != 0) | (v & (3 << 61))
+}
+
+/// What look and take return: 0 to go on, else 1 + the drop reason.
+#[inline(always)]
+const fn refused(why: usize) -> u32 {
+    1 + why as u32
+}
+
+/// What one limit's take decides.
+mod take {
+    /// It took its token.
+    pub const DONE: u32 = 0;
+    /// It had none left (another CPU took it since the look).
+    pub const REFUSED: u32 = 1;
+    /// Its compare-and-swap lost `CAS_RETRIES` times.
+    pub const CONTENDED: u32 = 2;
+}
+
+/// Limit `i` of the rule at `rule_at`, with its key for the packet in
+/// flight built in the CPU's scratch entry (not on the stack: this frame
+/// is in the middle of the chain).
+#[inline(always)]
+fn limit_and_key(rule_at: u32, i: u32) -> Option<(&'static RuleConfig, *mut BucketKey)> {
+    let at = if i == 0 { rule_at } else { nested_limit_at(rule_at, i - 1) };
+    let limit = FLOWCTL_RULES.get(at)?;
+    let meta = packet()?;
+    let key = FLOWCTL_KEY_SCRATCH.get_ptr_mut(key_scratch::LIMIT)?;
+    unsafe { *key = bucket_key(meta, limit) };
+    Some((limit, key))
+}
+
+/// Limit `i`'s look (1: it refuses). A key without a bucket starts from
+/// its remembered debt, and its refusal creates no bucket.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_limit_look(
+    rule_at: u32,
+    i: u32,
+    record: u32,
+    cost: u64,
+    now: u64,
+) -> u32 {
+    let Some((limit, key)) = limit_and_key(rule_at, i) else { return 0 };
+    let inc = gcra::increment_ns(limit.interval_fp, cost);
+    let refused = match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+        Some(p) => {
+            let old = unsafe { core::ptr::read_volatile(p) };
+            let refused = gcra::admit(old, now, inc, limit.burst_ns).is_none();
+            if refused {
+                refuse_key_at(limit.at, record, p, old, now);
+            }
+            refused
+        }
+        None => {
+            let start = initial_tat(limit.at, record, now);
+            gcra::admit(start, now, inc, limit.burst_ns).is_none()
+        }
+    };
+    refused as u32
+}
+
+/// The limits' verdict on the packet in flight under the rule at
+/// `rule_at` (0: admitted; else `refused(why)`). Every limit looks first,
+/// on a read, so a refused packet creates and spends nothing in any
+/// limit's table, however many keys a flood spreads over; then each takes
+/// `cost` units, in order, by compare-and-swap or by creating its bucket
+/// charged. When one cannot (another CPU took the token since its look),
+/// those before it give theirs back, so a refused packet keeps nothing. A
+/// refusing nested limit is counted (`limit_refusals`); a refusing
+/// bucket's debt is remembered.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
+    let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return 0 };
+    let n = 1 + rule.nested as u32;
+    let mut i = 0;
+    while i < MAX_LIMITS {
+        if i >= n {
+            break;
+        }
+        if flowctl_limit_look(rule_at, i, record, cost, now) != 0 {
+            count_refusal(record, i);
+            return refused(reason::RATE);
+        }
+        i += 1;
+    }
+    let mut i = 0;
+    while i < MAX_LIMITS {
+        if i >= n {
+            break;
+        }
+        let r = flowctl_limit_take(rule_at, i, record, cost, now);
+        if r != take::DONE {
+            if r == take::REFUSED {
+                count_refusal(record, i);
+            }
+            give_back_first(rule_at, i, cost);
+            return refused(if r == take::REFUSED { reason::RATE } else { reason::CONTENDED });
+        }
+        i += 1;
+    }
+    0
+}
+
+/// Limit `i`'s take (`take::*`).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_limit_take(
+    rule_at: u32,
+    i: u32,
+    record: u32,
+    cost: u64,
+    now: u64,
+) -> u32 {
+    let Some((limit, key)) = limit_and_key(rule_at, i) else { return take::DONE };
+    let inc = gcra::increment_ns(limit.interval_fp, cost);
+    let tat_ptr = match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+        Some(p) => p,
+        None => {
+            let start = initial_tat(limit.at, record, now);
+            let Some(first) = gcra::admit(start, now, inc, limit.burst_ns) else {
+                return take::REFUSED;
+            };
+            // BPF_NOEXIST: if another CPU created the key first, charge its
+            // bucket below.
+            if FLOWCTL_KEYS.insert(unsafe { &*key }, &unmarked(first), 1).is_ok() {
+                if let Some(c) = counters(record) {
+                    c.key_inserts += 1;
+                }
+                return take::DONE;
+            }
+            match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+                Some(p) => p,
+                None => {
+                    // The table refused the insert: admit, and say so (as
+                    // a rule without nested limits does).
+                    if let Some(c) = counters(record) {
+                        c.insert_failures += 1;
+                    }
+                    return take::DONE;
+                }
+            }
+        }
+    };
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let Some(new) = gcra::admit(old, now, inc, limit.burst_ns) else {
+            refuse_key_at(limit.at, record, tat_ptr, old, now);
+            return take::REFUSED;
+        };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr,
+                old,
+                unmarked(new),
+            )
+        };
+        if ok {
+            return take::DONE;
+        }
+        tries += 1;
+    }
+    take::CONTENDED
+}
+
+/// The first `n` limits give back `cost` units each.
+#[inline(always)]
+fn give_back_first(rule_at: u32, n: u32, cost: u64) {
+    let mut i = 0;
+    while i < MAX_LIMITS {
+        if i >= n {
+            break;
+        }
+        flowctl_limit_give_back(rule_at, i, cost);
+        i += 1;
+    }
+}
+
+/// Limit `i` gives back `cost` units: its TAT moves back by their
+/// increment, by compare-and-swap. Never further than the take moved it
+/// (an admission sets TAT = max(TAT, now) + inc); a give-back lost to
+/// contention loses the token, which only ever admits less.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_limit_give_back(rule_at: u32, i: u32, cost: u64) -> u32 {
+    let Some((limit, key)) = limit_and_key(rule_at, i) else { return 0 };
+    let inc = gcra::increment_ns(limit.interval_fp, cost);
+    let Some(tat_ptr) = FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) else { return 0 };
+    let mut tries = 0;
+    while tries < CAS_RETRIES {
+        let old = unsafe { core::ptr::read_volatile(tat_ptr) };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat_ptr,
+                old,
+                unmarked(old.saturating_sub(inc)),
+            )
+        };
+        if ok {
+            break;
+        }
+        tries += 1;
+    }
+    0
+}
+
+/// One more refusal by limit `i`, counted when it is a nested one (the
+/// rule's own are the `rate` drops less these). `get_mut`: an index the
+/// compiler cannot bound would leave a panic call at the end of the
+/// function, which the verifier rejects.
+#[inline(always)]
+fn count_refusal(record: u32, i: u32) {
+    if i == 0 {
+        return;
+    }
+    let slot = (i - 1) as usize;
+    if let Some(n) = counters(record).and_then(|c| c.limit_refusals.get_mut(slot)) {
+        *n += 1;
+    }
+}
