@@ -8,6 +8,7 @@
 use crate::{
     lab::{mac, sh, sh_ns, Lab},
     packet::checksum,
+    packet_socket::PacketSocket,
 };
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -72,7 +73,7 @@ pub fn syn_flood(
     let dst: Ipv4Addr = lab.ip_srv.parse().unwrap();
     let dev = lab.veth_cli.clone();
     Lab::in_ns(&lab.ns_cli, move || {
-        let sock = RawSocket::on(&dev);
+        let sock = PacketSocket::on(&dev);
         let base = u32::from(FLOOD_NET.0);
         let mut frame = syn_frame(src_mac, dst_mac, dst, dport);
         let start = Instant::now();
@@ -91,7 +92,7 @@ pub fn syn_flood(
                     }
                 }
                 set_source(&mut frame, base + i, (1024 + pass % 60000) as u16);
-                let (taken, refused) = sock.send(&frame);
+                let (taken, refused) = sock.send_waiting(&frame);
                 refused_sends += refused;
                 if taken {
                     frames += 1;
@@ -184,56 +185,6 @@ fn set_source(f: &mut [u8; FRAME_LEN], src: u32, sport: u16) {
     // The pseudo header: addresses, protocol, TCP length.
     let c = checksum(&[&f[IP + 12..IP + 20], &[0, 6, 0, 20], &f[TCP..FRAME_LEN]]);
     f[TCP + 16..TCP + 18].copy_from_slice(&c.to_be_bytes());
-}
-
-/// An AF_PACKET socket bound to one interface of the current namespace.
-struct RawSocket(libc::c_int);
-
-impl RawSocket {
-    fn on(dev: &str) -> Self {
-        let name = std::ffi::CString::new(dev).unwrap();
-        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-        assert_ne!(ifindex, 0, "no interface {dev} here");
-        // Protocol 0: send only. ETH_P_ALL would also queue a copy of every
-        // frame the interface carries, the flood's own included, to this
-        // socket, which never reads.
-        let proto = 0u16;
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
-        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        let r = unsafe {
-            libc::bind(
-                fd,
-                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
-                size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        assert_eq!(r, 0, "bind AF_PACKET: {}", std::io::Error::last_os_error());
-        Self(fd)
-    }
-
-    /// One frame: whether the kernel took it, and how many attempts it
-    /// refused first. A full queue (ENOBUFS) is waited out, a little longer
-    /// each time, up to about 1 ms.
-    fn send(&self, frame: &[u8]) -> (bool, u64) {
-        for attempt in 0..20u64 {
-            let n = unsafe { libc::send(self.0, frame.as_ptr().cast(), frame.len(), 0) };
-            if n == frame.len() as isize {
-                return (true, attempt);
-            }
-            std::thread::sleep(Duration::from_micros(5 * (attempt + 1)));
-        }
-        (false, 20)
-    }
-}
-
-impl Drop for RawSocket {
-    fn drop(&mut self) {
-        unsafe { libc::close(self.0) };
-    }
 }
 
 #[cfg(test)]

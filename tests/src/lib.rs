@@ -21,6 +21,7 @@ pub mod lab;
 pub mod need;
 pub mod overload;
 pub mod packet;
+pub mod packet_socket;
 pub mod pki;
 pub mod redis;
 pub mod server;

@@ -137,26 +137,9 @@ fn long_dstopts() -> (u8, Vec<u8>) {
 
 /// Sends frames out of `dev` with a packet socket (run inside its namespace).
 fn send(dev: &str, frames: &[Vec<u8>]) {
-    unsafe {
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
-        assert!(fd >= 0, "packet socket: {}", std::io::Error::last_os_error());
-        let name = std::ffi::CString::new(dev).unwrap();
-        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
-        addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_ifindex = libc::if_nametoindex(name.as_ptr()) as i32;
-        addr.sll_halen = 6;
-        for f in frames {
-            let n = libc::sendto(
-                fd,
-                f.as_ptr().cast(),
-                f.len(),
-                0,
-                (&addr as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as u32,
-            );
-            assert_eq!(n, f.len() as isize, "sendto: {}", std::io::Error::last_os_error());
-        }
-        libc::close(fd);
+    let sock = flowctl_tests::packet_socket::PacketSocket::on(dev);
+    for f in frames {
+        sock.send(f);
     }
 }
 

@@ -10,16 +10,23 @@
 //! refuses one): its code here would cost 6.1's verifier 30k instructions
 //! and the call chain the stack it does not have.
 //!
-//! They compose as the other stages do (`flowctl_nested_admit`): every
-//! limit looks first, reading only, then each takes its token, and a
-//! refusal at a take gives back what was taken.
+//! They compose as the other stages do, in two passes
+//! (`flowctl_nested_admit`): first each limit whose key has a bucket takes
+//! its token from it, and a key without one is only judged (from its
+//! remembered debt); then the missing buckets are created, charged. A
+//! refusal in either pass gives back what was taken, so a refused packet
+//! keeps nothing, and it never creates a bucket: a flood spread over keys
+//! that one limit refuses does not fill the key table with the others'.
+//! One lookup per limit on the common path (the buckets exist). The
+//! price: between a take and its give-back (the same program run) another
+//! CPU may find that token gone, which only ever refuses, never admits.
 //!
 //! The stage runs beside the decision, called from the entry point with the
 //! decision's packed result (`packed::NESTED`), as the global rules' stage
 //! does: the decision's frame (320 bytes) with this stage's and the debt
 //! table's functions on top would pass the 512 bytes 6.1 allows a call
-//! chain (it rounds each frame up to 32 bytes). Each limit's look, take and
-//! give-back is a global function, verified once: inline, the loops over
+//! chain (it rounds each frame up to 32 bytes). Each limit's first pass,
+//! take and give-back is a global function, verified once: inline, the loops over
 //! four limits multiplied the paths the verifier walks (666k instructions
 //! on 6.18 when tried). Inlining the debt table's work into them instead
 //! of calling its functions cost 6.1 73k instructions more.
@@ -78,6 +85,9 @@ mod take {
     pub const REFUSED: u32 = 1;
     /// Its compare-and-swap lost `CAS_RETRIES` times.
     pub const CONTENDED: u32 = 2;
+    /// First pass only: no bucket yet, and one would admit; the second
+    /// pass creates it.
+    pub const MISSING: u32 = 3;
 }
 
 /// Limit `i` of the rule at `rule_at`, with its key for the packet in
@@ -93,58 +103,49 @@ fn limit_and_key(rule_at: u32, i: u32) -> Option<(&'static RuleConfig, *mut Buck
     Some((limit, key))
 }
 
-/// Limit `i`'s look (1: it refuses). A key without a bucket starts from
-/// its remembered debt, and its refusal creates no bucket.
+/// Limit `i`'s first pass: a bucket that exists is charged by
+/// compare-and-swap (`take::DONE`), or refuses (`REFUSED`, its debt
+/// remembered) or loses the race `CAS_RETRIES` times (`CONTENDED`); a key
+/// without a bucket starts from its remembered debt, and is refused or
+/// left to the second pass to create (`MISSING`): a refusal never creates
+/// a bucket.
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_limit_look(
-    rule_at: u32,
-    i: u32,
-    record: u32,
-    cost: u64,
-    now: u64,
-) -> u32 {
-    let Some((limit, key)) = limit_and_key(rule_at, i) else { return 0 };
+pub extern "C" fn flowctl_limit_try(rule_at: u32, i: u32, record: u32, cost: u64, now: u64) -> u32 {
+    let Some((limit, key)) = limit_and_key(rule_at, i) else { return take::DONE };
     let inc = gcra::increment_ns(limit.interval_fp, cost);
-    let refused = match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
-        Some(p) => {
-            let old = unsafe { core::ptr::read_volatile(p) };
-            let refused = gcra::admit(old, now, inc, limit.burst_ns).is_none();
-            if refused {
-                refuse_key_at(limit.at, record, p, old, now);
-            }
-            refused
-        }
+    match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+        Some(tat_ptr) => charge(limit, record, tat_ptr, inc, now),
         None => {
             let start = initial_tat(limit.at, record, now);
-            gcra::admit(start, now, inc, limit.burst_ns).is_none()
+            match gcra::admit(start, now, inc, limit.burst_ns) {
+                Some(_) => take::MISSING,
+                None => take::REFUSED,
+            }
         }
-    };
-    refused as u32
+    }
 }
 
 /// The limits' verdict on the packet in flight under the rule at
-/// `rule_at` (0: admitted; else `refused(why)`). Every limit looks first,
-/// on a read, so a refused packet creates and spends nothing in any
-/// limit's table, however many keys a flood spreads over; then each takes
-/// `cost` units, in order, by compare-and-swap or by creating its bucket
-/// charged. When one cannot (another CPU took the token since its look),
-/// those before it give theirs back, so a refused packet keeps nothing. A
-/// refusing nested limit is counted (`limit_refusals`); a refusing
+/// `rule_at` (0: admitted; else `refused(why)`), in the two passes above.
+/// A refusing nested limit is counted (`limit_refusals`); a refusing
 /// bucket's debt is remembered.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
     let Some(rule) = FLOWCTL_RULES.get(rule_at) else { return 0 };
     let n = 1 + rule.nested as u32;
+    // Limit i took its token: bit i.
+    let mut taken = 0u32;
     let mut i = 0;
     while i < MAX_LIMITS {
         if i >= n {
             break;
         }
-        if flowctl_limit_look(rule_at, i, record, cost, now) != 0 {
-            count_refusal(record, i);
-            return refused(reason::RATE);
+        match flowctl_limit_try(rule_at, i, record, cost, now) {
+            take::DONE => taken |= 1 << i,
+            take::MISSING => {}
+            r => return refuse(rule_at, record, i, r, taken, cost),
         }
         i += 1;
     }
@@ -153,20 +154,38 @@ pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now
         if i >= n {
             break;
         }
-        let r = flowctl_limit_take(rule_at, i, record, cost, now);
-        if r != take::DONE {
-            if r == take::REFUSED {
-                count_refusal(record, i);
+        if taken & 1 << i == 0 {
+            let r = flowctl_limit_take(rule_at, i, record, cost, now);
+            if r != take::DONE {
+                return refuse(rule_at, record, i, r, taken, cost);
             }
-            give_back_first(rule_at, i, cost);
-            return refused(if r == take::REFUSED { reason::RATE } else { reason::CONTENDED });
+            taken |= 1 << i;
         }
         i += 1;
     }
     0
 }
 
-/// Limit `i`'s take (`take::*`).
+/// Limit `i` could not take (`take::REFUSED` or `CONTENDED`): the limits
+/// in `taken` give their tokens back, and the refusal is counted.
+#[inline(always)]
+fn refuse(rule_at: u32, record: u32, i: u32, r: u32, taken: u32, cost: u64) -> u32 {
+    let mut j = 0;
+    while j < MAX_LIMITS {
+        if taken & 1 << j != 0 {
+            flowctl_limit_give_back(rule_at, j, cost);
+        }
+        j += 1;
+    }
+    if r == take::REFUSED {
+        count_refusal(record, i);
+        return refused(reason::RATE);
+    }
+    refused(reason::CONTENDED)
+}
+
+/// Limit `i`'s second pass (`take::*`): its bucket created charged; or, if
+/// another CPU created it since the first pass, charged.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_limit_take(
@@ -206,6 +225,13 @@ pub extern "C" fn flowctl_limit_take(
             }
         }
     };
+    charge(limit, record, tat_ptr, inc, now)
+}
+
+/// Charges `inc` to the bucket at `tat_ptr` by compare-and-swap
+/// (`take::*`); a refusal remembers its debt.
+#[inline(always)]
+fn charge(limit: &RuleConfig, record: u32, tat_ptr: *mut u64, inc: u64, now: u64) -> u32 {
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
@@ -226,19 +252,6 @@ pub extern "C" fn flowctl_limit_take(
         tries += 1;
     }
     take::CONTENDED
-}
-
-/// The first `n` limits give back `cost` units each.
-#[inline(always)]
-fn give_back_first(rule_at: u32, n: u32, cost: u64) {
-    let mut i = 0;
-    while i < MAX_LIMITS {
-        if i >= n {
-            break;
-        }
-        flowctl_limit_give_back(rule_at, i, cost);
-        i += 1;
-    }
 }
 
 /// Limit `i` gives back `cost` units: its TAT moves back by their

@@ -154,7 +154,7 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "passed_pkts": c.passed_pkts, "passed_bytes": c.passed_bytes,
         "dropped_pkts": c.dropped_total(), "dropped_by_reason": by_reason,
         "would_drop_pkts": c.would_drop_pkts,
-        "insert_failures": c.insert_failures,
+        "insert_failures": c.insert_failures, "key_inserts": c.key_inserts,
         "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
         "unparsed_pkts": c.unparsed_pkts,
         "booked_syns": c.booked_syns, "redeemed_syns": c.redeemed_syns,

@@ -117,6 +117,71 @@ pub fn a_million_source_syn_flood_spares_new_clients() {
     agent.stop();
 }
 
+/// A SYN flood from 200,000 spoofed sources spread over four /16s (two
+/// SYNs each, at most 30 s) passes a per-source limit of one connection a
+/// minute at every source; the rule's nested per-/16 limit (burst 50) holds
+/// it to about 4 x 50 SYNs, the refused sources get no bucket in either
+/// limit, and new clients from another /16 all connect at their first SYN.
+pub fn a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit() {
+    const SOURCES: u32 = 200_000;
+    const PREFIX_BURST: u64 = 50;
+    let lab = Lab::new("fnest", 251);
+    blackhole_replies(&lab);
+    let prof = TempFile::profile(&format!(
+        "[[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7510\nunit = \"connections\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n\
+[[rule.limit]]\nrate = \"1/min\"\nburst = {PREFIX_BURST}\nkey = \"src_prefix\"\nprefix_v4 = 16\n"
+    ));
+    let server = TcpServer::start(&lab, 7510);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let addrs: Vec<String> = (20..60).map(|h| format!("10.201.251.{h}")).collect();
+    for a in &addrs {
+        lab.add_client_address(a);
+    }
+    let dropped_before = tx_dropped(&lab.ns_cli, &lab.veth_cli);
+    let t0 = Instant::now();
+    static PROGRESS: AtomicU64 = AtomicU64::new(0);
+    let sent = syn_flood(&lab, 7510, (SOURCES, 2, 250_000), 30.0, &PROGRESS);
+    let clients = clients_from(&lab, addrs, 7510, Duration::from_millis(10));
+    let t = t0.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(300));
+    let r = rule(&lab.veth_srv, "syn");
+    let got = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    let flood_in = nstat(&lab.ns_srv, "TcpExtListenDrops");
+    let veth_drops = tx_dropped(&lab.ns_cli, &lab.veth_cli) - dropped_before;
+    let silent = veth_drops.saturating_sub(sent.refused_sends);
+    let prefixes = u64::from((SOURCES - 1) >> 16) + 1;
+    let bound = prefixes as f64 * (PREFIX_BURST as f64 + t / 60.0);
+    let by_prefix = r["limit_refusals"][0].as_u64().expect("limit_refusals");
+    println!(
+        "flood: {} frames in {:.1} s from {SOURCES} sources in {prefixes} /16s; {flood_in} reached the listener (bound {bound:.0}); the /16 limit refused {by_prefix}, the rule passed {} and created {} buckets; clients {clients:?}",
+        sent.frames,
+        sent.secs,
+        got("syn_passed"),
+        got("key_inserts")
+    );
+    assert!((flood_in as f64) <= bound, "the flood got {flood_in} SYNs in, bound {bound:.0}");
+    assert!(
+        flood_in >= prefixes * PREFIX_BURST * 9 / 10,
+        "each /16 gets its burst: {flood_in} of {}",
+        prefixes * PREFIX_BURST
+    );
+    // Every other frame of the flood the veth delivered was the /16's to
+    // refuse: the per-source limit only refuses a source it admitted once.
+    let delivered = sent.frames - silent;
+    assert!(
+        by_prefix + 2 * flood_in + silent >= delivered,
+        "the /16 limit refused {by_prefix} of {delivered} delivered"
+    );
+    // Buckets only for what got in: two limits per admitted source, and the
+    // /16s' and the clients'.
+    let most = 2 * (flood_in + clients.attempts as u64) + prefixes + 1;
+    assert!(got("key_inserts") <= most, "{} buckets, at most {most}", got("key_inserts"));
+    assert_eq!(clients.established, clients.attempts, "every new client connects");
+    assert!(clients.first_syn as f64 >= 0.9 * clients.attempts as f64, "{clients:?}");
+    server.stop();
+    agent.stop();
+}
+
 /// A `nstat` counter of namespace `ns` (absolute, since the namespace began).
 fn nstat(ns: &str, name: &str) -> u64 {
     let out = flowctl_tests::lab::sh_ns(ns, &["nstat", "-az", name]);

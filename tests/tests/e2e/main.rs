@@ -47,6 +47,7 @@ fn main() {
         tcp_connection_quota: [Root],
         booked_retransmissions_give_tcp_clients_the_rate: [Root],
         a_million_source_syn_flood_spares_new_clients: [Root],
+        a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
