@@ -290,13 +290,15 @@ impl Rule {
         let (line, what, burst, _, rate) = std::iter::once(own)
             .chain(nested)
             .find(|(_, _, burst, interval_fp, _)| (*burst as u128) < per_second(*interval_fp))?;
-        let (fix, also) = if what.is_empty() {
-            ("book_retransmits = true", "")
+        // book_retransmits books the rule's own bucket only (and does not
+        // combine with nested limits).
+        let (also, or_book) = if what.is_empty() {
+            ("", " or book_retransmits = true")
         } else {
-            ("a burst of one second of this limit's rate", " nested")
+            (" nested", "")
         };
         Some(format!(
-            "rule `{}` (line {line}): the{also} burst {burst} is below one second of its rate ({rate}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {burst} connections per second; use the default burst (one second of the rate) or {fix} (docs/algorithms.md, 1.7)",
+            "rule `{}` (line {line}): the{also} burst {burst} is below one second of its rate ({rate}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {burst} connections per second; use the default burst (one second of the rate){or_book} (docs/algorithms.md, 1.7)",
             self.name
         ))
     }
