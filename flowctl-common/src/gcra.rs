@@ -52,6 +52,23 @@ pub fn admit(tat: u64, now: u64, increment: u64, burst_ns: u64) -> Option<u64> {
     }
 }
 
+/// How far a bucket's TAT may move back to return a token whose admission
+/// wrote `written` (`admit`'s `new_tat`) with `increment`, at `now`: the
+/// part of that token, `[written - increment, written]`, still ahead of the
+/// clock. Once `written` has passed, the bucket may have filled up and
+/// restarted from another admission's own now, and moving it back by the
+/// whole increment would erase that admission's charge; never giving back
+/// more than is still ahead keeps every admission charged.
+#[inline(always)]
+pub fn give_back(written: u64, now: u64, increment: u64) -> u64 {
+    let ahead = written.saturating_sub(now);
+    if ahead < increment {
+        ahead
+    } else {
+        increment
+    }
+}
+
 /// Emission interval (fixed point) for `per_second` units per second, rounded
 /// up so the enforced rate never exceeds the configured one. `per_second` is a
 /// rational `num / den` so "60/min" is exact.
@@ -124,6 +141,42 @@ mod tests {
     use proptest::prelude::*;
 
     const SEC: u64 = 1_000_000_000;
+
+    /// A give-back never returns more than is left ahead of the clock of
+    /// the token it returns, and a taken-and-returned token leaves a bucket
+    /// that admits nothing another admission has not been charged for:
+    /// after A's take, B's admission and A's give-back, the TAT is at least
+    /// where B's admission alone would have left it.
+    #[test]
+    fn give_back_keeps_other_admissions_charged() {
+        let inc = 100;
+        // A takes from a full bucket at 1000, B admits at 1150 (A's token
+        // has expired, the bucket restarts from B's now), A gives back.
+        let a = admit(0, 1000, inc, 500).unwrap();
+        let b = admit(a, 1150, inc, 500).unwrap();
+        assert_eq!(b, 1250, "B restarted from its own now");
+        assert_eq!(give_back(a, 1160, inc), 0, "A's token has expired");
+        // A give-back in time returns what is left ahead.
+        assert_eq!(give_back(a, 1040, inc), 60);
+        assert_eq!(give_back(5000, 1040, inc), inc, "a token deep in debt comes back whole");
+    }
+
+    proptest! {
+        #[test]
+        fn give_back_never_undoes_another_admission(
+            tat in 0u64..10_000, t_a in 0u64..10_000, d_b in 0u64..1_000, d_g in 0u64..1_000,
+            inc in 1u64..500, burst in 500u64..5_000,
+        ) {
+            let Some(after_a) = admit(tat, t_a, inc, burst) else { return Ok(()) };
+            let t_b = t_a + d_b;
+            let Some(after_b) = admit(after_a, t_b, inc, burst) else { return Ok(()) };
+            let back = give_back(after_a, t_b + d_g, inc);
+            // Where B alone (A never admitted) would have left the bucket.
+            let b_alone = admit(tat, t_b, inc, burst).unwrap_or(after_b);
+            prop_assert!(after_b - back >= b_alone.min(after_b));
+            prop_assert!(back <= inc);
+        }
+    }
 
     #[test]
     fn burst_then_rate() {

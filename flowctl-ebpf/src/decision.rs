@@ -40,8 +40,8 @@ pub enum Outcome {
     WouldDrop,
     /// A stage beside the decision decides, called from the entry point
     /// (nothing is counted before it): `packed::GLOBAL`, a global rule's
-    /// bucket (`flowctl_global_decide`), or `packed::NESTED`, the quota
-    /// and limits of a rule with nested limits (`flowctl_nested_decide`).
+    /// bucket (`flowctl_global_decide`), or `packed::NESTED`, the buckets
+    /// of a rule with nested limits (`flowctl_nested_decide`).
     Beside(u64),
 }
 

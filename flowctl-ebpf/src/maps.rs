@@ -17,8 +17,8 @@ use flowctl_common::{
     COUNTER_RECORDS, DEBT_SETS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
     DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
-    MAX_GRANTS, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES,
-    RULE_CONFIGS, RULE_SETS, SLOTS,
+    MAX_GRANTS, MAX_NESTED_LIMITS, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
+    PROTO_INDICES, RULE_CONFIGS, RULE_SETS, SLOTS,
 };
 
 // The profile, as the agent applied it: two slots of everything it reads
@@ -75,16 +75,18 @@ pub struct GlobalScratch {
 }
 #[map]
 pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::with_max_entries(1, 0);
-/// Keys being built, per CPU, not on the stack, for the same reason as
-/// `FLOWCTL_GLOBAL_SCRATCH`: at `key_scratch::LIMIT` the key of the limit
-/// `stages::nested` is deciding.
-#[map]
-pub static FLOWCTL_KEY_SCRATCH: PerCpuArray<BucketKey> =
-    PerCpuArray::with_max_entries(key_scratch::COUNT, 0);
-pub mod key_scratch {
-    pub const LIMIT: u32 = 0;
-    pub const COUNT: u32 = 1;
+/// The nested limits' stage's scratch, per CPU (`stages::nested`): the key
+/// of the limit at hand, built here rather than on the stack (as the global
+/// stage's is), and the TAT each limit's take wrote, which its give-back
+/// needs. Not pinned: it holds nothing past one packet.
+#[repr(C)]
+pub struct LimitScratch {
+    pub key: BucketKey,
+    pub _pad: u32,
+    pub written: [u64; 1 + MAX_NESTED_LIMITS],
 }
+#[map]
+pub static FLOWCTL_LIMIT_SCRATCH: PerCpuArray<LimitScratch> = PerCpuArray::with_max_entries(1, 0);
 /// This host's grants for leased keys (`GrantValue`), written by the agent.
 #[map]
 pub static FLOWCTL_GRANTS: HashMap<BucketKey, GrantValue> = HashMap::pinned(MAX_GRANTS, 0);

@@ -15,8 +15,11 @@
 //! its token from it, and a key without one is only judged (from its
 //! remembered debt); then the missing buckets are created, charged. A
 //! refusal in either pass gives back what was taken, so a refused packet
-//! keeps nothing, and it never creates a bucket: a flood spread over keys
-//! that one limit refuses does not fill the key table with the others'.
+//! keeps nothing, and it creates no bucket: a flood spread over keys
+//! that one limit refuses does not fill the key table with the others'
+//! (save when a bucket appears or empties between the passes, another
+//! CPU's packet racing this one: those created before it then stay, their
+//! tokens given back).
 //! One lookup per limit on the common path (the buckets exist). The
 //! price: between a take and its give-back (the same program run) another
 //! CPU may find that token gone, which only ever refuses, never admits.
@@ -35,13 +38,13 @@ use super::bucket::{initial_tat, refuse_key_at, unmarked};
 use crate::{
     accounting::{counters, flowctl_account},
     decision::{outcome_code, packed, Outcome},
-    maps::{key_scratch, packet, FLOWCTL_KEYS, FLOWCTL_KEY_SCRATCH, FLOWCTL_RULES},
+    maps::{packet, LimitScratch, FLOWCTL_KEYS, FLOWCTL_LIMIT_SCRATCH, FLOWCTL_RULES},
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, gcra, keys::bucket_key, nested_limit_at, reason, unit, BucketKey, RuleConfig,
-    CAS_RETRIES, MAX_NESTED_LIMITS,
+    action, gcra, keys::bucket_key, nested_limit_at, reason, unit, RuleConfig, CAS_RETRIES,
+    MAX_NESTED_LIMITS,
 };
 
 /// Limits a rule with nested limits has at most: its own and the nested.
@@ -81,7 +84,7 @@ const fn refused(why: usize) -> u32 {
 mod take {
     /// It took its token.
     pub const DONE: u32 = 0;
-    /// It had none left (another CPU took it since the look).
+    /// It had no token for the packet.
     pub const REFUSED: u32 = 1;
     /// Its compare-and-swap lost `CAS_RETRIES` times.
     pub const CONTENDED: u32 = 2;
@@ -90,17 +93,25 @@ mod take {
     pub const MISSING: u32 = 3;
 }
 
-/// Limit `i` of the rule at `rule_at`, with its key for the packet in
-/// flight built in the CPU's scratch entry (not on the stack: this frame
-/// is in the middle of the chain).
+/// Limit `i` of the rule at `rule_at`, with the CPU's scratch entry, in
+/// which its key for the packet in flight is built (not on the stack: this
+/// frame is in the middle of the chain).
 #[inline(always)]
-fn limit_and_key(rule_at: u32, i: u32) -> Option<(&'static RuleConfig, *mut BucketKey)> {
+fn limit_and_scratch(rule_at: u32, i: u32) -> Option<(&'static RuleConfig, *mut LimitScratch)> {
     let at = if i == 0 { rule_at } else { nested_limit_at(rule_at, i - 1) };
     let limit = FLOWCTL_RULES.get(at)?;
     let meta = packet()?;
-    let key = FLOWCTL_KEY_SCRATCH.get_ptr_mut(key_scratch::LIMIT)?;
-    unsafe { *key = bucket_key(meta, limit) };
-    Some((limit, key))
+    let scratch = FLOWCTL_LIMIT_SCRATCH.get_ptr_mut(0)?;
+    unsafe { (*scratch).key = bucket_key(meta, limit) };
+    Some((limit, scratch))
+}
+
+/// Remembers the TAT limit `i`'s take wrote, for its give-back.
+#[inline(always)]
+fn note_written(scratch: *mut LimitScratch, i: u32, tat: u64) {
+    if let Some(w) = unsafe { (*scratch).written.get_mut(i as usize) } {
+        *w = tat;
+    }
 }
 
 /// Limit `i`'s first pass: a bucket that exists is charged by
@@ -112,10 +123,10 @@ fn limit_and_key(rule_at: u32, i: u32) -> Option<(&'static RuleConfig, *mut Buck
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_limit_try(rule_at: u32, i: u32, record: u32, cost: u64, now: u64) -> u32 {
-    let Some((limit, key)) = limit_and_key(rule_at, i) else { return take::DONE };
+    let Some((limit, scratch)) = limit_and_scratch(rule_at, i) else { return take::DONE };
     let inc = gcra::increment_ns(limit.interval_fp, cost);
-    match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
-        Some(tat_ptr) => charge(limit, record, tat_ptr, inc, now),
+    match FLOWCTL_KEYS.get_ptr_mut(unsafe { &(*scratch).key }) {
+        Some(tat_ptr) => charge(limit, record, tat_ptr, inc, now, scratch, i),
         None => {
             let start = initial_tat(limit.at, record, now);
             match gcra::admit(start, now, inc, limit.burst_ns) {
@@ -195,9 +206,10 @@ pub extern "C" fn flowctl_limit_take(
     cost: u64,
     now: u64,
 ) -> u32 {
-    let Some((limit, key)) = limit_and_key(rule_at, i) else { return take::DONE };
+    let Some((limit, scratch)) = limit_and_scratch(rule_at, i) else { return take::DONE };
+    let key = unsafe { &(*scratch).key };
     let inc = gcra::increment_ns(limit.interval_fp, cost);
-    let tat_ptr = match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+    let tat_ptr = match FLOWCTL_KEYS.get_ptr_mut(key) {
         Some(p) => p,
         None => {
             let start = initial_tat(limit.at, record, now);
@@ -206,13 +218,14 @@ pub extern "C" fn flowctl_limit_take(
             };
             // BPF_NOEXIST: if another CPU created the key first, charge its
             // bucket below.
-            if FLOWCTL_KEYS.insert(unsafe { &*key }, &unmarked(first), 1).is_ok() {
+            if FLOWCTL_KEYS.insert(key, &unmarked(first), 1).is_ok() {
+                note_written(scratch, i, unmarked(first));
                 if let Some(c) = counters(record) {
                     c.key_inserts += 1;
                 }
                 return take::DONE;
             }
-            match FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) {
+            match FLOWCTL_KEYS.get_ptr_mut(key) {
                 Some(p) => p,
                 None => {
                     // The table refused the insert: admit, and say so (as
@@ -225,13 +238,21 @@ pub extern "C" fn flowctl_limit_take(
             }
         }
     };
-    charge(limit, record, tat_ptr, inc, now)
+    charge(limit, record, tat_ptr, inc, now, scratch, i)
 }
 
-/// Charges `inc` to the bucket at `tat_ptr` by compare-and-swap
-/// (`take::*`); a refusal remembers its debt.
+/// Charges `inc` to limit `i`'s bucket at `tat_ptr` by compare-and-swap
+/// (`take::*`), noting the TAT it wrote; a refusal remembers its debt.
 #[inline(always)]
-fn charge(limit: &RuleConfig, record: u32, tat_ptr: *mut u64, inc: u64, now: u64) -> u32 {
+fn charge(
+    limit: &RuleConfig,
+    record: u32,
+    tat_ptr: *mut u64,
+    inc: u64,
+    now: u64,
+    scratch: *mut LimitScratch,
+    i: u32,
+) -> u32 {
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
@@ -247,6 +268,7 @@ fn charge(limit: &RuleConfig, record: u32, tat_ptr: *mut u64, inc: u64, now: u64
             )
         };
         if ok {
+            note_written(scratch, i, unmarked(new));
             return take::DONE;
         }
         tries += 1;
@@ -254,16 +276,24 @@ fn charge(limit: &RuleConfig, record: u32, tat_ptr: *mut u64, inc: u64, now: u64
     take::CONTENDED
 }
 
-/// Limit `i` gives back `cost` units: its TAT moves back by their
-/// increment, by compare-and-swap. Never further than the take moved it
-/// (an admission sets TAT = max(TAT, now) + inc); a give-back lost to
-/// contention loses the token, which only ever admits less.
+/// Limit `i` gives back what is left of the token its take charged: the
+/// part of [written - inc, written] still ahead of the clock, by
+/// compare-and-swap. Not simply `inc`: if the bucket filled up again after
+/// the take (its TAT passed, and another CPU's admission restarted it from
+/// its own now), the token has already expired, and taking `inc` off would
+/// erase that CPU's charge. Lost to contention, the token is lost, which
+/// only ever admits less.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_limit_give_back(rule_at: u32, i: u32, cost: u64) -> u32 {
-    let Some((limit, key)) = limit_and_key(rule_at, i) else { return 0 };
-    let inc = gcra::increment_ns(limit.interval_fp, cost);
-    let Some(tat_ptr) = FLOWCTL_KEYS.get_ptr_mut(unsafe { &*key }) else { return 0 };
+    let Some((limit, scratch)) = limit_and_scratch(rule_at, i) else { return 0 };
+    let Some(&written) = (unsafe { (*scratch).written.get(i as usize) }) else { return 0 };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let back = gcra::give_back(written, now, gcra::increment_ns(limit.interval_fp, cost));
+    if back == 0 {
+        return 0;
+    }
+    let Some(tat_ptr) = FLOWCTL_KEYS.get_ptr_mut(unsafe { &(*scratch).key }) else { return 0 };
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
@@ -271,7 +301,7 @@ pub extern "C" fn flowctl_limit_give_back(rule_at: u32, i: u32, cost: u64) -> u3
             atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
                 tat_ptr,
                 old,
-                unmarked(old.saturating_sub(inc)),
+                unmarked(old.saturating_sub(back)),
             )
         };
         if ok {

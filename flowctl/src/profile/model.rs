@@ -292,11 +292,8 @@ impl Rule {
             .find(|(_, _, burst, interval_fp, _)| (*burst as u128) < per_second(*interval_fp))?;
         // book_retransmits books the rule's own bucket only (and does not
         // combine with nested limits).
-        let (also, or_book) = if what.is_empty() {
-            ("", " or book_retransmits = true")
-        } else {
-            (" nested", "")
-        };
+        let also = if what.is_empty() { "" } else { " nested" };
+        let or_book = if self.limits.is_empty() { " or book_retransmits = true" } else { "" };
         Some(format!(
             "rule `{}` (line {line}): the{also} burst {burst} is below one second of its rate ({rate}): TCP clients whose SYNs are refused retransmit together after 1 s, so they get about {burst} connections per second; use the default burst (one second of the rate){or_book} (docs/algorithms.md, 1.7)",
             self.name

@@ -106,7 +106,7 @@ fn nested_limits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Vec<NestedLimit>,
             "nested limits add to the rule's own `rate`: give the rule one".to_string(),
         ))
     } else if rule.global.is_some() {
-        Some((first.span(), "nested limits are for local rules (a global rule's bucket runs at its lease's rate): drop them or scope = \"global\"".to_string()))
+        Some((first.span(), "nested limits are for local rules (a global rule's bucket runs at its lease's rate): drop them, or drop scope = \"global\"".to_string()))
     } else if rule.quota_bucket_ns != 0 {
         Some((first.span(), "nested limits do not combine with a quota (the kernel's call chain for them has no stack left for the quota's window): drop one of them, or put the quota on a rule of its own".to_string()))
     } else if rule.book_retransmits {
@@ -737,6 +737,7 @@ mod tests {
             (&format!("{base}[[rule.limit]]\nrate = \"1/s\"\nkey = \"dst\"\n"), 9, "use rule, src"),
             (&format!("{base}[[rule.limit]]\nrate = \"1/s\"\nburtst = 3\n"), 9, "unknown field"),
             ("[[rule]]\nname = \"p\"\naction = \"pass\"\n[[rule.limit]]\nrate = \"1/s\"\n", 4, "no effect"),
+            (&format!("{base}scope = \"global\"\n[[rule.limit]]\nrate = \"1/s\"\n[fleet]\nredis = \"redis://127.0.0.1:6379\"\n"), 8, "drop scope"),
         ] {
             let e = err(text);
             assert_eq!(e.line, line, "{text}: {e}");
@@ -749,6 +750,10 @@ mod tests {
         let text = "[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\n[[rule.limit]]\nrate = \"100/s\"\nburst = 5\n";
         let a = parse("p", text).unwrap().rules[0].advice().expect("advice for the limit");
         assert!(a.contains("line 6") && a.contains("nested burst 5"), "{a}");
+        assert!(!a.contains("book_retransmits"), "not for a rule with limits: {a}");
+        let own = "[[rule]]\nname = \"c\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"50/s\"\nburst = 5\n[[rule.limit]]\nrate = \"100/s\"\n";
+        let a = parse("p", own).unwrap().rules[0].advice().expect("advice for the rule's own");
+        assert!(a.contains("the burst 5") && !a.contains("book_retransmits"), "{a}");
     }
 
     #[test]

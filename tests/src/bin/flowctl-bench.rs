@@ -508,7 +508,8 @@ fn agent_cpu(seconds: u64) {
         .unwrap();
     for i in 0..1_000_000u32 {
         let k = BucketKey {
-            state_id: 2,
+            // The second rule's (the first state took a block of ids).
+            state_id: 1 + flowctl_common::STATE_IDS_PER_RULE,
             family: 4,
             dport: 443,
             src: [0x0a00_0000 | i, 0, 0, 0],
