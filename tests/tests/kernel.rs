@@ -644,6 +644,31 @@ fn nested_limits_each_bind_and_refusals_spend_nothing() {
     assert_eq!(c.dropped_pkts[reason::RATE], 2 + 2 + 1 + 1 + 2);
 }
 
+/// A quota on a rule with nested limits: it comes after the limits, and a
+/// packet it refuses keeps no limit's token (nor the reverse).
+fn nested_limits_and_a_quota_consume_nothing_for_each_others_refusals() {
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"nq\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 10\nkey = \"src\"\n\
+         quota = 3\nquota_window = \"1min\"\n\
+         [[rule.limit]]\nrate = \"1/min\"\nburst = 5\n",
+    ));
+    let runs = |a: [u8; 4], n: usize| -> Vec<u32> {
+        (0..n).map(|_| p.run(&V4::new(a).build(L4::Udp { sport: 1, dport: 2 }, 0))).collect()
+    };
+    let (pass, drop) = (XDP_PASS, XDP_DROP);
+    // Source A: its quota of 3, then refusals by the quota.
+    assert_eq!(runs([10, 52, 0, 1], 6), [pass, pass, pass, drop, drop, drop]);
+    let c = p.counters("nq");
+    assert_eq!((c.dropped_pkts[reason::QUOTA], c.dropped_pkts[reason::RATE]), (3, 0));
+    // The quota's refusals took nothing from the rule-wide limit (5): B
+    // gets the 2 it has left, then the limit refuses and B's quota keeps
+    // its third unit.
+    assert_eq!(runs([10, 52, 0, 2], 4), [pass, pass, drop, drop]);
+    let c = p.counters("nq");
+    assert_eq!((c.dropped_pkts[reason::RATE], c.limit_refusals[0]), (2, 2));
+    assert_eq!(c.dropped_pkts[reason::QUOTA], 3, "the limit refused B before its quota ran out");
+}
+
 /// Every limit of a dry-run rule judges, counts, and lets the packet pass.
 fn nested_limits_in_dry_run_count_would_drops() {
     let p = TestPlane::new(&profile(
@@ -1459,6 +1484,7 @@ fn main() {
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
         nested_limits_in_dry_run_count_would_drops: [Root],
+        nested_limits_and_a_quota_consume_nothing_for_each_others_refusals: [Root],
         quota_admits_n_per_window: [Root],
         quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
         quota_exact_under_concurrency: [Root],

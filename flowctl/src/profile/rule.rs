@@ -91,9 +91,8 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
 }
 
 /// `[[rule.limit]]`: at most `MAX_NESTED_LIMITS`, on a rule with a `rate`
-/// of its own on this host and no quota (a global rule's bucket runs at
-/// its lease; a booked SYN would have to book every limit's token; the
-/// quota: `stages::nested` in flowctl-ebpf), each with a `rate`
+/// of its own on this host (a global rule's bucket runs at its lease; a
+/// booked SYN would have to book every limit's token), each with a `rate`
 /// in the rule's unit, a `burst` (default one second of it) and a `key`
 /// (default `rule`).
 fn nested_limits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Vec<NestedLimit>, ProfileError> {
@@ -107,8 +106,6 @@ fn nested_limits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Vec<NestedLimit>,
         ))
     } else if rule.global.is_some() {
         Some((first.span(), "nested limits are for local rules (a global rule's bucket runs at its lease's rate): drop them, or drop scope = \"global\"".to_string()))
-    } else if rule.quota_bucket_ns != 0 {
-        Some((first.span(), "nested limits do not combine with a quota (the kernel's call chain for them has no stack left for the quota's window): drop one of them, or put the quota on a rule of its own".to_string()))
     } else if rule.book_retransmits {
         Some((first.span(), "nested limits do not combine with book_retransmits (a booked SYN would have to book a token of every limit): drop one of them".to_string()))
     } else {
@@ -710,6 +707,9 @@ mod tests {
         let base = "[[rule]]\nname = \"n\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"10/s\"\nkey = \"src\"\n";
         let text = format!("{base}[[rule.limit]]\nrate = \"1000/s\"\nkey = \"src_prefix\"\nprefix_v4 = 16\n[[rule.limit]]\nrate = \"20000/s\"\nburst = 500\n");
         let s = parse("p", &text).unwrap();
+        let with_quota =
+            format!("{base}quota = 5\nquota_window = \"1s\"\n[[rule.limit]]\nrate = \"1/s\"\n");
+        assert_eq!(parse("p", &with_quota).unwrap().rules[0].limits.len(), 1, "a quota and limits");
         let l = &s.rules[0].limits;
         assert_eq!(l.len(), 2);
         assert_eq!(
@@ -729,7 +729,6 @@ mod tests {
         for (text, line, needle) in [
             (four.as_str(), 13, "at most 3"),
             ("[[rule]]\nname = \"q\"\nquota = 5\nquota_window = \"1s\"\n[[rule.limit]]\nrate = \"1/s\"\n", 5, "own `rate`"),
-            (&format!("{base}quota = 5\nquota_window = \"1s\"\n[[rule.limit]]\nrate = \"1/s\"\n"), 9, "do not combine with a quota"),
             (&format!("{base}book_retransmits = true\n[[rule.limit]]\nrate = \"1/s\"\n"), 8, "book_retransmits"),
             (&format!("{base}[[rule.limit]]\nkey = \"src\"\n"), 7, "needs a `rate`"),
             (&format!("{base}[[rule.limit]]\nrate = \"1Mbit/s\"\n"), 8, "byte rate"),
