@@ -14,7 +14,7 @@
 //! | this one | the entry points, the decision's top level | `flowctl_decide` |
 //! | `parse` | header parsing; the RST reply's rewrite | `flowctl_parse`, `flowctl_parse_ip`, `flowctl_parse_l4` |
 //! | `classify` | the first matching rule, the source cache | - |
-//! | `stages` | admission -> BBR -> quota -> token bucket | `flowctl_bbr_refuses` |
+//! | `stages` | admission -> BBR -> quota -> token bucket; beside the decision, a global rule's bucket, a booked SYN's end, a rule's nested limits | `flowctl_bbr_refuses`, `flowctl_recall_debt`, `flowctl_remember_debt`, `flowctl_global_decide`, `flowctl_take_report`, `flowctl_book_decide`, `flowctl_nested_decide`, `flowctl_nested_admit`, `flowctl_nested_quota`, `flowctl_limit_try`, `flowctl_limit_take`, `flowctl_limit_give_back` |
 //! | `accounting` | counters per rule and reason, statistics rings | `flowctl_account` |
 //! | `sampler` | `top --keys` samples | `flowctl_sample_key` |
 //! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection` |
