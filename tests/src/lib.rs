@@ -29,6 +29,7 @@ pub mod tempfile;
 pub mod testrun;
 pub mod tmux;
 pub mod traffic;
+pub mod web;
 
 /// A name unique to this process and call, short enough for an interface name.
 pub fn unique(prefix: &str) -> String {

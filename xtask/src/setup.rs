@@ -25,6 +25,10 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "util-linux",
     "tmux",
     "python3",
+    // Real HTTP server and client for the connection-rate test
+    // (tests/src/web.rs).
+    "nginx-light",
+    "wrk",
     // The fleet's stores, started by the tests themselves (docs/fleet.md),
     // and protoc for etcd-client's generated gRPC code.
     "redis-server",
