@@ -49,7 +49,9 @@ enum Cmd {
         /// Discard existing pins (and all bucket state) instead of adopting them.
         #[arg(long)]
         replace: bool,
-        /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464).
+        /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464), in the
+        /// namespace this command runs in (also with --netns); OpenMetrics or the classic text
+        /// format, as the scraper's Accept asks.
         #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = flowctl::agent::metrics::DEFAULT_ADDR)]
         metrics: Option<std::net::SocketAddr>,
         #[command(flatten)]

@@ -116,6 +116,15 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
         )
     }
 
+    /// A metrics address of this lab's own for an agent it starts: the
+    /// agents serve their metrics in the namespace they were started in
+    /// (the tests'), so concurrent labs' agents need ports of their own;
+    /// the port follows the lab's subnet, unique among running labs.
+    pub fn metrics_addr(&self) -> String {
+        let subnet: u16 = self.ip_srv.split('.').nth(2).and_then(|s| s.parse().ok()).unwrap_or(0);
+        format!("127.0.0.1:{}", 19_000 + subnet)
+    }
+
     /// Gives the client side another address of the lab's /24.
     pub fn add_client_address(&self, ip: &str) {
         sh(&["ip", "-n", &self.ns_cli, "addr", "add", &format!("{ip}/24"), "dev", &self.veth_cli]);

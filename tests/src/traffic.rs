@@ -1,7 +1,7 @@
 //! Traffic through a lab, from its client namespace to its protected side:
 //! paced UDP (a bounded blast, or streams until stopped), TCP connects
 //! (counted, or one by one with their outcomes), a TCP server that counts
-//! what it accepts, and an HTTP GET. Each records its own timestamps, so
+//! what it accepts, and a GET of an agent's metrics. Each records its own timestamps, so
 //! the tests' bounds come from when packets really went out.
 
 use crate::lab::Lab;
@@ -218,15 +218,22 @@ pub fn connect_each(lab: &Lab, port: u16, n: u32, gap: Duration, keep: bool) -> 
     })
 }
 
-/// GET a path over plain HTTP/1.0 from inside namespace `ns`.
-pub fn http_get(ns: &str, addr: &str, path: &str) -> String {
-    let (addr, path) = (addr.to_string(), path.to_string());
-    Lab::in_ns(ns, move || {
-        let mut s = TcpStream::connect(&addr).expect("connect to the metrics endpoint");
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
-    })
+/// GET `path` from an agent's metrics endpoint at `addr` over plain
+/// HTTP/1.0, from this process's network namespace (the agent serves its
+/// metrics where it was started, not in the interface's namespace), with
+/// an `Accept` header when given: the raw response.
+pub fn metrics_get(addr: &str, path: &str, accept: Option<&str>) -> String {
+    try_metrics_get(addr, path, accept)
+        .unwrap_or_else(|e| panic!("GET {path} from the metrics endpoint {addr}: {e}"))
+}
+
+/// [`metrics_get`], failing softly (for polls and benchmarks).
+pub fn try_metrics_get(addr: &str, path: &str, accept: Option<&str>) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let accept = accept.map(|a| format!("Accept: {a}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{accept}\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
 }

@@ -29,6 +29,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // (tests/src/web.rs).
     "nginx-light",
     "wrk",
+    // promtool, which checks the metrics endpoint's text.
+    "prometheus",
     // The fleet's stores, started by the tests themselves (docs/fleet.md),
     // and protoc for etcd-client's generated gRPC code.
     "redis-server",

@@ -8,6 +8,7 @@
 //! agent's heartbeat. With `--netns` the agent lives in that namespace, and
 //! so does the address.
 
+use super::exposition;
 use crate::dataplane::{self, pins::AttachId, state::AttachState, Maps};
 use anyhow::{anyhow, Context, Result};
 use flowctl_common::{reason, GLOBAL_COUNTER_INDEX};
@@ -570,36 +571,61 @@ fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     Ok(())
 }
 
-/// Serves `/metrics` on `addr` from a thread of its own.
-pub fn spawn(addr: SocketAddr, scope: Scope) -> Result<std::thread::JoinHandle<()>> {
-    if !addr.ip().is_loopback() {
-        crate::system::log::warning(format_args!(
-            "metrics on {addr} are reachable from outside this host"
-        ));
+/// The metrics endpoint's socket. An interface agent binds it in the
+/// namespace `flowctl attach` was started in, not the interface's
+/// (`--netns`), so the host's Prometheus can reach it (a socket keeps the
+/// namespace it was made in; `system::netns::Origin`).
+pub struct Endpoint {
+    addr: SocketAddr,
+    server: tiny_http::Server,
+}
+
+impl Endpoint {
+    pub fn bind(addr: SocketAddr) -> Result<Self> {
+        if !addr.ip().is_loopback() {
+            crate::system::log::warning(format_args!(
+                "metrics on {addr} are reachable from outside this host"
+            ));
+        }
+        let server = tiny_http::Server::http(addr).map_err(|e| {
+            anyhow!("serving metrics on {addr}: {e} (pick another with --metrics ADDR)")
+        })?;
+        Ok(Self { addr, server })
     }
-    let server =
-        tiny_http::Server::http(addr).map_err(|e| anyhow!("serving metrics on {addr}: {e}"))?;
-    std::thread::Builder::new()
-        .name("flowctl-metrics".into())
-        .spawn(move || {
-            for req in server.incoming_requests() {
-                let resp = if req.url() == "/metrics" {
-                    match render_scope(&scope) {
-                        Ok(body) => tiny_http::Response::from_string(body).with_header(
-                            "Content-Type: text/plain; version=0.0.4; charset=utf-8"
-                                .parse::<tiny_http::Header>()
-                                .expect("static header"),
-                        ),
-                        Err(e) => tiny_http::Response::from_string(format!("{e:#}\n"))
-                            .with_status_code(500),
-                    }
-                } else {
-                    tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
-                };
-                let _ = req.respond(resp);
-            }
-        })
-        .context("starting the metrics thread")
+
+    /// Serves `/metrics` from a thread of its own, in the format the
+    /// scraper's `Accept` asks for (`exposition`).
+    pub fn serve(self, scope: Scope) -> Result<std::thread::JoinHandle<()>> {
+        let Self { addr, server } = self;
+        std::thread::Builder::new()
+            .name("flowctl-metrics".into())
+            .spawn(move || {
+                for req in server.incoming_requests() {
+                    let resp = if req.url() == "/metrics" {
+                        let accept = req
+                            .headers()
+                            .iter()
+                            .find(|h| h.field.equiv("Accept"))
+                            .map(|h| h.value.as_str().to_string());
+                        let format = exposition::negotiate(accept.as_deref());
+                        match render_scope(&scope) {
+                            Ok(body) => tiny_http::Response::from_string(format.body(body))
+                                .with_header(
+                                    format!("Content-Type: {}", format.content_type())
+                                        .parse::<tiny_http::Header>()
+                                        .expect("static header"),
+                                ),
+                            Err(e) => tiny_http::Response::from_string(format!("{e:#}\n"))
+                                .with_status_code(500),
+                        }
+                    } else {
+                        tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
+                    };
+                    let _ = req.respond(resp);
+                }
+            })
+            .with_context(|| format!("starting the metrics thread for {addr}"))
+    }
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod attachment;
 pub mod bbr;
 pub mod breakers;
 pub mod cgroup;
+pub mod exposition;
 pub mod heavy;
 pub mod interface;
 pub mod klimiter;
@@ -79,7 +80,8 @@ fn run_cgroup(
         preflight::cgroup(&args.profile, args.cgroup.as_deref(), args.netns.as_deref())?;
     let breakers = BreakerAgent::start(point, &set, &args.profile)?;
     if let Some(addr) = args.metrics {
-        metrics::spawn(addr, metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
+        metrics::Endpoint::bind(addr)?
+            .serve(metrics::Scope { iface: None, cgroup_id: Some(breakers.point.id) })?;
     }
     crate::system::log::status(format_args!(
         "{} breakers from {} attached to cgroup {}; Ctrl-C to detach",
@@ -104,6 +106,9 @@ fn run_interface(
     local: &tokio::task::LocalSet,
     signals: &mut Signals,
 ) -> Result<()> {
+    // The metrics are served where the agent was started, not in the
+    // interface's namespace (`--netns`), where the host cannot scrape them.
+    let origin = crate::system::netns::Origin::here()?;
     // etcd: the profile is read (or, without etcd, taken from the disk
     // copy) into a file the usual path reads, from the interface's
     // namespace, where the agent lives and keeps its watch.
@@ -185,10 +190,10 @@ fn run_interface(
     let breakers =
         checked.breakers.map(|p| BreakerAgent::start(p, &set, &args.profile)).transpose()?;
     if let Some(addr) = args.metrics {
-        metrics::spawn(
-            addr,
-            metrics::Scope { iface: Some(id), cgroup_id: breakers.as_ref().map(|b| b.point.id) },
-        )?;
+        origin.run(|| metrics::Endpoint::bind(addr))?.serve(metrics::Scope {
+            iface: Some(id),
+            cgroup_id: breakers.as_ref().map(|b| b.point.id),
+        })?;
     }
     let verb = if adopted { "adopted the pinned data plane on" } else { "attached to" };
     let source = match &etcd {

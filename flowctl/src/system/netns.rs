@@ -28,8 +28,35 @@ pub fn enter_netns(name: &str) -> Result<()> {
             p.display()
         )
     })?;
+    setns(&f, &format!("network namespace `{name}`"))
+}
+
+/// The network namespace a thread started in, kept open so the thread can
+/// make a socket there after entering another one with [`enter_netns`].
+pub struct Origin(fs::File);
+
+impl Origin {
+    /// This thread's namespace now.
+    pub fn here() -> Result<Self> {
+        let f = fs::File::open("/proc/thread-self/ns/net")
+            .context("opening /proc/thread-self/ns/net")?;
+        Ok(Self(f))
+    }
+
+    /// Runs `f` in the origin namespace, then returns this thread to the
+    /// namespace it was in. A socket made by `f` stays in the origin's.
+    pub fn run<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let back = Self::here()?;
+        setns(&self.0, "the agent's own network namespace")?;
+        let out = f();
+        setns(&back.0, "the interface's network namespace")?;
+        out
+    }
+}
+
+fn setns(f: &fs::File, which: &str) -> Result<()> {
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!("entering network namespace `{name}`: {}", std::io::Error::last_os_error());
+        bail!("entering {which}: {}", std::io::Error::last_os_error());
     }
     Ok(())
 }

@@ -533,15 +533,8 @@ fn agent_cpu(seconds: u64) {
             .output()
             .unwrap();
         assert!(top.status.success());
-        let body = flowctl_tests::lab::Lab::in_ns(&lab.ns_srv, || {
-            use std::io::{Read, Write};
-            let mut s = std::net::TcpStream::connect("127.0.0.1:9464").ok()?;
-            s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-            let mut out = String::new();
-            s.read_to_string(&mut out).ok()?;
-            Some(out)
-        });
-        if body.is_some_and(|b| b.contains("flowctl_key_table_entries")) {
+        let body = flowctl_tests::traffic::try_metrics_get("127.0.0.1:9464", "/metrics", None);
+        if body.is_ok_and(|b| b.contains("flowctl_key_table_entries")) {
             scrape_ok += 1;
         }
         if let Some(d) = Duration::from_secs(1).checked_sub(tick.elapsed()) {

@@ -77,7 +77,14 @@ fn follow(
     let mut cmd = Agent::attach(
         lab,
         &url,
-        &["--etcd-cache", cache.path(), "--etcd-watch-timeout", WATCH_TIMEOUT, "--metrics"],
+        &[
+            "--etcd-cache",
+            cache.path(),
+            "--etcd-watch-timeout",
+            WATCH_TIMEOUT,
+            "--metrics",
+            &lab.metrics_addr(),
+        ],
     );
     if let Some(l) = log {
         let f = std::fs::OpenOptions::new().append(true).open(l.path()).expect("agent log");
@@ -96,17 +103,10 @@ fn applied_in_log(log: &TempFile) -> Vec<u64> {
         .collect()
 }
 
-/// The agent's metrics, from its namespace's 127.0.0.1:9464.
+/// The agent's metrics, from its endpoint in this namespace (where the
+/// agent was started), on its lab's own port.
 fn metrics(lab: &Lab) -> String {
-    Lab::in_ns(&lab.ns_srv, || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect("127.0.0.1:9464").expect("metrics endpoint");
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body
-    })
+    flowctl_tests::traffic::metrics_get(&lab.metrics_addr(), "/metrics", None)
 }
 
 /// Packets of a 200/s UDP burst from the client side that the rule passed.

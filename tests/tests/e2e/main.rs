@@ -55,7 +55,7 @@ fn main() {
         detach_leaves_nothing_behind: [Root],
         the_agent_tells_its_service_manager_ready_watchdog_and_stopping: [Root],
         detach_stops_the_agent_before_its_egress_filters_go: [Root, Command("tc")],
-        metrics_endpoint_matches_status: [Root],
+        metrics_endpoint_matches_status: [Root, Command("promtool")],
         top_once_json_agrees_with_traffic: [Root],
         top_keys_finds_the_heaviest_sources: [Root],
         status_counts_connections_since_attach: [Root],

@@ -11,30 +11,74 @@ use flowctl_tests::{
     lab::Lab,
     tempfile::TempFile,
     tmux::TopPane,
-    traffic::{blast, blast_from, connect_many, http_get, TcpServer},
+    traffic::{blast, blast_from, connect_many, metrics_get, TcpServer},
 };
 use serde_json::Value;
 use std::time::Duration;
 
-/// The metrics endpoint serves valid text exposition format whose numbers
-/// are the kernel's (the same as `status --json`).
+/// The metrics endpoint, served in the namespace the agent was started in,
+/// answers in the format the scraper asks for (OpenMetrics for
+/// Prometheus' default `Accept`, the classic text format otherwise, which
+/// promtool checks clean), with the kernel's numbers (the same as
+/// `status --json`).
 pub fn metrics_endpoint_matches_status() {
     let lab = Lab::new("fmet", 218);
     let prof = TempFile::profile(UDP_RULE);
     let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19464"]);
     blast(&lab, 7000, 1000, 0.5, 800);
-    let resp = http_get(&lab.ns_srv, "127.0.0.1:19464", "/metrics");
+    // Served where the agent was started (this namespace), not in the
+    // interface's namespace, where a host's Prometheus could not scrape it.
+    let resp = metrics_get("127.0.0.1:19464", "/metrics", None);
+    let in_ns = Lab::in_ns(&lab.ns_srv, || std::net::TcpStream::connect("127.0.0.1:19464").is_ok());
+    assert!(!in_ns, "nothing listens in the interface's namespace");
     let (head, body) = resp.split_once("\r\n\r\n").expect("an HTTP response");
     assert!(head.starts_with("HTTP/1.") && head.contains(" 200"), "{head}");
-    assert!(head.to_ascii_lowercase().contains("content-type: text/plain"), "{head}");
+    // No Accept header: the classic text format, under its own type; a
+    // counter family is named after its samples, and nothing closes it.
+    assert!(
+        head.to_ascii_lowercase().contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    assert!(body.contains("# TYPE flowctl_packets_total counter\n"), "{body}");
+    assert!(!body.contains("# EOF"), "{body}");
+    // promtool, Prometheus' own checker, reads it without a complaint
+    // (served as OpenMetrics under text/plain, it found seven counters
+    // without help text).
+    let mut check = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool");
+    std::io::Write::write_all(&mut check.stdin.take().unwrap(), body.as_bytes()).unwrap();
+    let checked = check.wait_with_output().unwrap();
+    assert!(
+        checked.status.success() && checked.stdout.is_empty() && checked.stderr.is_empty(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    // What Prometheus asks for by default: OpenMetrics, under its type.
+    let om = metrics_get(
+        "127.0.0.1:19464",
+        "/metrics",
+        Some("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"),
+    );
+    let (om_head, om_body) = om.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(
+        om_head
+            .to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{om_head}"
+    );
+    assert!(om_body.ends_with("# EOF\n"), "{om_body}");
+    assert!(om_body.contains("# TYPE flowctl_packets counter\n"), "{om_body}");
     // Every line is a comment or `name{labels} value`.
     let mut samples = std::collections::HashMap::new();
     for line in body.lines().filter(|l| !l.is_empty()) {
         if line.starts_with('#') {
-            assert!(
-                line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF",
-                "{line}"
-            );
+            assert!(line.starts_with("# HELP ") || line.starts_with("# TYPE "), "{line}");
             continue;
         }
         let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
@@ -74,7 +118,7 @@ pub fn metrics_endpoint_matches_status() {
     assert_eq!(get("flowctl_syns_total{rule=\"udp\",verdict=\"dropped\"}"), 0.0);
     assert_eq!(get("flowctl_rules"), 1.0);
     assert!(get("flowctl_kernel_memory_bytes") > 0.0);
-    let missing = http_get(&lab.ns_srv, "127.0.0.1:19464", "/nope");
+    let missing = metrics_get("127.0.0.1:19464", "/nope", None);
     assert!(missing.contains(" 404"), "{missing}");
     agent.stop();
 }
@@ -541,7 +585,7 @@ pub fn status_counts_connections_since_attach() {
     // A new agent adopts and counts from where the file stopped.
     let agent = Agent::start(&lab, prof.path(), &["--metrics", "127.0.0.1:19465"]);
     check("re-adopted", attempts + attempts2, ok + ok2);
-    let metrics = http_get(&lab.ns_srv, "127.0.0.1:19465", "/metrics");
+    let metrics = metrics_get("127.0.0.1:19465", "/metrics", None);
     for (verdict, n) in [("passed", ok + ok2), ("dropped", attempts + attempts2 - ok - ok2)] {
         let series = format!("flowctl_syns_total{{rule=\"conns\",verdict=\"{verdict}\"}} {n}");
         assert!(metrics.lines().any(|l| l == series), "{series} in\n{metrics}");
