@@ -76,6 +76,21 @@ pub fn epoch_of(now_ns: u64, bucket_ns: u64) -> u64 {
     now_ns.checked_div(bucket_ns).unwrap_or(0) + 1
 }
 
+/// The ring a counter record writes, of the `records` rings the map holds
+/// (`2 * max_rules + 1`, fixed at load): a rule's record (always below
+/// `2 * max_rules`) its own, and the unmatched traffic's
+/// (`GLOBAL_COUNTER_INDEX`, past every rule's) the last one. Kernel and
+/// agent both index through this, so they agree whatever `max_rules` is.
+#[inline(always)]
+pub fn ring_record(record: u32, records: u32) -> u32 {
+    let last = records.saturating_sub(1);
+    if record < last {
+        record
+    } else {
+        last
+    }
+}
+
 /// Array index of `epoch`'s bucket in `record`'s ring.
 #[inline(always)]
 pub fn index(record: u32, epoch: u64, buckets: u32) -> u32 {

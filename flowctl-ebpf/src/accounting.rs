@@ -5,7 +5,7 @@
 
 use crate::maps::{
     FLOWCTL_COUNTERS, FLOWCTL_STATS, FLOWCTL_STATS_BUCKETS, FLOWCTL_STATS_BUCKET_NS,
-    FLOWCTL_STATS_CLOCK, FLOWCTL_STATS_LEVEL,
+    FLOWCTL_STATS_CLOCK, FLOWCTL_STATS_LEVEL, FLOWCTL_STATS_RECORDS,
 };
 use aya_ebpf::bindings::xdp_action;
 use flowctl_common::{stats, tcp_flags, RuleCounters, StatsBucket};
@@ -99,7 +99,8 @@ pub fn current_stats(record: u32, now: u64) -> Option<&'static mut StatsBucket> 
         clock.start_ns = (epoch - 1).wrapping_mul(width);
         clock.end_ns = clock.start_ns.wrapping_add(width);
     }
-    let index = record.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
+    let ring = stats::ring_record(record, FLOWCTL_STATS_RECORDS.load());
+    let index = ring.wrapping_mul(FLOWCTL_STATS_BUCKETS.load()).wrapping_add(clock.slot);
     let b = unsafe { &mut *FLOWCTL_STATS.get_ptr_mut(index)? };
     if b.epoch != clock.epoch {
         reset_bucket(b, clock.epoch, FLOWCTL_STATS_LEVEL.load() == stats::level::FULL);

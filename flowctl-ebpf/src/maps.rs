@@ -167,6 +167,8 @@ pub static FLOWCTL_STATS_LEVEL: Global<u8> = Global::new(stats::level::FULL);
 pub static FLOWCTL_STATS_BUCKET_NS: Global<u64> = Global::new(DEFAULT_STATS_BUCKET_NS);
 #[no_mangle]
 pub static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
+#[no_mangle]
+pub static FLOWCTL_STATS_RECORDS: Global<u32> = Global::new(COUNTER_RECORDS as u32);
 
 /// The headers `flowctl_parse` left for the packet in flight. XDP runs one
 /// packet at a time per CPU (NAPI, softirq), so this CPU's entry is this

@@ -139,7 +139,15 @@ impl TestPlane {
     /// A rule's statistics ring summed over the last few buckets, the
     /// current one included (tests run well inside one ring span).
     pub fn ring(&self, rule: &str) -> flowctl_common::stats::StatsSum {
-        let rec = self.record(rule);
+        self.ring_of(self.record(rule))
+    }
+
+    /// The unmatched traffic's ring, as `ring`.
+    pub fn unmatched_ring(&self) -> flowctl_common::stats::StatsSum {
+        self.ring_of(GLOBAL_COUNTER_INDEX)
+    }
+
+    fn ring_of(&self, rec: u32) -> flowctl_common::stats::StatsSum {
         let shape = self.state.stats;
         let cur = flowctl_common::stats::epoch_of(
             flowctl::system::clock::monotonic_ns(),

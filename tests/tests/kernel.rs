@@ -793,6 +793,49 @@ fn quota_exact_under_concurrency() {
     assert_eq!(c.passed_pkts, 150_000, "exactly N admitted");
 }
 
+/// `max_rules = 2`: the rings are sized for 5 records (both slots' rule
+/// records and the unmatched traffic's), the kernel writes the unmatched
+/// traffic into the last ring (`stats::ring_record`), and rules renamed
+/// across applies take records within the rings, never the unmatched one.
+fn rings_sized_for_max_rules_keep_rules_and_unmatched_apart() {
+    let rules = |second: &str| {
+        format!("{SMALL}max_rules = 2\n[[rule]]\nname = \"dns\"\nproto = \"udp\"\ndport = 53\nrate = \"1000/s\"\n[[rule]]\nname = \"{second}\"\nproto = \"tcp\"\ndport = 80\nrate = \"1000/s\"\n")
+    };
+    let mut p = TestPlane::new(&rules("web"));
+    assert_eq!(p.state.stats.records(), 5);
+    let stats = p.pinned(flowctl_common::map_names::STATS);
+    let entries = aya::maps::PerCpuArray::<_, flowctl_common::StatsBucket>::try_from(
+        aya::maps::Map::PerCpuArray(stats),
+    )
+    .unwrap()
+    .len();
+    assert_eq!(entries, 5 * p.state.stats.buckets, "the ring map holds 5 rings");
+    let v = V4::new([10, 9, 0, 2]);
+    let dns = v.build(L4::Udp { sport: 9, dport: 53 }, 0);
+    let web = v.build(L4::Tcp { sport: 9, dport: 80, flags: 0x02 }, 0);
+    let other = v.build(L4::Udp { sport: 9, dport: 9 }, 0);
+    for (f, n) in [(&dns, 3), (&web, 2), (&other, 4)] {
+        for _ in 0..n {
+            assert_eq!(p.run(f), XDP_PASS);
+        }
+    }
+    assert_eq!(p.ring("dns").offered_pkts, 3);
+    assert_eq!(p.ring("web").offered_pkts, 2);
+    assert_eq!(p.unmatched_ring().offered_pkts, 4, "unmatched traffic in the last ring");
+    assert_eq!(p.unmatched().offered_pkts, 4);
+    // Renamed twice: each new name takes a free record below 2 * max_rules.
+    for (i, name) in ["api", "www"].into_iter().enumerate() {
+        p.apply(&rules(name));
+        assert!(p.record(name) < 4, "{name} at record {}", p.record(name));
+        for _ in 0..=i {
+            p.run(&web);
+        }
+        assert_eq!(p.ring(name).offered_pkts, 1 + i as u64, "{name}'s own ring");
+        assert_eq!(p.ring("dns").offered_pkts, 3);
+        assert_eq!(p.unmatched_ring().offered_pkts, 4);
+    }
+}
+
 fn statistics_ring_agrees_with_the_counters() {
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"web\"\nproto = \"tcp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
@@ -1489,6 +1532,7 @@ fn main() {
         quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
         quota_exact_under_concurrency: [Root],
         statistics_ring_agrees_with_the_counters: [Root],
+        rings_sized_for_max_rules_keep_rules_and_unmatched_apart: [Root],
         statistics_ring_sums_cpus_exactly: [Root],
         control_level_keeps_what_the_loops_read_and_prunes_the_rest: [Root],
         sampled_keys_reach_the_ring_buffer: [Root],

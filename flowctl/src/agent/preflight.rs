@@ -162,13 +162,15 @@ pub fn attachment(state: &AttachState, set: &RuleSet) -> Result<()> {
     }
     if s.stats != state.stats {
         bail!(
-            "the statistics settings ({} level, {} x {} ms) differ from the attached data plane's ({} level, {} x {} ms); they are fixed when the program loads and change only by re-attaching with --replace (nothing was applied)",
+            "the statistics settings ({} level, {} x {} ms, max_rules {}) differ from the attached data plane's ({} level, {} x {} ms, max_rules {}); they are fixed when the program loads and change only by re-attaching with --replace (nothing was applied)",
             s.stats.level_name(),
             s.stats.buckets,
             s.stats.bucket_ns / 1_000_000,
+            s.stats.max_rules,
             state.stats.level_name(),
             state.stats.buckets,
-            state.stats.bucket_ns / 1_000_000
+            state.stats.bucket_ns / 1_000_000,
+            state.stats.max_rules
         );
     }
     Ok(())

@@ -25,10 +25,11 @@ pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
             s.source_cache_entries
         );
         out!(
-            "  {} of it per CPU (counters and statistics rings: {} buckets x {} rule records)",
+            "  {} of it per CPU (counters and statistics rings: {} buckets x {} rule records, for max_rules {})",
             human_bytes(s.kernel_memory_bytes_on(here + 1) - s.kernel_memory_bytes_on(here)),
             s.stats.buckets,
-            flowctl_common::COUNTER_RECORDS
+            s.stats.records(),
+            s.stats.max_rules
         );
         if let Some(n) = cpus {
             let need = s.kernel_memory_bytes_on(n);
@@ -40,7 +41,7 @@ pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
                     format!("within the budget of {}", human_bytes(s.memory_budget))
                 } else {
                     format!(
-                        "over the budget of {}: refused there (raise settings.memory_budget, or lower statistics_buckets or the table sizes)",
+                        "over the budget of {}: refused there (raise settings.memory_budget, or lower max_rules, statistics_buckets or the table sizes)",
                         human_bytes(s.memory_budget)
                     )
                 }

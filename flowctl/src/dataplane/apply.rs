@@ -15,8 +15,8 @@ use aya::{
 };
 use flowctl_common::{
     nested_limit_at, nested_state_id, tables, RuleConfig, RuleCounters, StatsBucket, TrieData,
-    DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS,
-    PORT_INDICES, PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
+    DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
+    PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
 };
 use std::{fs, ops::Range};
 
@@ -55,13 +55,15 @@ pub fn plan_states(old: &[RuleState], next_state_id: &mut u32, set: &RuleSet) ->
         }
     }
     // New names take records that neither the old nor the new set uses, so
-    // old and new rules never share counters during the flip.
+    // old and new rules never share counters during the flip; below
+    // 2 * max_rules, the records the statistics rings were sized for
+    // (`stats::ring_record`).
     let old_records: Vec<u32> = old.iter().map(|o| o.record).collect();
-    let mut free = (0..MAX_RULE_RECORDS as u32)
-        .filter(|r| !used_records.contains(r) && !old_records.contains(r));
+    let records = 2 * set.settings.stats.max_rules;
+    let mut free = (0..records).filter(|r| !used_records.contains(r) && !old_records.contains(r));
     for s in out.iter_mut() {
         if s.record == u32::MAX {
-            s.record = free.next().expect("2*MAX_RULES records cover old and new sets");
+            s.record = free.next().expect("2*max_rules records cover old and new sets");
         }
     }
     out

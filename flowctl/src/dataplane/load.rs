@@ -9,9 +9,7 @@ use aya::{
     programs::{ProgramError, Xdp},
     Ebpf, EbpfLoader,
 };
-use flowctl_common::{
-    globals, map_names as names, COUNTER_RECORDS, XDP_PROGRAM, XDP_PROGRAM_FRAGS,
-};
+use flowctl_common::{globals, map_names as names, XDP_PROGRAM, XDP_PROGRAM_FRAGS};
 use std::fs;
 
 /// Which of the object's two XDP entry points to load. They are the same
@@ -74,6 +72,7 @@ pub fn load(id: &AttachId, settings: &Settings) -> Result<Ebpf> {
 pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> Result<Ebpf> {
     let dir = id.pin_dir();
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let stats_records = settings.stats.records();
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(&dir)
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
@@ -81,10 +80,11 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .map_max_entries(names::QUOTAS, settings.quota_table_entries)
         .map_max_entries(names::CONNS, settings.connection_table_entries)
         .map_max_entries(names::GLOBAL_KEYS, settings.global_key_entries)
-        .map_max_entries(names::STATS, COUNTER_RECORDS as u32 * settings.stats.buckets)
+        .map_max_entries(names::STATS, settings.stats.records() * settings.stats.buckets)
         .override_global(globals::STATS_LEVEL, &settings.stats.level, true)
         .override_global(globals::STATS_BUCKET_NS, &settings.stats.bucket_ns, true)
         .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
+        .override_global(globals::STATS_RECORDS, &stats_records, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
     let prog: &mut Xdp =

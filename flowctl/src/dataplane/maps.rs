@@ -167,7 +167,7 @@ impl Maps {
     ) -> Result<StatsSum> {
         let mut sum = StatsSum::default();
         for e in epochs {
-            let idx = stats::index(record, e, shape.buckets);
+            let idx = stats::index(stats::ring_record(record, shape.records()), e, shape.buckets);
             for b in self.stats.get(&idx, 0)?.iter() {
                 if b.epoch == e {
                     sum.add(b);

@@ -6,7 +6,7 @@ use super::{
     error::{Ctx, ProfileError, Span},
     model::{Settings, StatsSettings},
 };
-use flowctl_common::{BucketKey, QuotaRing, SrcEntry, SrcKey, StatsBucket, COUNTER_RECORDS};
+use flowctl_common::{BucketKey, QuotaRing, SrcEntry, SrcKey, StatsBucket};
 
 /// Kernel bytes per preallocated LRU hash element: the element header
 /// (hash node, LRU node, hash; ~60 bytes on 6.x) plus key and value rounded to
@@ -52,9 +52,9 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
 
 impl StatsSettings {
     /// Kernel bytes of the rings on a host with `cpus` CPUs: per CPU,
-    /// every counter record's ring.
+    /// a ring per record (`records`).
     pub fn kernel_bytes_on(&self, cpus: u64) -> u64 {
-        COUNTER_RECORDS as u64 * self.buckets as u64 * size_of::<StatsBucket>() as u64 * cpus
+        self.records() as u64 * self.buckets as u64 * size_of::<StatsBucket>() as u64 * cpus
     }
 }
 
@@ -135,12 +135,49 @@ mod tests {
         // connection tables and the statistics rings: 375 MiB on 2 CPUs.
         let mem = ok.settings.kernel_memory_bytes_on(2);
         assert!(mem > 350 << 20 && mem < 400 << 20, "{mem}");
-        // The per-CPU maps grow with the CPUs, the rest not: 5.6 MiB per
-        // CPU, most of it the statistics rings (513 records x 100 buckets
-        // x 112 bytes).
+        // The per-CPU maps grow with the CPUs, the rest not: 2.9 MiB per
+        // CPU, most of it the statistics rings (257 records for the
+        // default 128 rules x 100 buckets x 112 bytes).
         let per_cpu = ok.settings.kernel_memory_bytes_on(3) - mem;
         assert_eq!(ok.settings.kernel_memory_bytes_on(128), mem + 126 * per_cpu);
-        assert!(per_cpu > 5 << 20 && per_cpu < 6 << 20, "{per_cpu}");
-        assert_eq!(super::human_bytes(ok.settings.kernel_memory_bytes_on(128)), "1.06 GiB");
+        assert!(per_cpu > 2 << 20 && per_cpu < 3 << 20, "{per_cpu}");
+        // The defaults fit a 128-CPU host in the default 1 GiB budget.
+        let on_128 = ok.settings.kernel_memory_bytes_on(128);
+        assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
+        assert_eq!(super::human_bytes(on_128), "738.2 MiB");
+        // All 256 rules: rings for 513 records, 5.6 MiB per CPU, and the
+        // 1.06 GiB that did not fit 128 CPUs before max_rules.
+        let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")
+            .unwrap();
+        let per_cpu_all =
+            all.settings.kernel_memory_bytes_on(3) - all.settings.kernel_memory_bytes_on(2);
+        assert!(per_cpu_all > 5 << 20 && per_cpu_all < 6 << 20, "{per_cpu_all}");
+        assert_eq!(super::human_bytes(all.settings.kernel_memory_bytes_on(128)), "1.06 GiB");
+    }
+
+    #[test]
+    fn max_rules_bounds_the_rules_with_line_and_reason() {
+        let rules = |n: usize| {
+            (0..n)
+                .map(|i| format!("[[rule]]\nname = \"r{i}\"\nrate = \"1/s\"\n"))
+                .collect::<String>()
+        };
+        assert_eq!(parse("p", &rules(128)).unwrap().rules.len(), 128);
+        let e = err(&rules(129));
+        assert!(
+            e.to_string().contains("at most 128 (raise [settings] max_rules, up to 256"),
+            "{e}"
+        );
+        assert_eq!(e.line, 1 + 3 * 128, "points at the 129th rule");
+        let big = format!("[settings]\nmax_rules = 256\n{}", rules(256));
+        assert_eq!(parse("p", &big).unwrap().rules.len(), 256);
+        let e = err(&format!("[settings]\nmax_rules = 256\n{}", rules(257)));
+        assert!(e.to_string().contains("too many rules: at most 256"), "{e}");
+        let e = err("[settings]\nmax_rules = 257\n[[rule]]\nname = \"a\"\nrate = \"1/s\"");
+        assert!(e.to_string().contains("max_rules 257 out of range: 1 to 256"), "{e}");
+        assert_eq!((e.line, e.col), (2, 13));
+        let small = parse("p", "[settings]\nmax_rules = 4\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")
+            .unwrap();
+        assert_eq!(small.settings.stats.records(), 9);
     }
 }

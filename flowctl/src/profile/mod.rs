@@ -71,9 +71,15 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     if raw.rule.is_empty() && raw.breaker.is_empty() {
         return Err(cx.err_at_top("the profile has no [[rule]] and no [[breaker]]"));
     }
-    if raw.rule.len() > MAX_RULES {
-        let span = raw.rule[MAX_RULES].span();
-        return Err(cx.err(span, format!("too many rules: at most {MAX_RULES}")));
+    let max_rules = settings.stats.max_rules as usize;
+    if raw.rule.len() > max_rules {
+        let span = raw.rule[max_rules].span();
+        let why = if max_rules < MAX_RULES {
+            format!("too many rules: at most {max_rules} (raise [settings] max_rules, up to {MAX_RULES}; it sizes the per-CPU statistics rings)")
+        } else {
+            format!("too many rules: at most {MAX_RULES}")
+        };
+        return Err(cx.err(span, why));
     }
     let mut rules: Vec<Rule> = Vec::new();
     for r in &raw.rule {

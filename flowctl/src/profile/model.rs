@@ -9,8 +9,9 @@ use flowctl_common::{
     breaker::StateConfig,
     key_kind, stats,
     tables::{Cidr, MatchSpec},
-    unit, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES,
-    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES, XDP_PASS,
+    unit, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_MAX_RULES,
+    DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
+    MAX_RULES, XDP_PASS,
 };
 
 /// A validated profile.
@@ -120,6 +121,15 @@ pub struct StatsSettings {
     pub level: u8,
     pub bucket_ns: u64,
     pub buckets: u32,
+    /// `[settings] max_rules`: the rings hold `2 * max_rules + 1` records
+    /// (`records`). A state file written before the setting existed had
+    /// rings for every record.
+    #[serde(default = "all_rules")]
+    pub max_rules: u32,
+}
+
+fn all_rules() -> u32 {
+    MAX_RULES as u32
 }
 
 impl Default for StatsSettings {
@@ -128,11 +138,18 @@ impl Default for StatsSettings {
             level: stats::level::FULL,
             bucket_ns: DEFAULT_STATS_BUCKET_NS,
             buckets: DEFAULT_STATS_BUCKETS,
+            max_rules: DEFAULT_MAX_RULES,
         }
     }
 }
 
 impl StatsSettings {
+    /// Rings in the map: both slots' rule records and the unmatched
+    /// traffic's (`stats::ring_record`).
+    pub fn records(&self) -> u32 {
+        2 * self.max_rules + 1
+    }
+
     pub fn level_name(&self) -> &'static str {
         if self.level == stats::level::FULL {
             "full"

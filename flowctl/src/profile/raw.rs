@@ -50,6 +50,7 @@ pub struct RawSettings {
     pub statistics: Option<Spanned<String>>,
     pub statistics_bucket: Option<Spanned<String>>,
     pub statistics_buckets: Option<Spanned<i64>>,
+    pub max_rules: Option<Spanned<i64>>,
     pub cpu: Option<Spanned<String>>,
 }
 

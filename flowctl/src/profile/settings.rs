@@ -11,7 +11,7 @@ use super::{
 use crate::controllers::cpu::CpuSource;
 use flowctl_common::{
     rate::{parse_amount, Dimension},
-    stats, MAX_STATS_BUCKETS, XDP_DROP, XDP_PASS,
+    stats, MAX_RULES, MAX_STATS_BUCKETS, XDP_DROP, XDP_PASS,
 };
 use toml::Spanned;
 
@@ -75,6 +75,13 @@ pub fn settings(cx: &Ctx, s: &RawSettings) -> Result<Settings, ProfileError> {
             ));
         }
         out.stats.buckets = n as u32;
+    }
+    if let Some(v) = &s.max_rules {
+        let n = *v.get_ref();
+        if !(1..=MAX_RULES as i64).contains(&n) {
+            return Err(cx.err(v.span(), format!("max_rules {n} out of range: 1 to {MAX_RULES}")));
+        }
+        out.stats.max_rules = n as u32;
     }
     Ok(out)
 }

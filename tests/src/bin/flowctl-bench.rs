@@ -167,8 +167,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn rules_profile(n: usize) -> String {
     // n-1 port-range rules that the measured traffic does not match, then the
     // measured rule last: the worst case for a linear matcher.
-    let mut s =
-        String::from("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\n");
+    let mut s = String::from(
+        "[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\nmax_rules = 256\n",
+    );
     for i in 0..n - 1 {
         s += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"udp\"\nsrc = \"10.0.0.0/8\"\ndport = {}\nrate = \"1000/s\"\nkey = \"src\"\n", 20000 + i);
     }

@@ -306,7 +306,12 @@ mod tests {
     use crate::profile::StatsSettings;
 
     fn shape() -> StatsSettings {
-        StatsSettings { level: stats::level::FULL, bucket_ns: 100_000_000, buckets: 100 }
+        StatsSettings {
+            level: stats::level::FULL,
+            bucket_ns: 100_000_000,
+            buckets: 100,
+            ..Default::default()
+        }
     }
 
     /// A ring where each bucket epoch `e` held `e` offered packets, half
