@@ -85,6 +85,16 @@ pub extern "C" fn flowctl_account(record: u32, code: u32, len: u64, tcp: u32, no
     action
 }
 
+/// A table refused a new bucket (or quota window) of the rule at counter
+/// `record`, whose packet is admitted: counted in `insert_failures` (which
+/// the kernel events watch, `events::flowctl_events`).
+#[inline(always)]
+pub fn insert_failed(record: u32) {
+    if let Some(c) = counters(record) {
+        c.insert_failures += 1;
+    }
+}
+
 /// This CPU's current bucket of a record's statistics ring, reset when
 /// stale (also what `conntrack` counts arrivals, establishments and
 /// completions in).

@@ -20,6 +20,7 @@
 //! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection` |
 //! | `decision` | what a decision is, and its packed form | - |
 //! | `maps` | every map and load-time constant of the object | - |
+//! | `events` | rare events for the agent's log (aya-log), pruned at load unless asked for | - (`flowctl_events` is a static function: verified only where called) |
 //! | `egress` | the TC egress counter (its own program) | - |
 #![no_std]
 #![no_main]
@@ -31,6 +32,7 @@ mod classify;
 mod conntrack;
 mod decision;
 mod egress;
+mod events;
 mod maps;
 mod parse;
 mod sampler;
@@ -88,6 +90,9 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     }
     if v & packed::SAMPLE != 0 {
         sampler::flowctl_sample_key(packed::rule_at(v), packed::record(v), packed::code(v));
+    }
+    if events::on() {
+        events::flowctl_events(ctx.ctx, parsed, len, packed::record(v));
     }
     if v & packed::BBR_ON != 0 {
         let reply = v & packed::BBR_RESET != 0

@@ -64,7 +64,7 @@ fn ptr_at<T>(ctx: &XdpContext, off: usize) -> Result<*const T, ()> {
 /// verifier tracks the range on that pointer, and reading through a separately
 /// computed one (which LLVM may do when each field has its own check) fails.
 #[inline(always)]
-fn bytes<const N: usize>(ctx: &XdpContext, off: usize) -> Result<[u8; N], ()> {
+pub(crate) fn bytes<const N: usize>(ctx: &XdpContext, off: usize) -> Result<[u8; N], ()> {
     let p = ptr_at::<[u8; N]>(ctx, off)?;
     Ok(unsafe { core::ptr::read_unaligned(p) })
 }

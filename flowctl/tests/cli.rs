@@ -19,7 +19,7 @@ fn profile(text: &str) -> std::path::PathBuf {
 /// quietly with exit 0, not a panic.
 #[test]
 fn broken_pipe_exits_zero() {
-    let mut text = String::new();
+    let mut text = String::from("[settings]\nmax_rules = 256\n");
     for i in 0..200 {
         text += &format!("[[rule]]\nname = \"r{i}\"\nrate = \"{}/s\"\n", i + 1);
     }

@@ -17,6 +17,21 @@ pub struct TestPlane {
     pub id: AttachId,
     pub maps: Maps,
     pub state: AttachState,
+    kernel_log: Option<(aya_log::EbpfLogger<KernelEvents>, KernelEvents)>,
+}
+
+/// What `TestPlane::kernel_events` collects the records into.
+#[derive(Clone, Default)]
+struct KernelEvents(std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>);
+
+impl log::Log for KernelEvents {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        self.0.lock().unwrap().push((r.target().to_string(), r.args().to_string()));
+    }
+    fn flush(&self) {}
 }
 
 impl TestPlane {
@@ -66,7 +81,7 @@ impl TestPlane {
             connection_table_entries: set.settings.connection_table_entries,
         };
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
-        Self { ebpf, id, maps, state }
+        Self { ebpf, id, maps, state, kernel_log: None }
     }
 
     pub fn apply(&mut self, profile_text: &str) {
@@ -155,6 +170,21 @@ impl TestPlane {
         );
         let back = (shape.buckets as u64 - 1).min(cur - 1);
         self.maps.stats_epochs(rec, &shape, cur - back..cur + 1).unwrap()
+    }
+
+    /// The kernel events (aya-log records: target, message) the program
+    /// wrote since the last call; the plane must have been loaded with
+    /// `kernel_events` on.
+    pub fn kernel_events(&mut self) -> Vec<(String, String)> {
+        if self.kernel_log.is_none() {
+            let into = KernelEvents::default();
+            let logger = aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, into.clone())
+                .expect("the object's kernel-event ring");
+            self.kernel_log = Some((logger, into));
+        }
+        let (logger, into) = self.kernel_log.as_mut().expect("set above");
+        logger.flush();
+        std::mem::take(&mut *into.0.lock().unwrap())
     }
 
     /// Every key sample the kernel has written since the last call.

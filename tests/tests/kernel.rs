@@ -836,6 +836,68 @@ fn rings_sized_for_max_rules_keep_rules_and_unmatched_apart() {
     }
 }
 
+/// Kernel events (flowctl-ebpf/src/events.rs), loaded on: an evasive and
+/// a malformed frame each reach aya-log's ring with their first bytes, at
+/// most one of a kind per CPU per second; loaded off (the default), the
+/// program writes none and the verifier walks none of their code.
+fn kernel_events_report_sampled_frames_only_when_loaded_on() {
+    let mut off = TestPlane::new(&profile(STRICT_UDP_53));
+    let mut on = TestPlane::new_with(&profile(STRICT_UDP_53), |s| s.kernel_events = true);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let (n_off, n_on) = (off.verified_insns(), on.verified_insns());
+    println!(
+        "flowctl_xdp: verifier processed {n_off} instructions with kernel events off, {n_on} on, on {}",
+        kernel.trim()
+    );
+    assert!(n_on <= VERIFIER_BUDGET, "events on: {n_on} processed instructions");
+    let mut tagged = V4::new([10, 14, 0, 1]);
+    tagged.vlans = vec![10, 20, 30, 40, 50];
+    let evasive = tagged.build(L4::Udp { sport: 9, dport: 53 }, 16);
+    let mut malformed = V4::new([10, 14, 0, 2]).build(L4::Udp { sport: 9, dport: 53 }, 16);
+    // A total length past the frame's end: malformed.
+    malformed[16..18].copy_from_slice(&2000u16.to_be_bytes());
+    for p in [&off, &on] {
+        assert_eq!(p.run(&evasive), XDP_DROP);
+        p.run(&malformed);
+        p.run(&evasive);
+    }
+    assert_eq!(off.kernel_events(), vec![], "off: nothing written");
+    let got = on.kernel_events();
+    println!("{got:#?}");
+    assert!(got.iter().all(|(t, _)| t == "flowctl::kernel"), "{got:?}");
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let evasive_events: Vec<_> =
+        got.iter().filter(|(_, m)| m.starts_with("evasive frame")).collect();
+    assert_eq!(evasive_events.len(), 1, "the second within the second is not logged: {got:?}");
+    assert!(
+        evasive_events[0].1.contains(&format!("of {} bytes", evasive.len()))
+            && evasive_events[0].1.contains(&hex(&evasive[..64])),
+        "{got:?}"
+    );
+    assert!(
+        got.iter()
+            .any(|(_, m)| m.starts_with("malformed frame") && m.contains(&hex(&malformed[..48]))),
+        "{got:?}"
+    );
+    // A table's refusals show as growth of the rule's per-CPU
+    // `insert_failures` (the stages count them): five on every CPU, then a
+    // packet of that rule.
+    let rec = on.record("dns");
+    let per_cpu: Vec<flowctl_common::RuleCounters> = on
+        .maps
+        .counters
+        .get(&rec, 0)
+        .unwrap()
+        .iter()
+        .map(|c| flowctl_common::RuleCounters { insert_failures: c.insert_failures + 5, ..*c })
+        .collect();
+    on.maps.counters.set(rec, aya::maps::PerCpuValues::try_from(per_cpu).unwrap(), 0).unwrap();
+    on.run(&V4::new([10, 14, 0, 3]).build(L4::Udp { sport: 9, dport: 53 }, 16));
+    let got = on.kernel_events();
+    let want = format!("rule record {rec}: its table refused 5 new buckets on this CPU (admitted, counted in insert_failures)");
+    assert_eq!(got, vec![("flowctl::kernel".to_string(), want)]);
+}
+
 fn statistics_ring_agrees_with_the_counters() {
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"web\"\nproto = \"tcp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
@@ -1533,6 +1595,7 @@ fn main() {
         quota_exact_under_concurrency: [Root],
         statistics_ring_agrees_with_the_counters: [Root],
         rings_sized_for_max_rules_keep_rules_and_unmatched_apart: [Root],
+        kernel_events_report_sampled_frames_only_when_loaded_on: [Root],
         statistics_ring_sums_cpus_exactly: [Root],
         control_level_keeps_what_the_loops_read_and_prunes_the_rest: [Root],
         sampled_keys_reach_the_ring_buffer: [Root],

@@ -10,7 +10,7 @@ use super::{
     verdict,
 };
 use crate::{
-    accounting::counters,
+    accounting::{counters, insert_failed},
     decision::{Decision, Outcome},
     maps::{packet, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_RULES},
 };
@@ -81,9 +81,7 @@ pub fn admit<Q: QuotaStage>(
             None => {
                 // The table refused the insert: admit (the quota has counted
                 // it) and say so.
-                if let Some(c) = counters(record) {
-                    c.insert_failures += 1;
-                }
+                insert_failed(record);
             }
         }
     }

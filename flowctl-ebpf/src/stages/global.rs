@@ -17,7 +17,7 @@
 use super::bucket::{debt_noted, initial_tat, refuse_key_at, unmarked, unmarked_down};
 use super::quota::{NoQuota, Quota, QuotaCommit, QuotaStage};
 use crate::{
-    accounting::{counters, flowctl_account},
+    accounting::{counters, flowctl_account, insert_failed},
     decision::{outcome_code, packed, Decision, Outcome},
     maps::{
         packet, GlobalScratch, FLOWCTL_GLOBAL_KEYS, FLOWCTL_GLOBAL_SCRATCH, FLOWCTL_GRANTS,
@@ -234,9 +234,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     }
     let Some(b) = table_bucket(scratch, rule, record, now) else {
         // The table refused the insert: admit, and say so (as local rules).
-        if let Some(c) = counters(record) {
-            c.insert_failures += 1;
-        }
+        insert_failed(record);
         return code::PASS;
     };
     let b = unsafe { &mut *b };

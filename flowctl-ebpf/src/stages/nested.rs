@@ -39,7 +39,7 @@ use super::{
     quota::{Quota, QuotaCommit, QuotaStage},
 };
 use crate::{
-    accounting::{counters, flowctl_account},
+    accounting::{counters, flowctl_account, insert_failed},
     decision::{outcome_code, packed, Outcome},
     maps::{packet, LimitScratch, FLOWCTL_KEYS, FLOWCTL_LIMIT_SCRATCH, FLOWCTL_RULES},
 };
@@ -271,9 +271,7 @@ pub extern "C" fn flowctl_limit_take(
                 None => {
                     // The table refused the insert: admit, and say so (as
                     // a rule without nested limits does).
-                    if let Some(c) = counters(record) {
-                        c.insert_failures += 1;
-                    }
+                    insert_failed(record);
                     return take::DONE;
                 }
             }

@@ -5,7 +5,7 @@
 //! ([`QuotaStage::rollback`]).
 
 use crate::{
-    accounting::counters,
+    accounting::insert_failed,
     maps::{FLOWCTL_QUOTAS, FLOWCTL_ZERO_RING},
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
@@ -75,9 +75,7 @@ impl Quota {
             }
             ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
             if ring.is_null() {
-                if let Some(c) = counters(record) {
-                    c.insert_failures += 1;
-                }
+                insert_failed(record);
             }
         }
         Self { ring, window, epoch: window.epoch(now), limit, past: 0, committed: false }

@@ -12,7 +12,7 @@
 //! the next agent adopts) and loses only the lock file.
 
 use crate::{
-    dataplane::{self, pins, pins::AttachId, Egress},
+    dataplane::{self, pins, pins::AttachId, Egress, KernelLog},
     system::lock::{phase, FileLock},
 };
 use anyhow::Result;
@@ -23,6 +23,8 @@ pub struct Attachment {
     /// The agent lock, released last (after the detach).
     lock: Option<FileLock>,
     ebpf: Option<aya::Ebpf>,
+    /// The program's kernel events relayed into the log, when asked for.
+    kernel_log: Option<KernelLog>,
     egress: Egress,
     /// Detach when dropped: `!adopted` while starting, `!keep` once serving.
     detach_on_drop: bool,
@@ -41,6 +43,7 @@ impl Attachment {
             iface: iface.to_string(),
             lock: Some(lock),
             ebpf: None,
+            kernel_log: None,
             egress: Egress::for_attachment(&id),
             detach_on_drop: !adopting,
             serving: false,
@@ -53,8 +56,14 @@ impl Attachment {
     }
 
     /// The program is loaded and attached.
-    pub fn loaded(&mut self, ebpf: aya::Ebpf) {
+    /// The loaded object; its kernel events relayed into the log when it
+    /// was loaded with them on (`Settings::kernel_events`).
+    pub fn loaded(&mut self, mut ebpf: aya::Ebpf, kernel_events: bool) -> Result<()> {
+        if kernel_events {
+            self.kernel_log = Some(KernelLog::start(&mut ebpf)?);
+        }
         self.ebpf = Some(ebpf);
+        Ok(())
     }
 
     /// Whether a failed start detaches: the pins are this start's own, not

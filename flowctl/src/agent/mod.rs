@@ -124,7 +124,8 @@ fn run_interface(
         None => None,
     };
     let checked = preflight::interface(&args.profile, iface, args.cgroup.as_deref())?;
-    let set = checked.set;
+    let mut set = checked.set;
+    set.settings.kernel_events = crate::system::log::kernel_events();
     if let Some(ns) = &args.netns {
         crate::system::netns::enter_netns(ns)?;
     }
@@ -310,7 +311,7 @@ fn load_and_attach(
 ) -> Result<String> {
     let mut ebpf = dataplane::load(&held.id, &set.settings)?;
     let mode = dataplane::attach(&mut ebpf, &held.id, &held.iface, mode)?;
-    held.loaded(ebpf);
+    held.loaded(ebpf, set.settings.kernel_events)?;
     Ok(mode)
 }
 

@@ -73,6 +73,8 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
     let dir = id.pin_dir();
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let stats_records = settings.stats.records();
+    // aya-log's load-time level: 0 prunes every kernel event.
+    let kernel_log_level: u8 = if settings.kernel_events { aya_log::Level::Debug as u8 } else { 0 };
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(&dir)
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
@@ -85,6 +87,7 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .override_global(globals::STATS_BUCKET_NS, &settings.stats.bucket_ns, true)
         .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
         .override_global(globals::STATS_RECORDS, &stats_records, true)
+        .override_global(aya_log::LEVEL, &kernel_log_level, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
     let prog: &mut Xdp =

@@ -23,7 +23,8 @@
 //! pinned link, detach and their errors), `maps` (the pinned maps opened
 //! by path, typed reads), `apply` (rule sets), `control` (the control
 //! records' write path), `egress` (KLimiter's TC egress counter),
-//! `samples` (the `top --keys` ring), `global_keys` (global rules' buckets,
+//! `samples` (the `top --keys` ring), `kernel_log` (the program's kernel
+//! events relayed into the log), `global_keys` (global rules' buckets,
 //! grants and hot keys), `inspect` (what pins say without
 //! `Maps`: layout, sizes, entries, kernel memory); `pins` and `state` say
 //! where an attachment lives and what is recorded about it, `object`
@@ -35,6 +36,7 @@ mod control;
 mod egress;
 mod global_keys;
 mod inspect;
+mod kernel_log;
 mod lease_filter;
 mod load;
 mod maps;
@@ -48,6 +50,7 @@ pub use attach::{attach, detach, Mode, SeveredLink};
 pub use egress::{set_egress, Egress};
 pub use global_keys::GlobalKeys;
 pub use inspect::{count_entries, map_memlock, pinned_layout, pinned_max_entries, pinned_memlock};
+pub use kernel_log::KernelLog;
 pub use load::{load, load_error, load_variant, loaded_xdp, XdpVariant};
 pub use maps::{heartbeat, Maps};
 pub use samples::KeySamples;

@@ -25,6 +25,11 @@ pub fn host_cpus() -> u64 {
     })
 }
 
+/// aya-log-ebpf 0.2's ring for the kernel events (`AYA_LOGS`,
+/// `RingBuf::with_byte_size(1 << 17)`): in every loaded XDP object, written
+/// only when the events are on.
+const KERNEL_LOG_RING_BYTES: usize = 1 << 17;
+
 /// Fixed kernel memory of the classification tables and counters (bytes)
 /// on this host.
 pub fn fixed_table_bytes() -> u64 {
@@ -40,6 +45,7 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
         + DEBT_SETS * size_of::<debt::DebtSet>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
         + HOT_KEY_RING_BYTES as usize
+        + KERNEL_LOG_RING_BYTES
         + grant::LEASE_FILTER_WORDS as usize * size_of::<u64>();
     let grants =
         MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<GrantValue>());
@@ -144,7 +150,7 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "738.2 MiB");
+        assert_eq!(super::human_bytes(on_128), "738.3 MiB");
         // All 256 rules: rings for 513 records, 5.6 MiB per CPU, and the
         // 1.06 GiB that did not fit 128 CPUs before max_rules.
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")

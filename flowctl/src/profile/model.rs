@@ -94,6 +94,11 @@ pub struct Settings {
     pub stats: StatsSettings,
     /// Where the CPU signal comes from (`crate::controllers::cpu`).
     pub cpu_source: CpuSource,
+    /// Not a profile key: whether the XDP object is loaded with its kernel
+    /// events on (`flowctl-ebpf/src/events.rs`). The agent sets it when its
+    /// log shows `flowctl::kernel` at debug (`system::log::kernel_events`);
+    /// off, the verifier prunes them.
+    pub kernel_events: bool,
 }
 
 impl Default for Settings {
@@ -110,6 +115,7 @@ impl Default for Settings {
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
             cpu_source: CpuSource::Host,
+            kernel_events: false,
         }
     }
 }

@@ -60,6 +60,7 @@ fn main() {
         top_keys_finds_the_heaviest_sources: [Root],
         status_counts_connections_since_attach: [Root],
         json_logs_carry_every_status_line_once: [Root],
+        kernel_events_reach_the_agents_log_when_asked: [Root],
         status_and_top_take_netns_and_show_would_drops: [Root],
         top_runs_in_a_terminal_and_restores_it: [Root, Command("tmux")],
         top_fits_small_terminals_and_agrees_with_json: [Root, Command("tmux")],

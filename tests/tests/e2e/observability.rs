@@ -737,3 +737,67 @@ pub fn json_logs_carry_every_status_line_once() {
         events.len()
     );
 }
+
+/// Kernel events end to end: an agent started with
+/// `FLOWCTL_LOG=warn,flowctl::kernel=debug` loads the program with its
+/// events on; evasive frames (five VLAN tags) sent through the veth are
+/// dropped, and one event per second (per CPU) with the frame's first bytes
+/// reaches the agent's JSON log under target `flowctl::kernel`. Without
+/// that directive (the default `warn`), the same frames log nothing.
+pub fn kernel_events_reach_the_agents_log_when_asked() {
+    let lab = Lab::new("fkev", 249);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(UDP_RULE);
+    let mut tagged = flowctl_tests::packet::V4::new([10, 201, 249, 2]);
+    tagged.vlans = vec![10, 20, 30, 40, 50];
+    let frame = tagged.build(flowctl_tests::packet::L4::Udp { sport: 9, dport: 7000 }, 16);
+    let hex: String = frame[..64].iter().map(|b| format!("{b:02x}")).collect();
+    for (filter, want) in [("warn,flowctl::kernel=debug", true), ("warn", false)] {
+        let log_file = TempFile::new("flowctl-kernel-log-", ".log", "");
+        let log = std::fs::File::create(log_file.path()).unwrap();
+        let mut cmd = Agent::attach(&lab, prof.path(), &["--log-format", "json"]);
+        cmd.env("FLOWCTL_LOG", filter).stderr(log);
+        let agent = Agent::spawn_until(cmd, || {
+            attachment(&lab.veth_srv).is_some_and(|a| a["agent_ready"] == true)
+        });
+        let (dev, f) = (lab.veth_cli.clone(), frame.clone());
+        // Twenty frames over about two seconds: two or three sampled events.
+        Lab::in_ns(&lab.ns_cli, move || {
+            let sock = flowctl_tests::packet_socket::PacketSocket::on(&dev);
+            for _ in 0..20 {
+                sock.send(&f);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let dropped = attachment(&lab.veth_srv).unwrap()["unmatched"]["dropped_by_reason"]
+            ["evasive"]
+            .as_u64()
+            .unwrap_or(0);
+        // The relay reads the ring every 200 ms.
+        std::thread::sleep(Duration::from_millis(500));
+        agent.stop();
+        let text = std::fs::read_to_string(log_file.path()).unwrap();
+        let kernel: Vec<String> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["target"] == "flowctl::kernel")
+            .map(|e| e["message"].as_str().unwrap_or("").to_string())
+            .collect();
+        println!(
+            "FLOWCTL_LOG={filter}: {dropped} evasive frames dropped; kernel events: {kernel:?}"
+        );
+        assert_eq!(dropped, 20, "every evasive frame dropped");
+        if want {
+            assert!(
+                (1..=6).contains(&kernel.len())
+                    && kernel
+                        .iter()
+                        .all(|m| m.starts_with(&format!("evasive frame of {} bytes", frame.len()))
+                            && m.contains(&hex)),
+                "sampled events with the frame's bytes: {kernel:?}"
+            );
+        } else {
+            assert!(kernel.is_empty(), "off by default: {kernel:?}");
+        }
+    }
+}
