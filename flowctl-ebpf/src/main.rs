@@ -20,7 +20,7 @@
 //! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection` |
 //! | `decision` | what a decision is, and its packed form | - |
 //! | `maps` | every map and load-time constant of the object | - |
-//! | `events` | rare events for the agent's log (aya-log), pruned at load unless asked for | - (`flowctl_events` is a static function: verified only where called) |
+//! | `events` | rare events for the agent's log (aya-log), pruned at load unless asked for | `flowctl_events` |
 //! | `egress` | the TC egress counter (its own program) | - |
 #![no_std]
 #![no_main]
