@@ -131,19 +131,30 @@ pub fn error_paths_say_how_to_fix() {
     // `check` for CI pipelines.
     let out = flowctl(&["check", prof.path()]);
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kernel memory"));
-    // And for a bigger host: the default tables and rings fit 64 CPUs in
-    // the default budget, not 128 (the per-CPU rings).
+    // And for a bigger host: the default tables and rings (sized for the
+    // default max_rules, 128) fit 128 CPUs in the default budget, not 256;
+    // rings for all 256 rules do not fit 128 (the per-CPU rings).
     let defaults = TempFile::profile("[[rule]]\nname = \"d\"\nrate = \"1/s\"\n");
-    let on = |cpus: &str| flowctl(&["check", defaults.path(), "--cpus", cpus]);
-    let (fits, over) = (on("64"), on("128"));
+    let all_rules =
+        TempFile::profile("[settings]\nmax_rules = 256\n[[rule]]\nname = \"d\"\nrate = \"1/s\"\n");
+    let on = |p: &TempFile, cpus: &str| flowctl(&["check", p.path(), "--cpus", cpus]);
     let text = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(fits.status.success() && text(&fits).contains("on 64 CPUs"), "{}", text(&fits));
-    assert_eq!(over.status.code(), Some(1), "{}", text(&over));
+    let fits = on(&defaults, "128");
     assert!(
-        text(&over).contains("on 128 CPUs: 1.06 GiB preallocated, over the budget"),
+        fits.status.success()
+            && text(&fits).contains("on 128 CPUs: 738.3 MiB preallocated, within"),
         "{}",
-        text(&over)
+        text(&fits)
     );
+    for (p, cpus, need) in [(&defaults, "256", "1.08 GiB"), (&all_rules, "128", "1.06 GiB")] {
+        let over = on(p, cpus);
+        assert_eq!(over.status.code(), Some(1), "{}", text(&over));
+        assert!(
+            text(&over).contains(&format!("on {cpus} CPUs: {need} preallocated, over the budget")),
+            "{}",
+            text(&over)
+        );
+    }
     // Native XDP is refused on a fresh namespace's lo: auto falls back loudly.
     let child = Command::new(bin())
         .args(["attach", "lo", "--netns", &lab.ns_srv, "--profile", prof.path()])
