@@ -131,6 +131,11 @@ pub mod globals {
     pub const STATS_RECORDS: &str = "FLOWCTL_STATS_RECORDS";
 }
 
+/// The log target of the XDP program's kernel events (aya-log records,
+/// `flowctl-ebpf/src/events.rs`): the agent loads them on only when its log
+/// shows this target at debug (`FLOWCTL_LOG=flowctl::kernel=debug`).
+pub const KERNEL_EVENTS_TARGET: &str = "flowctl::kernel";
+
 /// Bounded compare-and-swap retries on one key before the packet is dropped
 /// with reason `contended` (see docs/design.md).
 pub const CAS_RETRIES: u32 = 4;

@@ -27,7 +27,7 @@ use aya_log_ebpf::{
     debug,
     macro_support::{level_enabled, Level},
 };
-use flowctl_common::COUNTER_RECORDS;
+use flowctl_common::{COUNTER_RECORDS, KERNEL_EVENTS_TARGET};
 
 /// Bytes of a malformed or evasive frame's start the event carries (in
 /// 8-byte words).
@@ -81,7 +81,7 @@ pub extern "C" fn flowctl_events(ctx: *mut xdp_md, parsed: u32, len: u64, record
             *seen = failures;
             debug!(
                 &(),
-                target: "flowctl::kernel",
+                target: KERNEL_EVENTS_TARGET,
                 "rule record {}: its table refused {} new buckets on this CPU (admitted, counted in insert_failures)",
                 record,
                 new
@@ -116,7 +116,7 @@ pub extern "C" fn flowctl_events(ctx: *mut xdp_md, parsed: u32, len: u64, record
     let frame: &[u8] = &s.frame[..];
     debug!(
         &(),
-        target: "flowctl::kernel",
+        target: KERNEL_EVENTS_TARGET,
         "{} frame of {} bytes; its first {} (whole words, zero-padded to 64): {:x}",
         what,
         len,

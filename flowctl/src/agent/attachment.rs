@@ -55,9 +55,9 @@ impl Attachment {
         self.detach_on_drop = true;
     }
 
-    /// The program is loaded and attached.
-    /// The loaded object; its kernel events relayed into the log when it
-    /// was loaded with them on (`Settings::kernel_events`).
+    /// The program is loaded and attached; its kernel events are relayed
+    /// into the log when it was loaded with them on
+    /// (`Settings::kernel_events`).
     pub fn loaded(&mut self, mut ebpf: aya::Ebpf, kernel_events: bool) -> Result<()> {
         if kernel_events {
             self.kernel_log = Some(KernelLog::start(&mut ebpf)?);

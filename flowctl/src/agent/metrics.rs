@@ -1,12 +1,13 @@
-//! Prometheus metrics: `flowctl attach ... --metrics [ADDR]` serves the text
-//! exposition format at `http://ADDR/metrics` (default 127.0.0.1:9464).
+//! Prometheus metrics: `flowctl attach ... --metrics [ADDR]` serves the
+//! exposition at `http://ADDR/metrics` (default 127.0.0.1:9464).
 //!
 //! Each scrape reads the pinned maps and the attachment state afresh, so the
 //! numbers are the kernel's, never a cache of the agent's. prometheus-client
 //! does the encoding (names, escaping, `# TYPE`/`# HELP`); tiny_http is the
 //! small HTTP server, on its own thread, so a slow scraper never delays the
-//! agent's heartbeat. With `--netns` the agent lives in that namespace, and
-//! so does the address.
+//! agent's heartbeat. With `--netns` the agent lives in that namespace, but
+//! the address is bound in the namespace it was started in ([`Endpoint`]);
+//! the body's format follows the scraper's `Accept` (`exposition`).
 
 use super::exposition;
 use crate::dataplane::{self, pins::AttachId, state::AttachState, Maps};

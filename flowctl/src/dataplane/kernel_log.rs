@@ -2,7 +2,7 @@
 //! into this process's log. The object carries aya-log's ring buffer
 //! (`AYA_LOGS`); a thread of its own waits on it and hands each record to
 //! the `log` facade with the target the kernel gave it
-//! (`system::log::KERNEL_TARGET`), which the `tracing-log` bridge turns
+//! (`flowctl_common::KERNEL_EVENTS_TARGET`), which the `tracing-log` bridge turns
 //! into an event like any other, text or JSON.
 //!
 //! Only started when the object was loaded with its events on

@@ -29,6 +29,10 @@ pub fn host_cpus() -> u64 {
 /// `RingBuf::with_byte_size(1 << 17)`): in every loaded XDP object, written
 /// only when the events are on.
 const KERNEL_LOG_RING_BYTES: usize = 1 << 17;
+/// The kernel events' per-CPU maps (flowctl-ebpf/src/events.rs), created at
+/// every load: one `EventSlot` (three timestamps and a 64-byte frame) and a
+/// `u64` per counter record (`FLOWCTL_EVENT_SEEN`).
+const KERNEL_EVENT_BYTES_PER_CPU: usize = 3 * 8 + 64 + 8 * flowctl_common::COUNTER_RECORDS;
 
 /// Fixed kernel memory of the classification tables and counters (bytes)
 /// on this host.
@@ -51,8 +55,9 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
         MAX_GRANTS as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<GrantValue>());
     let bookings =
         BOOKING_ENTRIES as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>());
-    let counters =
-        (COUNTER_RECORDS * (size_of::<RuleCounters>() + size_of::<ReportWindow>())) as u64 * cpus;
+    let counters = (COUNTER_RECORDS * (size_of::<RuleCounters>() + size_of::<ReportWindow>())
+        + KERNEL_EVENT_BYTES_PER_CPU) as u64
+        * cpus;
     arrays as u64 + counters + grants + bookings
 }
 
@@ -150,7 +155,7 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "738.3 MiB");
+        assert_eq!(super::human_bytes(on_128), "738.8 MiB");
         // All 256 rules: rings for 513 records, 5.6 MiB per CPU, and the
         // 1.06 GiB that did not fit 128 CPUs before max_rules.
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")

@@ -31,14 +31,11 @@ pub enum LogFormat {
 
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 
-/// The target of the XDP program's own events (aya-log records, relayed by
-/// `dataplane::kernel_log`): off unless `FLOWCTL_LOG` asks for it at debug.
-pub const KERNEL_TARGET: &str = "flowctl::kernel";
-
-/// Whether this process's log shows the kernel's events, so the program
-/// should be loaded with them on (`FLOWCTL_LOG=flowctl::kernel=debug`).
+/// Whether this process's log shows the kernel's events (target
+/// `KERNEL_EVENTS_TARGET`, relayed by `dataplane::kernel_log`), so the
+/// program should be loaded with them on (`FLOWCTL_LOG=flowctl::kernel=debug`).
 pub fn kernel_events() -> bool {
-    tracing::enabled!(target: "flowctl::kernel", tracing::Level::DEBUG)
+    tracing::enabled!(target: flowctl_common::KERNEL_EVENTS_TARGET, tracing::Level::DEBUG)
 }
 
 /// Installs the subscriber for the process (once, before anything logs).
