@@ -151,7 +151,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 10;
+pub const LAYOUT_VERSION: u32 = 11;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -184,13 +184,14 @@ pub mod map_names {
     pub const LEASE_FILTER: &str = "FLOWCTL_LEASE_FILTER";
     pub const HOT_KEYS: &str = "FLOWCTL_HOT_KEYS";
     pub const BOOKINGS: &str = "FLOWCTL_BOOKINGS";
+    pub const WARM: &str = "FLOWCTL_WARM";
     /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
     pub const BREAKER_TARGETS: &str = "FLOWCTL_BREAKER_TARGETS";
     pub const BREAKER_CONTROL: &str = "FLOWCTL_BREAKER_CONTROL";
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 26] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -216,6 +217,7 @@ pub mod map_names {
         LEASE_FILTER,
         HOT_KEYS,
         BOOKINGS,
+        WARM,
     ];
 }
 

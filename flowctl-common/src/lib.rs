@@ -19,6 +19,7 @@ pub mod keys;
 pub mod matcher;
 pub mod stats;
 pub mod types;
+pub mod warm;
 pub mod window;
 
 #[cfg(feature = "user")]

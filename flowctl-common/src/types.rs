@@ -147,13 +147,19 @@ pub struct RuleConfig {
     /// On a rule: how many nested limits it has (0 to `MAX_NESTED_LIMITS`),
     /// at `nested_limit_at(at, 0..nested)`. On a nested limit: 0.
     pub nested: u8,
-    pub _pad: u8,
+    /// Warm-up (`warm`, docs/algorithms.md 1.8): the cold factor `c`, 0
+    /// for a rule without a ramp. A rule with one keeps its aggregate
+    /// bucket in `FLOWCTL_WARM` and runs it beside the decision, as nested
+    /// limits do.
+    pub cold_factor: u8,
     /// Quota bucket length L in ns (0: no quota).
     pub quota_bucket_ns: u64,
     /// Quota: at most this many units per window.
     pub quota_limit: u32,
     /// Quota buckets K (the window is K * L).
     pub quota_buckets: u32,
+    /// Warm-up: `W`, ns (with `cold_factor`).
+    pub warm_up_ns: u64,
 }
 
 /// Global record (array index 0): agent heartbeat, generation, verdict policy.
@@ -670,7 +676,8 @@ macro_rules! assert_layout {
     };
 }
 assert_layout!(RuleBitmap, 32, 8);
-assert_layout!(RuleConfig, 56, 8);
+assert_layout!(RuleConfig, 64, 8);
+assert_layout!(crate::warm::WarmBucket, 24, 8);
 assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
 assert_layout!(GlobalRecord, 56, 8);
 assert_layout!(crate::StatsBucket, 112, 8);
@@ -693,6 +700,7 @@ mod pod {
     unsafe impl aya::Pod for GlobalBucket {}
     unsafe impl aya::Pod for GrantValue {}
     unsafe impl aya::Pod for crate::debt::DebtSet {}
+    unsafe impl aya::Pod for crate::warm::WarmBucket {}
     unsafe impl aya::Pod for HotKey {}
     unsafe impl aya::Pod for GlobalRecord {}
     unsafe impl aya::Pod for ControlRecord {}

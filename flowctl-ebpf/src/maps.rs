@@ -107,6 +107,10 @@ pub static FLOWCTL_BOOKINGS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(BOO
 /// Hot keys of global rules, for the agent (`HotKey`).
 #[map]
 pub static FLOWCTL_HOT_KEYS: RingBuf = RingBuf::pinned(HOT_KEY_RING_BYTES, 0);
+/// Warm-up rules' aggregate buckets (`stages::warm`), one per rule record.
+#[map]
+pub static FLOWCTL_WARM: Array<flowctl_common::warm::WarmBucket> =
+    Array::pinned(MAX_RULE_RECORDS as u32, 0);
 /// Remembered debts of refused buckets: a region of tagged sets per rule
 /// record (`flowctl_common::debt`).
 #[map]

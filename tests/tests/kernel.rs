@@ -591,6 +591,64 @@ fn a_flood_of_refused_sources_leaves_new_sources_their_burst() {
     assert!(still_refused >= 900, "the region keeps about 1024 debts: {still_refused}");
 }
 
+/// A rule with a warm-up ramp (`warm_up = "2s"`, `cold_factor = 4`, 200/s,
+/// burst 9) offered packets as fast as `BPF_PROG_TEST_RUN` goes (far
+/// above the rate) for 3 s from cold: the admitted count per 250 ms window
+/// starts near `rate/4` (12.5, after a burst of 1 + 8/4), climbs, and is
+/// the full rate (50) from about 2 s on; in no window above the full rate,
+/// and over the run within `burst + rate t` (docs/algorithms.md 1.8).
+fn warm_up_ramps_from_a_quarter_to_the_full_rate() {
+    const WINDOW_MS: u64 = 250;
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"warm\"\nproto = \"udp\"\nrate = \"200/s\"\nburst = 9\nwarm_up = \"2s\"\ncold_factor = 4\n",
+    ));
+    let frame = V4::new([10, 60, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
+    let t0 = std::time::Instant::now();
+    let mut per_window = vec![0u64; 12];
+    let mut offered = 0u64;
+    loop {
+        let w = (t0.elapsed().as_millis() as u64 / WINDOW_MS) as usize;
+        if w >= per_window.len() {
+            break;
+        }
+        offered += 1;
+        if p.run(&frame) == XDP_PASS {
+            per_window[w] += 1;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let admitted: u64 = per_window.iter().sum();
+    println!(
+        "warm-up: {offered} offered in {secs:.2} s, admitted per {WINDOW_MS} ms: {per_window:?}"
+    );
+    let full = 200 * WINDOW_MS / 1000; // 50
+    assert!(offered > 100 * admitted, "offered far above the rate: {offered}");
+    assert!(
+        (12..=20).contains(&per_window[0]),
+        "cold: about 12.5 plus a burst of 3: {per_window:?}"
+    );
+    assert!(per_window.iter().all(|&n| n <= full + 9), "never above the rate: {per_window:?}");
+    // From the second window on (the first has the burst).
+    for w in per_window[1..].windows(2) {
+        assert!(w[1] + 2 >= w[0], "the ramp only climbs: {per_window:?}");
+    }
+    assert!(
+        per_window[9..].iter().all(|&n| (full - 1..=full + 1).contains(&n)),
+        "warm after 2 s: {per_window:?}"
+    );
+    assert!((admitted as f64) <= 9.0 + 200.0 * secs + 1.0, "{admitted} in {secs:.2} s");
+    let c = p.counters("warm");
+    assert_eq!(c.passed_pkts, admitted);
+    assert_eq!(c.dropped_pkts[reason::RATE], offered - admitted);
+    // The bucket is the record's, claimed by the rule's state.
+    let warm: aya::maps::Array<_, flowctl_common::warm::WarmBucket> = aya::maps::Array::try_from(
+        aya::maps::Map::Array(p.pinned(flowctl_common::map_names::WARM)),
+    )
+    .unwrap();
+    let b = warm.get(&p.record("warm"), 0).unwrap();
+    assert_eq!(b.state_id, p.state.rules[0].state_id);
+}
+
 /// Nested limits (`[[rule.limit]]`): per source (burst 3), per source /24
 /// (burst 5) and per rule (burst 8), all at 1/min so nothing refills. Each
 /// binds in turn, the refusal is counted against the limit that made it,
@@ -1588,6 +1646,7 @@ fn main() {
         eviction_hands_no_fresh_burst_to_refused_keys: [Root],
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
+        warm_up_ramps_from_a_quarter_to_the_full_rate: [Root],
         nested_limits_in_dry_run_count_would_drops: [Root],
         nested_limits_and_a_quota_consume_nothing_for_each_others_refusals: [Root],
         quota_admits_n_per_window: [Root],

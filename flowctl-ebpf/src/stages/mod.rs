@@ -23,6 +23,7 @@ mod bucket;
 pub mod global;
 pub mod nested;
 mod quota;
+pub mod warm;
 
 use crate::{
     classify::{self, Match},
@@ -75,8 +76,9 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // source key's admission, or its refusal once reported, decided here
     // (`global::fast`). One branch for both: each branch here is walked
     // once per path into it (a second cost 6.1 70k instructions).
-    if rule.global | rule.nested != 0 {
-        if rule.nested != 0 {
+    // A warm-up rule's ramp (`warm`) runs in the nested limits' place.
+    if rule.global | rule.nested | rule.cold_factor != 0 {
+        if rule.nested | rule.cold_factor != 0 {
             return Decision::of(rule, Outcome::Beside(packed::NESTED));
         }
         if let Some(d) = global::fast(rule, meta, record, entry_ptr, cost, now) {

@@ -66,7 +66,12 @@ pub extern "C" fn flowctl_nested_decide(v: u64) -> u64 {
     // What the rule's unit counts: the stages before let only SYNs of a
     // `connections` rule through to here.
     let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
-    let outcome = match flowctl_nested_admit(rule_at, record, cost, now) {
+    let verdict = if rule.cold_factor != 0 {
+        super::warm::flowctl_warm_admit(rule_at, record, cost, now)
+    } else {
+        flowctl_nested_admit(rule_at, record, cost, now)
+    };
+    let outcome = match verdict {
         0 => Outcome::Pass,
         _ if rule.action == action::DRY_RUN => Outcome::WouldDrop,
         r => Outcome::Drop(r as usize - 1),

@@ -29,10 +29,17 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             Ok(m) => {
                 if let Some(st) = &state {
                     let t = syn_totals::now(m, st).ok();
-                    for r in &st.rules {
+                    for (i, r) in st.rules.iter().enumerate() {
                         let mut j =
                             counters_json(&r.name, &m.counters(r.record).unwrap_or_default());
                         syn_json(&mut j, t.as_ref().and_then(|t| t.rule(&r.name, r.record)));
+                        if let Ok(Some(w)) = m.warm_up(i, r.record) {
+                            j["warm_up"] = serde_json::json!({
+                                "share": w.share,
+                                "cold_factor": w.cold_factor,
+                                "warm_up_s": w.warm_up_ns as f64 / 1e9,
+                            });
+                        }
                         rules.push(j);
                     }
                     syns = t;
@@ -150,6 +157,18 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             a["rules"].as_array().unwrap().iter().chain(std::iter::once(&a["unmatched"])).collect();
         for line in counter_table(&rows) {
             out!("  {line}");
+        }
+        for r in a["rules"].as_array().unwrap() {
+            let w = &r["warm_up"];
+            if let Some(share) = w["share"].as_f64() {
+                out!(
+                    "  rule `{}`: warm-up at {:.0}% of its rate (cold_factor {}, warm_up {}s)",
+                    r["rule"].as_str().unwrap_or("?"),
+                    share * 100.0,
+                    w["cold_factor"],
+                    w["warm_up_s"].as_f64().unwrap_or(0.0)
+                );
+            }
         }
         if let Some(line) = syn_line(&a["syn_totals"]) {
             out!("  {line}");

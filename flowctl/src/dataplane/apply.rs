@@ -118,7 +118,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             global: r.global.is_some() as u8,
             book_syns: r.book_retransmits as u8,
             nested: r.limits.len() as u8,
-            _pad: 0,
+            cold_factor: r.warm_up.map_or(0, |w| w.cold_factor),
             quota_bucket_ns: r.quota_bucket_ns,
             // A global rule's quota here is its default share's, like its
             // bucket (a lease's quota share replaces it per key).
@@ -127,6 +127,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
                 Some(g) => g.share.as_ref().map_or(0, |d| d.quota),
             },
             quota_buckets: r.quota_buckets,
+            warm_up_ns: r.warm_up.map_or(0, |w| w.warm_ns),
         })
         .collect();
     write_slot(&mut maps.rules, slot, MAX_RULES, &configs)?;
@@ -143,6 +144,8 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
                 at: nested_limit_at(c.at, i as u32),
                 state_id: nested_state_id(c.state_id, i as u32),
                 nested: 0,
+                cold_factor: 0,
+                warm_up_ns: 0,
                 bbr: 0,
                 quota_bucket_ns: 0,
                 quota_limit: 0,

@@ -35,6 +35,17 @@ pub struct Maps {
     /// KLimiter's egress targets and their per-CPU counters.
     pub egress_targets: Array<MapData, EgressTarget>,
     pub egress_counts: PerCpuArray<MapData, u64>,
+    /// Warm-up rules' buckets (`flowctl_common::warm`), per record.
+    pub warm: Array<MapData, flowctl_common::warm::WarmBucket>,
+}
+
+/// Where a warm-up rule's ramp stands (`Maps::warm_up`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WarmUpNow {
+    /// Share of the rule's rate it admits now: `1/cold_factor` cold, 1 warm.
+    pub share: f64,
+    pub cold_factor: u8,
+    pub warm_up_ns: u64,
 }
 
 /// A pinned map of the attachment whose pin directory is `dir`.
@@ -65,7 +76,31 @@ impl Maps {
                 &d,
                 names::EGRESS_COUNTS,
             )?))?,
+            warm: Array::try_from(Map::Array(open_pinned(&d, names::WARM)?))?,
         })
+    }
+
+    /// The ramp of the active slot's rule `index` (profile order), whose
+    /// record is `record`, when it has one: the share of its rate its
+    /// bucket admits at this instant. A bucket its state has not claimed
+    /// yet is cold.
+    pub fn warm_up(&self, index: usize, record: u32) -> Result<Option<WarmUpNow>> {
+        let rule = self.active_rule(index)?;
+        if rule.cold_factor == 0 {
+            return Ok(None);
+        }
+        let ramp = flowctl_common::warm::Ramp {
+            warm_ns: rule.warm_up_ns,
+            cold_factor: rule.cold_factor as u64,
+        };
+        let b = self.warm.get(&record, 0)?;
+        let (tat, stored) = if b.state_id == rule.state_id { (b.tat, b.stored_ns) } else { (0, 0) };
+        let ppm = ramp.rate_ppm(tat, stored, monotonic_ns());
+        Ok(Some(WarmUpNow {
+            share: ppm as f64 / 1e6,
+            cold_factor: rule.cold_factor,
+            warm_up_ns: rule.warm_up_ns,
+        }))
     }
 
     pub fn global(&self) -> Result<GlobalRecord> {

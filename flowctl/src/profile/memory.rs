@@ -47,6 +47,7 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
         + RULE_CONFIGS * size_of::<RuleConfig>()
         + MAX_RULE_RECORDS * size_of::<ControlRecord>()
         + DEBT_SETS * size_of::<debt::DebtSet>()
+        + MAX_RULE_RECORDS * size_of::<warm::WarmBucket>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
         + HOT_KEY_RING_BYTES as usize
         + KERNEL_LOG_RING_BYTES
@@ -155,7 +156,7 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "738.8 MiB");
+        assert_eq!(super::human_bytes(on_128), "738.9 MiB");
         // All 256 rules: rings for 513 records, 5.6 MiB per CPU, and the
         // 1.06 GiB that did not fit 128 CPUs before max_rules.
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")

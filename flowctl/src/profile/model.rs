@@ -213,6 +213,22 @@ pub struct Rule {
     /// `[[rule.limit]]`: more token buckets, each with its own key, that a
     /// packet must pass besides the rule's own (at most `MAX_NESTED_LIMITS`).
     pub limits: Vec<NestedLimit>,
+    /// `warm_up` (and `cold_factor`): the rule's aggregate bucket ramps
+    /// from `rate / cold_factor` to its rate (docs/algorithms.md, 1.8).
+    pub warm_up: Option<WarmUp>,
+}
+
+/// A rule's warm-up ramp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WarmUp {
+    pub warm_ns: u64,
+    pub cold_factor: u8,
+}
+
+impl WarmUp {
+    pub fn ramp(&self) -> flowctl_common::warm::Ramp {
+        flowctl_common::warm::Ramp { warm_ns: self.warm_ns, cold_factor: self.cold_factor as u64 }
+    }
 }
 
 /// One `[[rule.limit]]`: a rate and burst in the rule's unit, per key of

@@ -95,6 +95,8 @@ pub struct RawRule {
     pub scope: Option<Spanned<String>>,
     pub default_share: Option<Spanned<String>>,
     pub book_retransmits: Option<Spanned<bool>>,
+    pub warm_up: Option<Spanned<String>>,
+    pub cold_factor: Option<Spanned<i64>>,
     #[serde(default)]
     pub limit: Vec<Spanned<RawLimit>>,
 }

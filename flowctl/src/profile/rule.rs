@@ -8,8 +8,8 @@
 use super::{
     error::{Ctx, ProfileError},
     model::{
-        proto_name, BbrRule, DefaultShare, GlobalScope, NestedLimit, Rule, DEFAULT_QUOTA_BUCKETS,
-        MIN_BYTE_BURST, TCP, UDP,
+        proto_name, BbrRule, DefaultShare, GlobalScope, NestedLimit, Rule, WarmUp,
+        DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST, TCP, UDP,
     },
     primitives::{amount, cidr, duration, keyword, name, ports, protocol, rate},
     raw::{RawAmount, RawBbr, RawRule},
@@ -59,6 +59,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         global: None,
         book_retransmits: false,
         limits: Vec::new(),
+        warm_up: None,
     };
     if action == action::PASS {
         nothing_to_limit(cx, r)?;
@@ -87,7 +88,60 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
     rule.global = scope(cx, r, &rule)?;
     rule.book_retransmits = book_retransmits(cx, r, &rule)?;
     rule.limits = nested_limits(cx, r, &rule)?;
+    rule.warm_up = warm_up(cx, r, &rule)?;
     Ok(rule)
+}
+
+/// `warm_up = "30s"` with `cold_factor` (default 3): for a local rule's
+/// aggregate bucket (the default `key = "rule"`), which is what protects a
+/// cold service; per key, a ramp would restart for every new source, so a
+/// flood of new keys would each get the cold rate afresh and the service
+/// the sum: refused there. Not with a quota, nested limits or bookings (the
+/// ramp is its own stage beside the decision).
+fn warm_up(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<WarmUp>, ProfileError> {
+    use flowctl_common::warm::{
+        DEFAULT_COLD_FACTOR, MAX_COLD_FACTOR, MAX_WARM_UP_NS, MIN_COLD_FACTOR,
+    };
+    let Some(w) = &r.warm_up else {
+        if let Some(c) = &r.cold_factor {
+            return Err(cx.err(c.span(), "`cold_factor` belongs to a `warm_up` ramp: give the rule warm_up = \"30s\" (for example) or drop it"));
+        }
+        return Ok(None);
+    };
+    let warm_ns = duration(cx, w, "warm_up")?;
+    let why = if !(1_000_000_000..=MAX_WARM_UP_NS).contains(&warm_ns) {
+        "warm_up must be between 1s and 1h"
+    } else if rule.interval_fp == 0 {
+        "warm_up ramps the rule's rate: the rule needs a `rate`"
+    } else if rule.key_kind != key_kind::RULE {
+        "warm_up is for a rule's aggregate bucket (key = \"rule\"): per key, every new key would start cold on its own and the service would get the sum; drop `key`, or put the per-key limit in a [[rule.limit]] of another rule"
+    } else if rule.global.is_some() {
+        "warm_up is for local rules (a global rule's bucket runs at its lease's rate)"
+    } else if rule.quota_bucket_ns != 0 {
+        "warm_up does not combine with a quota: drop one of them"
+    } else if !rule.limits.is_empty() {
+        "warm_up does not combine with nested limits ([[rule.limit]]): drop one of them"
+    } else if rule.book_retransmits {
+        "warm_up does not combine with book_retransmits: drop one of them"
+    } else {
+        ""
+    };
+    if !why.is_empty() {
+        return Err(cx.err(w.span(), why));
+    }
+    let cold_factor = match &r.cold_factor {
+        None => DEFAULT_COLD_FACTOR,
+        Some(c) if (MIN_COLD_FACTOR as i64..=MAX_COLD_FACTOR as i64).contains(c.get_ref()) => {
+            *c.get_ref() as u8
+        }
+        Some(c) => {
+            return Err(cx.err(
+                c.span(),
+                format!("cold_factor must be {MIN_COLD_FACTOR} to {MAX_COLD_FACTOR}: a cold rule admits rate / cold_factor"),
+            ))
+        }
+    };
+    Ok(Some(WarmUp { warm_ns, cold_factor }))
 }
 
 /// `[[rule.limit]]`: at most `MAX_NESTED_LIMITS`, on a rule with a `rate`
@@ -684,6 +738,38 @@ mod tests {
             assert_eq!(e.line, line, "{text}: {e}");
             assert!(e.to_string().contains(needle), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn warm_up_ramps_a_rule_s_aggregate_bucket_only() {
+        let base = "[[rule]]\nname = \"w\"\nrate = \"100/s\"\n";
+        let p = parse("p", &format!("{base}warm_up = \"30s\"\n")).unwrap();
+        assert_eq!(
+            p.rules[0].warm_up,
+            Some(super::WarmUp { warm_ns: 30_000_000_000, cold_factor: 3 })
+        );
+        let p = parse("p", &format!("{base}warm_up = \"2s\"\ncold_factor = 5\n")).unwrap();
+        assert_eq!(p.rules[0].warm_up.map(|w| w.cold_factor), Some(5));
+        for (extra, line, needle) in [
+            ("warm_up = \"500ms\"\n", 4, "between 1s and 1h"),
+            ("warm_up = \"2h\"\n", 4, "between 1s and 1h"),
+            ("warm_up = \"soon\"\n", 4, "bad warm_up"),
+            ("warm_up = \"10s\"\ncold_factor = 1\n", 5, "cold_factor must be 2 to 10"),
+            ("warm_up = \"10s\"\ncold_factor = 11\n", 5, "cold_factor must be 2 to 10"),
+            ("cold_factor = 3\n", 4, "belongs to a `warm_up`"),
+            ("key = \"src\"\nwarm_up = \"10s\"\n", 5, "aggregate bucket"),
+            ("quota = 5\nquota_window = \"1s\"\nwarm_up = \"10s\"\n", 6, "quota"),
+            ("warm_up = \"10s\"\n[[rule.limit]]\nrate = \"1/s\"\n", 4, "nested limits"),
+            ("scope = \"global\"\nwarm_up = \"10s\"\n", 5, "local rules"),
+        ] {
+            let text = format!("{base}{extra}");
+            let e = err(&text);
+            assert_eq!(e.line, line, "{text}: {e}");
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+        let e =
+            err("[[rule]]\nname = \"w\"\nquota = 5\nquota_window = \"1s\"\nwarm_up = \"10s\"\n");
+        assert!(e.to_string().contains("needs a `rate`"), "{e}");
     }
 
     #[test]

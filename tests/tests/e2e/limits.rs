@@ -16,6 +16,39 @@ use flowctl_tests::{
 };
 use std::time::Duration;
 
+/// A warm-up rule (200/s, burst 10, `warm_up = "3s"`, `cold_factor = 4`)
+/// under a 1000 pps blast for 5 s: `status` shows it cold (25% of its
+/// rate) before the traffic and warm (100%) at the end; it admits less
+/// than a plain bucket would (`burst + rate t`), more than the cold rate
+/// alone, and its refusals are rate drops.
+pub fn warm_up_ramps_real_traffic_and_status_shows_it() {
+    let lab = Lab::new("fwarm", 252);
+    let prof = TempFile::profile(
+        "[[rule]]\nname = \"warm\"\nproto = \"udp\"\ndport = 7020\nrate = \"200/s\"\nburst = 10\nwarm_up = \"3s\"\ncold_factor = 4\n",
+    );
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let before = rule(&lab.veth_srv, "warm");
+    assert_eq!(before["warm_up"]["share"].as_f64(), Some(0.25), "a new rule starts cold: {before}");
+    let (sent, first, last) = blast(&lab, 7020, 1000, 5.0, 6000);
+    let t = last.duration_since(first).as_secs_f64();
+    let r = rule(&lab.veth_srv, "warm");
+    let admitted = r["passed_pkts"].as_u64().unwrap() as f64;
+    let plain = 10.0 + 200.0 * t;
+    let cold = 3.0 + 50.0 * t;
+    let share = r["warm_up"]["share"].as_f64().unwrap();
+    println!("sent {sent} over {t:.2} s: admitted {admitted} (a plain bucket: {plain:.0}, the cold rate: {cold:.0}); share now {share:.2}");
+    assert!(admitted <= 0.85 * plain && admitted >= 1.3 * cold, "{admitted} admitted: {r}");
+    assert!(share > 0.95, "warm after 5 s above the rate: {share}");
+    assert_eq!(r["dropped_by_reason"]["rate"].as_u64().unwrap(), sent - admitted as u64);
+    let out = flowctl(&["status", "--netns", &lab.ns_srv]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("rule `warm`: warm-up at") && text.contains("cold_factor 4, warm_up 3s"),
+        "{text}"
+    );
+    agent.stop();
+}
+
 /// A UDP rate limit (100/s, burst 20, per source) admits between 90% of
 /// b + r*t (or what was sent) and b + r*t + 1 of a 1000 pps blast, and
 /// counts the rest as rate drops; `explain` agrees with the profile; SIGINT

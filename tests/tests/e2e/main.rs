@@ -46,6 +46,7 @@ fn main() {
         tcp_connection_rate_within_bounds: [Root],
         tcp_connection_quota: [Root],
         booked_retransmissions_give_tcp_clients_the_rate: [Root],
+        warm_up_ramps_real_traffic_and_status_shows_it: [Root],
         wrk_through_nginx_gets_the_configured_connection_rate: [Root, Command("nginx"), Command("wrk")],
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
