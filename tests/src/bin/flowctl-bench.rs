@@ -354,8 +354,27 @@ fn main() {
     );
     drop((admitting, refusing));
 
+    println!("\n1f. Warm-up: `measured` as one aggregate bucket (key = \"rule\"), plain and with warm_up = \"1h\" (cold, on the ramp), admitted (10k keys)");
+    let aggregate = profile.replace("rate = \"100G/s\"\nkey = \"src\"\n", "rate = \"100G/s\"\n");
+    assert_ne!(aggregate, profile, "`measured` made an aggregate rule");
+    let warm_text = aggregate.replace(
+        "rate = \"100G/s\"\n",
+        "rate = \"100G/s\"\nwarm_up = \"1h\"\ncold_factor = 3\n",
+    );
+    let (plain_bucket, warming) = (plane(&aggregate), plane(&warm_text));
+    let (wm, verdicts) =
+        refs.interleaved(&[xdp_fd(&plain_bucket), xdp_fd(&warming)], &frame, 10_000, repeat);
+    assert_eq!(verdicts[1], flowctl_common::XDP_PASS, "the cold ramp admits");
+    println!(
+        "  plain aggregate bucket: {:.1} ns/packet   with the warm-up ramp: {:.1} ns/packet   ratio {:.2}x",
+        wm[0],
+        wm[1],
+        wm[1] / wm[0]
+    );
+    drop((plain_bucket, warming));
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1e alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1f alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
