@@ -354,7 +354,7 @@ fn main() {
     );
     drop((admitting, refusing));
 
-    println!("\n1f. Warm-up: `measured` as one aggregate bucket (key = \"rule\"), plain and with warm_up = \"1h\" (cold, on the ramp), admitted (10k keys)");
+    println!("\n1g. Warm-up: `measured` as one aggregate bucket (key = \"rule\"), plain and with warm_up = \"1h\" (cold, on the ramp), admitted (10k keys)");
     let aggregate = profile.replace("rate = \"100G/s\"\nkey = \"src\"\n", "rate = \"100G/s\"\n");
     assert_ne!(aggregate, profile, "`measured` made an aggregate rule");
     let warm_text = aggregate.replace(
@@ -374,7 +374,7 @@ fn main() {
     drop((plain_bucket, warming));
 
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1f alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1g alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
