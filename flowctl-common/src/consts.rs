@@ -185,13 +185,17 @@ pub mod map_names {
     pub const HOT_KEYS: &str = "FLOWCTL_HOT_KEYS";
     pub const BOOKINGS: &str = "FLOWCTL_BOOKINGS";
     pub const WARM: &str = "FLOWCTL_WARM";
+    pub const SHAPERS: &str = "FLOWCTL_SHAPERS";
+    pub const SHAPER_NEXT: &str = "FLOWCTL_SHAPER_NEXT";
+    pub const SHAPER_FLOWS: &str = "FLOWCTL_SHAPER_FLOWS";
+    pub const SHAPER_COUNTS: &str = "FLOWCTL_SHAPER_COUNTS";
     /// The circuit breakers' object (flowctl-ebpf/src/breaker_main.rs).
     pub const BREAKER_TARGETS: &str = "FLOWCTL_BREAKER_TARGETS";
     pub const BREAKER_CONTROL: &str = "FLOWCTL_BREAKER_CONTROL";
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 26] = [
+    pub const ALL: [&str; 30] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -218,6 +222,10 @@ pub mod map_names {
         HOT_KEYS,
         BOOKINGS,
         WARM,
+        SHAPERS,
+        SHAPER_NEXT,
+        SHAPER_FLOWS,
+        SHAPER_COUNTS,
     ];
 }
 
@@ -229,6 +237,8 @@ pub const XDP_PROGRAM: &str = "flowctl_xdp";
 pub const XDP_PROGRAM_FRAGS: &str = "flowctl_xdp_frags";
 /// The TC egress counter of KLimiter's `egress` baselines.
 pub const EGRESS_PROGRAM: &str = "flowctl_egress";
+/// The TC egress shaper of `[[shaper]]` tables.
+pub const SHAPER_PROGRAM: &str = "flowctl_shape";
 
 /// XDP verdicts, as the kernel's `enum xdp_action` numbers them.
 pub const XDP_DROP: u32 = 1;

@@ -17,6 +17,7 @@ pub mod gcra;
 pub mod grant;
 pub mod keys;
 pub mod matcher;
+pub mod shaper;
 pub mod stats;
 pub mod types;
 pub mod warm;

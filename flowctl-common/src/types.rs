@@ -678,6 +678,8 @@ macro_rules! assert_layout {
 assert_layout!(RuleBitmap, 32, 8);
 assert_layout!(RuleConfig, 64, 8);
 assert_layout!(crate::warm::WarmBucket, 24, 8);
+assert_layout!(crate::shaper::ShaperConfig, 40, 8);
+assert_layout!(crate::shaper::ShaperCounters, 64, 8);
 assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
 assert_layout!(GlobalRecord, 56, 8);
 assert_layout!(crate::StatsBucket, 112, 8);
@@ -701,6 +703,8 @@ mod pod {
     unsafe impl aya::Pod for GrantValue {}
     unsafe impl aya::Pod for crate::debt::DebtSet {}
     unsafe impl aya::Pod for crate::warm::WarmBucket {}
+    unsafe impl aya::Pod for crate::shaper::ShaperConfig {}
+    unsafe impl aya::Pod for crate::shaper::ShaperCounters {}
     unsafe impl aya::Pod for HotKey {}
     unsafe impl aya::Pod for GlobalRecord {}
     unsafe impl aya::Pod for ControlRecord {}

@@ -14,7 +14,7 @@
 //! | this one | the entry points, the decision's top level | `flowctl_decide` |
 //! | `parse` | header parsing; the RST reply's rewrite | `flowctl_parse`, `flowctl_parse_ip`, `flowctl_parse_l4` |
 //! | `classify` | the first matching rule, the source cache | - |
-//! | `stages` | admission -> BBR -> quota -> token bucket; beside the decision, a global rule's bucket, a booked SYN's end, a rule's nested limits | `flowctl_bbr_refuses`, `flowctl_recall_debt`, `flowctl_remember_debt`, `flowctl_global_decide`, `flowctl_take_report`, `flowctl_book_decide`, `flowctl_nested_decide`, `flowctl_nested_admit`, `flowctl_nested_quota`, `flowctl_limit_try`, `flowctl_limit_take`, `flowctl_limit_give_back` |
+//! | `stages` | admission -> BBR -> quota -> token bucket; beside the decision, a global rule's bucket, a booked SYN's end, a rule's nested limits or warm-up ramp | `flowctl_bbr_refuses`, `flowctl_recall_debt`, `flowctl_remember_debt`, `flowctl_global_decide`, `flowctl_take_report`, `flowctl_book_decide`, `flowctl_nested_decide`, `flowctl_nested_admit`, `flowctl_nested_quota`, `flowctl_limit_try`, `flowctl_limit_take`, `flowctl_limit_give_back`, `flowctl_warm_admit` |
 //! | `accounting` | counters per rule and reason, statistics rings | `flowctl_account` |
 //! | `sampler` | `top --keys` samples | `flowctl_sample_key` |
 //! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection` |
@@ -22,6 +22,8 @@
 //! | `maps` | every map and load-time constant of the object | - |
 //! | `events` | rare events for the agent's log (aya-log), pruned at load unless asked for | `flowctl_events` |
 //! | `egress` | the TC egress counter (its own program) | - |
+//! | `shaper` | the TC egress shaper, EDT for `fq` (its own program) | - |
+//! | `outbound` | the headers both TC egress programs read | - |
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics)]
@@ -34,8 +36,10 @@ mod decision;
 mod egress;
 mod events;
 mod maps;
+mod outbound;
 mod parse;
 mod sampler;
+mod shaper;
 mod stages;
 
 use accounting::{counters, flowctl_account};

@@ -163,6 +163,23 @@ pub static FLOWCTL_EGRESS_TARGETS: Array<EgressTarget> =
 pub static FLOWCTL_EGRESS_COUNTS: PerCpuArray<u64> =
     PerCpuArray::pinned((MAX_EGRESS_TARGETS * EGRESS_COUNTERS_PER_TARGET) as u32, 0);
 
+// The TC egress shaper's (`shaper`, a separate program in this object).
+
+#[map]
+pub static FLOWCTL_SHAPERS: Array<flowctl_common::shaper::ShaperConfig> =
+    Array::pinned(flowctl_common::shaper::MAX_SHAPERS as u32, 0);
+/// Each aggregate shaper's bucket: the next free departure time (ns).
+#[map]
+pub static FLOWCTL_SHAPER_NEXT: Array<u64> =
+    Array::pinned(flowctl_common::shaper::MAX_SHAPERS as u32, 0);
+/// Per-flow shapers' buckets (key: the flow, `state_id` = shaper + 1).
+#[map]
+pub static FLOWCTL_SHAPER_FLOWS: LruHashMap<BucketKey, u64> =
+    LruHashMap::pinned(flowctl_common::shaper::SHAPER_FLOW_ENTRIES, 0);
+#[map]
+pub static FLOWCTL_SHAPER_COUNTS: PerCpuArray<flowctl_common::shaper::ShaperCounters> =
+    PerCpuArray::pinned(flowctl_common::shaper::SHAPER_COUNTERS as u32, 0);
+
 // Load-time constants (set by the loader; the verifier prunes by them).
 
 #[no_mangle]

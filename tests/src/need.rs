@@ -37,6 +37,10 @@ pub enum Need {
     Kernel(u32, u32),
     /// A program on PATH.
     Command(&'static str),
+    /// A qdisc this kernel can create (`sch_KIND`, built in, loaded, or a
+    /// module it can load): the egress shaper needs `fq`, which this
+    /// project's host kernel lacks and Debian's 6.1 and 6.12 have.
+    Qdisc(&'static str),
     /// An environment variable naming an existing file (`FLOWCTL_DEB`: the
     /// package under test, which `cargo xtask test` builds and sets).
     EnvFile(&'static str),
@@ -132,6 +136,12 @@ impl Host {
                 }
             },
             Need::Command(c) => (!on_path(c)).then(|| format!("needs `{c}` on PATH")),
+            Need::Qdisc(kind) => (!qdisc_available(&self.release, kind)).then(|| {
+                format!(
+                    "needs the {kind} qdisc (no sch_{kind} built into or as a module of {})",
+                    self.release
+                )
+            }),
             Need::EnvFile(var) => match std::env::var_os(var) {
                 Some(p) if std::path::Path::new(&p).is_file() => None,
                 Some(p) => Some(format!("needs {var} to name a file (no file at {p:?})")),
@@ -160,6 +170,20 @@ pub fn in_vm() -> bool {
 pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
     let mut it = release.split(|c: char| !c.is_ascii_digit());
     Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+/// Whether kernel `release` has `sch_KIND`: loaded, or listed among its
+/// built-in or loadable modules.
+fn qdisc_available(release: &str, kind: &str) -> bool {
+    let module = format!("sch_{kind}");
+    if std::path::Path::new("/sys/module").join(&module).exists() {
+        return true;
+    }
+    let lists = ["modules.builtin", "modules.dep"];
+    lists.iter().any(|l| {
+        std::fs::read_to_string(format!("/lib/modules/{release}/{l}"))
+            .is_ok_and(|t| t.lines().any(|line| line.contains(&format!("/{module}.ko"))))
+    })
 }
 
 fn on_path(cmd: &str) -> bool {

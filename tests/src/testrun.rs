@@ -81,7 +81,38 @@ impl TestPlane {
             connection_table_entries: set.settings.connection_table_entries,
         };
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
+        dataplane::write_shapers(&mut maps, &set.shapers).expect("write the shapers");
         Self { ebpf, id, maps, state, kernel_log: None }
+    }
+
+    /// The TC egress shaper's verdict on `frame` sent with `skb->tstamp`
+    /// = `tstamp`, and the `tstamp` it left (BPF_PROG_TEST_RUN with a
+    /// `__sk_buff` context in and out; the program is loaded on first use).
+    pub fn shape(&mut self, frame: &[u8], tstamp: u64) -> (u32, u64) {
+        /// `struct __sk_buff` up to and including `hwtstamp` (192 bytes);
+        /// `tstamp` at 152 (include/uapi/linux/bpf.h).
+        const SKB_CTX: usize = 192;
+        const TSTAMP: usize = 152;
+        let prog: &mut aya::programs::SchedClassifier = self
+            .ebpf
+            .program_mut(flowctl_common::SHAPER_PROGRAM)
+            .expect("the shaper program")
+            .try_into()
+            .unwrap();
+        if prog.fd().is_err() {
+            prog.load().expect("load the shaper");
+        }
+        let mut ctx_in = [0u8; SKB_CTX];
+        ctx_in[TSTAMP..TSTAMP + 8].copy_from_slice(&tstamp.to_ne_bytes());
+        let mut ctx_out = [0u8; SKB_CTX];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.ctx_in = Some(&ctx_in);
+        opts.ctx_out = Some(&mut ctx_out);
+        opts.repeat = 1;
+        let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN of the shaper");
+        let out = u64::from_ne_bytes(ctx_out[TSTAMP..TSTAMP + 8].try_into().unwrap());
+        (r.return_value, out)
     }
 
     pub fn apply(&mut self, profile_text: &str) {

@@ -649,6 +649,68 @@ fn warm_up_ramps_from_a_quarter_to_the_full_rate() {
     assert_eq!(b.state_id, p.state.rules[0].state_id);
 }
 
+/// The TC egress shaper on crafted frames (BPF_PROG_TEST_RUN with a
+/// `__sk_buff` in and out; the host kernel runs the program though it has
+/// no fq to hold what it stamps): an aggregate shaper at 10/s stamps
+/// departures 100 ms apart from the first (which leaves at once,
+/// unstamped) and drops past its 500 ms horizon; a per-flow shaper gives
+/// each flow its own bucket; a dry-run shaper stamps and drops nothing but
+/// counts; a packet's own later stamp is kept; other traffic is untouched.
+/// (100 ms steps: eight runs take a few ms even under TCG.)
+fn shaper_stamps_departures_a_steady_rate_apart() {
+    const STEP: u64 = 100_000_000;
+    let mut p = TestPlane::new(&profile(
+        "[[shaper]]\nname = \"db\"\ndst = \"10.99.0.5\"\nproto = \"udp\"\ndport = 5432\nrate = \"10/s\"\nhorizon = \"500ms\"\n\
+         [[shaper]]\nname = \"flows\"\ndst = \"10.99.0.6\"\nrate = \"10/s\"\nper = \"flow\"\n\
+         [[shaper]]\nname = \"watch\"\ndst = \"10.99.0.7\"\nrate = \"10/s\"\nhorizon = \"500ms\"\naction = \"dry-run\"\n",
+    ));
+    let to = |dst: [u8; 4], sport: u16, dport: u16| {
+        let mut v = V4::new([10, 1, 0, 1]);
+        v.dst = dst;
+        v.build(L4::Udp { sport, dport }, 0)
+    };
+    let db = to([10, 99, 0, 5], 40000, 5432);
+    let runs: Vec<(u32, u64)> = (0..8).map(|_| p.shape(&db, 0)).collect();
+    let prog: &aya::programs::SchedClassifier =
+        p.ebpf.program(flowctl_common::SHAPER_PROGRAM).unwrap().try_into().unwrap();
+    let n = prog.info().unwrap().verified_instruction_count().unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!("flowctl_shape: verifier processed {n} instructions on {}", kernel.trim());
+    println!("aggregate: {runs:?}");
+    let verdicts: Vec<u32> = runs.iter().map(|r| r.0).collect();
+    assert_eq!(verdicts, [0, 0, 0, 0, 0, 0, 2, 2], "six within the 500 ms horizon, then dropped");
+    assert_eq!(runs[0].1, 0, "the first leaves at once");
+    for k in 1..5 {
+        assert_eq!(runs[k + 1].1 - runs[k].1, STEP, "100 ms apart: {runs:?}");
+    }
+    let c = p.maps.shaper_counters(0).unwrap();
+    assert_eq!((c.offered_pkts, c.delayed_pkts, c.horizon_drops), (8, 5, 2), "{c:?}");
+    assert_eq!(c.offered_bytes, 8 * db.len() as u64);
+    // Not the shaper's port: untouched.
+    assert_eq!(p.shape(&to([10, 99, 0, 5], 40000, 5433), 0), (0, 0));
+
+    // Per flow: each flow's first packet leaves at once.
+    let (a, b) = (to([10, 99, 0, 6], 1, 9), to([10, 99, 0, 6], 2, 9));
+    let (a1, a2, b1) = (p.shape(&a, 0), p.shape(&a, 0), p.shape(&b, 0));
+    assert_eq!((a1, b1), ((0, 0), (0, 0)), "first packets of two flows");
+    assert!(a2.0 == 0 && a2.1 > 0, "the flow's second is stamped: {a2:?}");
+    // A packet's own later departure (TCP's pacing) is kept, and the
+    // bucket moves from it.
+    let late = a2.1 + 5 * STEP;
+    assert_eq!(p.shape(&a, late), (0, late), "its own stamp kept");
+    let (v, t) = p.shape(&a, 0);
+    assert_eq!((v, t), (0, late + STEP), "the next leaves 100 ms after it");
+
+    // Dry-run: nothing stamped or dropped, all counted.
+    let w = to([10, 99, 0, 7], 1, 9);
+    let runs: Vec<(u32, u64)> = (0..8).map(|_| p.shape(&w, 0)).collect();
+    assert!(runs.iter().all(|&r| r == (0, 0)), "{runs:?}");
+    let c = p.maps.shaper_counters(2).unwrap();
+    assert_eq!((c.offered_pkts, c.delayed_pkts, c.horizon_drops), (8, 5, 2), "{c:?}");
+    // Traffic to no shaper's target.
+    assert_eq!(p.shape(&to([10, 99, 0, 8], 1, 9), 0), (0, 0));
+}
+
 /// Nested limits (`[[rule.limit]]`): per source (burst 3), per source /24
 /// (burst 5) and per rule (burst 8), all at 1/min so nothing refills. Each
 /// binds in turn, the refusal is counted against the limit that made it,
@@ -1647,6 +1709,7 @@ fn main() {
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
         warm_up_ramps_from_a_quarter_to_the_full_rate: [Root],
+        shaper_stamps_departures_a_steady_rate_apart: [Root],
         nested_limits_in_dry_run_count_would_drops: [Root],
         nested_limits_and_a_quota_consume_nothing_for_each_others_refusals: [Root],
         quota_admits_n_per_window: [Root],

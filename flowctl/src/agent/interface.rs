@@ -177,6 +177,15 @@ impl<'a> InterfaceAgent<'a> {
         if let Err(e) = dataplane::set_egress(self.ebpf, &mut self.maps, &self.set, self.egress) {
             tracing::warn!("egress counters: {e:#}");
         }
+        if let Err(e) = dataplane::set_shapers(
+            self.ebpf,
+            &mut self.maps,
+            &self.set,
+            self.egress,
+            &self.state.iface,
+        ) {
+            tracing::warn!("shapers: {e:#}");
+        }
         let mut next = KlimiterLoop::new(&self.set);
         if let (Some(n), Some(o)) = (next.as_mut(), self.loops.klimiter_loop.as_ref()) {
             n.inherit(o);

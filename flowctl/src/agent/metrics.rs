@@ -348,8 +348,63 @@ fn register_leases(reg: &mut Registry, p: &crate::agent::leases::Published) {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShaperLabel {
+    shaper: String,
+}
+
+/// The attachment's `[[shaper]]` tables (named by its active profile):
+/// the kernel's counts since the agent installed them, and the aggregate
+/// shapers' backlog.
+fn register_shapers(reg: &mut Registry, id: &AttachId, maps: &Maps) {
+    let path = id.run_dir().join(dataplane::pins::run_file::PROFILE);
+    let Ok(set) = crate::profile::load(&path) else { return };
+    if set.shapers.is_empty() {
+        return;
+    }
+    let offered = Family::<ShaperLabel, Counter>::default();
+    let offered_bytes = Family::<ShaperLabel, Counter>::default();
+    let delayed = Family::<ShaperLabel, Counter>::default();
+    let delay = Family::<ShaperLabel, Counter<f64, AtomicU64>>::default();
+    let dropped = Family::<ShaperLabel, Counter>::default();
+    let backlog = Family::<ShaperLabel, Gauge<f64, AtomicU64>>::default();
+    for (i, s) in set.shapers.iter().enumerate() {
+        let c = maps.shaper_counters(i as u32).unwrap_or_default();
+        let l = ShaperLabel { shaper: s.name.clone() };
+        offered.get_or_create(&l).inc_by(c.offered_pkts);
+        offered_bytes.get_or_create(&l).inc_by(c.offered_bytes);
+        delayed.get_or_create(&l).inc_by(c.delayed_pkts);
+        delay.get_or_create(&l).inc_by(c.delay_ns as f64 / 1e9);
+        dropped.get_or_create(&l).inc_by(c.horizon_drops);
+        if !s.per_flow() {
+            backlog
+                .get_or_create(&l)
+                .set(maps.shaper_backlog_ns(i as u32).unwrap_or(0) as f64 / 1e9);
+        }
+    }
+    reg.register("flowctl_shaper_packets", "Packets to the shaper's target", offered);
+    reg.register("flowctl_shaper_bytes", "Bytes to the shaper's target", offered_bytes);
+    reg.register(
+        "flowctl_shaper_delayed_packets",
+        "Packets the shaper held back (dry-run: would have)",
+        delayed,
+    );
+    reg.register("flowctl_shaper_delay_seconds", "Sum of the delays the shaper stamped", delay);
+    reg.register(
+        "flowctl_shaper_horizon_drops",
+        "Packets dropped past the shaper's horizon (dry-run: would have been)",
+        dropped,
+    );
+    reg.register(
+        "flowctl_shaper_backlog_seconds",
+        "How far ahead an aggregate shaper has booked departures",
+        backlog,
+    );
+}
+
 fn register_attachment(reg: &mut Registry, id: &AttachId) -> Result<()> {
     let maps = Maps::open(id)?;
+    register_shapers(reg, id, &maps);
     let state = AttachState::load(id)?.ok_or_else(|| anyhow!("no state for the attachment"))?;
     let offered = Family::<RuleLabel, Counter>::default();
     let offered_bytes = Family::<RuleLabel, Counter>::default();

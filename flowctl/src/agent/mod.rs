@@ -188,6 +188,7 @@ fn run_interface(
     dataplane::heartbeat(&mut maps)?;
     let (ebpf, egress) = held.parts();
     dataplane::set_egress(ebpf, &mut maps, &set, egress)?;
+    dataplane::set_shapers(ebpf, &mut maps, &set, egress, &state.iface)?;
     let breakers =
         checked.breakers.map(|p| BreakerAgent::start(p, &set, &args.profile)).transpose()?;
     if let Some(addr) = args.metrics {

@@ -55,9 +55,9 @@ pub struct Interface {
 /// `attach IFACE --profile F [--cgroup PATH]`.
 pub fn interface(profile: &Path, iface: &str, cgroup: Option<&Path>) -> Result<Interface> {
     let set = profile::load(profile)?;
-    if set.rules.is_empty() {
+    if set.rules.is_empty() && set.shapers.is_empty() {
         bail!(
-            "{}: the profile has no [[rule]] for {iface}; for breakers only: `flowctl attach --cgroup PATH --profile {}` (no interface)",
+            "{}: the profile has no [[rule]] and no [[shaper]] for {iface}; for breakers only: `flowctl attach --cgroup PATH --profile {}` (no interface)",
             profile.display(),
             profile.display()
         );
@@ -222,9 +222,9 @@ pub fn interface_apply(
     } else {
         None
     };
-    if set.rules.is_empty() {
+    if set.rules.is_empty() && set.shapers.is_empty() {
         bail!(
-            "{}: the profile has no [[rule]] for this interface (nothing was applied)",
+            "{}: the profile has no [[rule]] and no [[shaper]] for this interface (nothing was applied)",
             path.display()
         );
     }

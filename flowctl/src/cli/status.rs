@@ -51,6 +51,10 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             }
             Err(_) => (0, RuleCounters::default()),
         };
+        let shapers = match &maps {
+            Ok(m) => shapers_json(&id, m),
+            Err(_) => Vec::new(),
+        };
         let holder = pins::lock_holder(&id);
         let mut unmatched = counters_json("unmatched", &global);
         syn_json(
@@ -77,6 +81,8 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
             "rules": rules,
             "unmatched": unmatched,
+            // [[shaper]] tables: what they paced (the agent runs them).
+            "shapers": shapers,
             // SYNs (new TCP connections) since attach, every record's.
             "syn_totals": syns.as_ref().map(|t| {
                 let total = t.total();
@@ -173,6 +179,55 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
         if let Some(line) = syn_line(&a["syn_totals"]) {
             out!("  {line}");
         }
+        for s in a["shapers"].as_array().into_iter().flatten() {
+            out!("  {}", shaper_line(s));
+        }
     }
     Ok(())
+}
+
+/// The attachment's `[[shaper]]` tables (from its active profile) with
+/// what the kernel counted for each since the agent installed them.
+fn shapers_json(id: &pins::AttachId, m: &Maps) -> Vec<serde_json::Value> {
+    let path = id.run_dir().join(pins::run_file::PROFILE);
+    let Ok(set) = crate::profile::load(&path) else { return Vec::new() };
+    let mut out = Vec::new();
+    for (i, s) in set.shapers.iter().enumerate() {
+        let c = m.shaper_counters(i as u32).unwrap_or_default();
+        let backlog_ns = if s.per_flow() { 0 } else { m.shaper_backlog_ns(i as u32).unwrap_or(0) };
+        out.push(serde_json::json!({
+            "shaper": s.name,
+            "dst": s.dst_text,
+            "rate": s.rate_text,
+            "per": if s.per_flow() { "flow" } else { "aggregate" },
+            "dry_run": s.dry_run(),
+            "offered_pkts": c.offered_pkts,
+            "offered_bytes": c.offered_bytes,
+            "delayed_pkts": c.delayed_pkts,
+            "mean_delay_ms": if c.delayed_pkts == 0 { 0.0 } else { c.delay_ns as f64 / c.delayed_pkts as f64 / 1e6 },
+            "horizon_drops": c.horizon_drops,
+            "horizon_drop_bytes": c.horizon_drop_bytes,
+            "flow_table_full": c.table_full,
+            // How far ahead departures are booked now: the queue's time depth
+            // (an aggregate shaper's; 0 per flow).
+            "backlog_ms": backlog_ns as f64 / 1e6,
+        }));
+    }
+    out
+}
+
+fn shaper_line(s: &serde_json::Value) -> String {
+    let dry = if s["dry_run"].as_bool() == Some(true) { " (dry-run: would)" } else { "" };
+    format!(
+        "shaper `{}` to {} at {} per {}{dry}: {} packets, {} delayed (mean {:.2} ms), {} dropped past the horizon, backlog {:.1} ms",
+        s["shaper"].as_str().unwrap_or("?"),
+        s["dst"].as_str().unwrap_or("?"),
+        s["rate"].as_str().unwrap_or("?"),
+        s["per"].as_str().unwrap_or("?"),
+        s["offered_pkts"],
+        s["delayed_pkts"],
+        s["mean_delay_ms"].as_f64().unwrap_or(0.0),
+        s["horizon_drops"],
+        s["backlog_ms"].as_f64().unwrap_or(0.0),
+    )
 }

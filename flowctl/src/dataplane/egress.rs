@@ -1,6 +1,10 @@
-//! KLimiter's TC egress counter: its targets (`FLOWCTL_EGRESS_TARGETS`)
-//! and its attachments, a TCX link per interface or, without TCX, a
-//! netlink filter on a `clsact` qdisc that is recorded and cleaned up.
+//! The TC egress programs' attachments: KLimiter's counter, its targets
+//! (`FLOWCTL_EGRESS_TARGETS`) on the interfaces they name, and the
+//! shaper of `[[shaper]]` tables (`FLOWCTL_SHAPERS`) on the attachment's
+//! own interface with the `fq` root qdisc it needs. Each is a TCX link
+//! or, without TCX, a netlink filter on a `clsact` qdisc that is recorded
+//! and cleaned up; an `fq` flowctl installed is recorded and removed the
+//! same way.
 
 use super::{load::load_error, maps::Maps, pins::AttachId};
 use crate::profile::RuleSet;
@@ -22,9 +26,22 @@ pub struct Egress {
     attached: Vec<EgressAttach>,
     /// Where the netlink filters are recorded (None: not recorded).
     record: Option<std::path::PathBuf>,
+    /// The `fq` root qdisc flowctl installed for the shaper, recorded
+    /// beside the filters (`shaper-fq.json`).
+    fq: Option<FqRecord>,
+}
+
+/// An `fq` root qdisc flowctl installed for the shaper: removed when the
+/// shaper goes, by this agent or, after a kill, the next one or `detach`.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct FqRecord {
+    iface: String,
+    ifindex: u32,
 }
 
 struct EgressAttach {
+    /// `EGRESS_PROGRAM` or `SHAPER_PROGRAM`.
+    program: &'static str,
     iface: String,
     ifindex: u32,
     link: Option<aya::programs::tc::SchedClassifierLink>,
@@ -36,11 +53,17 @@ struct EgressAttach {
 /// A netlink filter as recorded for the next agent.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct NetlinkRecord {
+    #[serde(default = "counter_program")]
+    program: String,
     iface: String,
     ifindex: u32,
     priority: u16,
     handle: u32,
     created_clsact: bool,
+}
+
+fn counter_program() -> String {
+    flowctl_common::EGRESS_PROGRAM.to_string()
 }
 
 impl Egress {
@@ -71,12 +94,70 @@ impl Egress {
             }
             let _ = fs::remove_file(&record);
         }
-        Self { attached: Vec::new(), record: Some(record) }
+        let fq_record = id.run_dir().join("shaper-fq.json");
+        if let Ok(text) = fs::read_to_string(&fq_record) {
+            if let Ok(r) = serde_json::from_str::<FqRecord>(&text) {
+                if crate::system::netns::ifindex(&r.iface).ok() == Some(r.ifindex) {
+                    tracing::info!(
+                        "removing the fq qdisc a previous agent installed on {}",
+                        r.iface
+                    );
+                    remove_fq(&r);
+                }
+            }
+            let _ = fs::remove_file(&fq_record);
+        }
+        Self { attached: Vec::new(), record: Some(record), fq: None }
     }
 
     /// The interfaces the counter is attached to.
     pub fn ifaces(&self) -> Vec<&str> {
-        self.attached.iter().map(|a| a.iface.as_str()).collect()
+        self.attached
+            .iter()
+            .filter(|a| a.program == flowctl_common::EGRESS_PROGRAM)
+            .map(|a| a.iface.as_str())
+            .collect()
+    }
+
+    /// Whether the shaper is attached (to the attachment's interface).
+    pub fn shaping(&self) -> bool {
+        self.attached.iter().any(|a| a.program == flowctl_common::SHAPER_PROGRAM)
+    }
+
+    fn fq_record_path(&self) -> Option<std::path::PathBuf> {
+        self.record.as_ref().map(|r| r.with_file_name("shaper-fq.json"))
+    }
+
+    fn save_fq(&self) {
+        let Some(path) = self.fq_record_path() else { return };
+        match &self.fq {
+            None => {
+                let _ = fs::remove_file(&path);
+            }
+            Some(r) => {
+                if let Err(e) = serde_json::to_string(r)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|t| Ok(fs::write(&path, t)?))
+                {
+                    tracing::warn!("recording the fq qdisc at {}: {e}", path.display());
+                }
+            }
+        }
+    }
+
+    /// Detaches the shaper and removes the fq it installed.
+    fn stop_shaping(&mut self) {
+        let (shaper, rest): (Vec<_>, Vec<_>) =
+            self.attached.drain(..).partition(|a| a.program == flowctl_common::SHAPER_PROGRAM);
+        self.attached = rest;
+        for a in shaper {
+            a.release();
+        }
+        if let Some(r) = self.fq.take() {
+            remove_fq(&r);
+        }
+        self.save();
+        self.save_fq();
     }
 
     fn save(&self) {
@@ -86,6 +167,7 @@ impl Egress {
             .iter()
             .filter_map(|a| {
                 a.netlink.map(|(priority, handle)| NetlinkRecord {
+                    program: a.program.to_string(),
                     iface: a.iface.clone(),
                     ifindex: a.ifindex,
                     priority,
@@ -105,13 +187,37 @@ impl Egress {
 
     /// Detaches everything now (what dropping does).
     pub fn release(&mut self) {
-        for mut a in self.attached.drain(..) {
-            drop(a.link.take());
-            if a.created_clsact {
-                remove_clsact_if_unused(&a.iface, a.ifindex);
-            }
+        for a in self.attached.drain(..) {
+            a.release();
+        }
+        if let Some(r) = self.fq.take() {
+            remove_fq(&r);
         }
         self.save();
+        self.save_fq();
+    }
+}
+
+impl EgressAttach {
+    fn release(mut self) {
+        drop(self.link.take());
+        if self.created_clsact {
+            remove_clsact_if_unused(&self.iface, self.ifindex);
+        }
+    }
+}
+
+/// Removes the fq root qdisc flowctl installed, if it is still the root
+/// (an operator may have replaced it since: theirs stays).
+fn remove_fq(r: &FqRecord) {
+    match crate::kernel::tc::root_qdisc(r.ifindex) {
+        Ok(Some(q)) if q.kind == "fq" => {
+            if let Err(e) = crate::kernel::tc::del_root_qdisc(r.ifindex) {
+                tracing::warn!("removing the fq qdisc flowctl installed on {}: {e}", r.iface);
+            }
+        }
+        Ok(_) => tracing::info!("the root qdisc of {} is no longer flowctl's fq: left", r.iface),
+        Err(e) => tracing::warn!("reading the root qdisc of {}: {e}; left", r.iface),
     }
 }
 
@@ -176,7 +282,7 @@ pub fn set_egress(
         if have.contains(&i) {
             continue;
         }
-        let a = attach_egress(prog, &i, tcx)?;
+        let a = attach_egress(prog, flowctl_common::EGRESS_PROGRAM, &i, tcx)?;
         egress.attached.push(a);
         egress.save();
     }
@@ -187,6 +293,7 @@ pub fn set_egress(
 /// TCX, else a netlink filter on the `clsact` qdisc (added when absent).
 fn attach_egress(
     prog: &mut aya::programs::SchedClassifier,
+    program: &'static str,
     iface: &str,
     tcx: bool,
 ) -> Result<EgressAttach> {
@@ -203,7 +310,7 @@ fn attach_egress(
         match tc::qdisc_add_clsact(iface) {
             Ok(()) => created_clsact = true,
             Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => bail!("adding a clsact qdisc to {iface} for the egress counter (no TCX on this kernel): {e} {hint}"),
+            Err(e) => bail!("adding a clsact qdisc to {iface} for {program} (no TCX on this kernel): {e} {hint}"),
         }
         TcAttachOptions::Netlink(NlOptions::default())
     };
@@ -215,6 +322,7 @@ fn attach_egress(
             let netlink =
                 if tcx { None } else { Some((link.priority()?, u32::from(link.handle()?))) };
             Ok(EgressAttach {
+                program,
                 iface: iface.to_string(),
                 ifindex,
                 link: Some(link),
@@ -227,7 +335,95 @@ fn attach_egress(
                 let _ = crate::kernel::tc::del_clsact(ifindex);
             }
             let how = if tcx { "TCX link" } else { "netlink filter on clsact" };
-            bail!("attaching the egress counter to {iface} ({how}): {e} {hint}")
+            bail!("attaching {program} to {iface} ({how}): {e} {hint}")
+        }
+    }
+}
+
+/// Writes `[[shaper]]` tables into `FLOWCTL_SHAPERS` in profile order and
+/// clears the slots after them (the program stops at the first clear one).
+/// Entry by entry: a packet sent meanwhile may meet the old and the new
+/// tables mixed, for that one packet.
+pub fn write_shapers(maps: &mut Maps, shapers: &[crate::profile::shaper::Shaper]) -> Result<()> {
+    use flowctl_common::shaper::{ShaperConfig, MAX_SHAPERS};
+    for (i, s) in shapers.iter().enumerate() {
+        maps.shapers.set(i as u32, s.config, 0)?;
+    }
+    for i in shapers.len()..MAX_SHAPERS {
+        maps.shapers.set(i as u32, ShaperConfig::default(), 0)?;
+    }
+    Ok(())
+}
+
+/// Writes the profile's `[[shaper]]` tables (`write_shapers`) and, when
+/// there are any, attaches the shaper to
+/// `iface`'s egress with an `fq` root qdisc: fq already at the root is
+/// used as it is; a default root qdisc (`noqueue`, `pfifo_fast`, `mq`,
+/// the kernel's own) is replaced, and comes back when the shaper goes; a
+/// root qdisc an operator configured (`htb`, `tbf`, ...) is refused, as is
+/// a kernel without fq. No shapers: the shaper and its fq go. The
+/// attachment lives as long as `egress` (the agent).
+pub fn set_shapers(
+    ebpf: &mut Ebpf,
+    maps: &mut Maps,
+    set: &RuleSet,
+    egress: &mut Egress,
+    iface: &str,
+) -> Result<()> {
+    write_shapers(maps, &set.shapers)?;
+    if set.shapers.is_empty() {
+        if egress.shaping() || egress.fq.is_some() {
+            egress.stop_shaping();
+        }
+        return Ok(());
+    }
+    if egress.shaping() {
+        return Ok(());
+    }
+    let ifindex = crate::system::netns::ifindex(iface)?;
+    let horizon_ns = set.shapers.iter().map(|s| s.config.horizon_ns).max().unwrap_or(0);
+    // fq's own horizon past the shaper's: the shaper drops first, and
+    // counts what it drops.
+    let fq_horizon_us = ((horizon_ns + 1_000_000_000) / 1000).min(u32::MAX as u64) as u32;
+    let root = crate::kernel::tc::root_qdisc(ifindex)
+        .with_context(|| format!("reading the root qdisc of {iface}"))?;
+    match root {
+        Some(q) if q.kind == "fq" => {
+            tracing::info!("{iface} has an fq root qdisc already: the shaper uses it as it is");
+        }
+        Some(q) if !q.is_default() => bail!(
+            "{iface} has a root qdisc `{}` (handle {:x}:) that someone configured; the [[shaper]] tables need fq at the root and flowctl does not replace another's qdisc: remove it (`tc qdisc del dev {iface} root`) or drop the shapers",
+            q.kind,
+            q.handle >> 16
+        ),
+        _ => match crate::kernel::tc::add_root_fq(ifindex, fq_horizon_us, 10_000) {
+            Ok(()) => {
+                egress.fq = Some(FqRecord { iface: iface.to_string(), ifindex });
+                egress.save_fq();
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => bail!(
+                "the [[shaper]] tables need the fq qdisc on {iface} to hold packets until their departure time, and this kernel has none (sch_fq, CONFIG_NET_SCH_FQ): load it with `modprobe sch_fq`, or run a kernel that has it (Debian's 6.1 and 6.12 build it as a module)"
+            ),
+            Err(e) => bail!("installing the fq qdisc on {iface} for the [[shaper]] tables: {e}"),
+        },
+    }
+    let prog: &mut aya::programs::SchedClassifier = ebpf
+        .program_mut(flowctl_common::SHAPER_PROGRAM)
+        .context("shaper program missing from the object")?
+        .try_into()?;
+    if prog.fd().is_err() {
+        prog.load().map_err(load_error)?;
+    }
+    let tcx = crate::kernel::features::get().has(crate::kernel::features::Feature::Tcx);
+    match attach_egress(prog, flowctl_common::SHAPER_PROGRAM, iface, tcx) {
+        Ok(a) => {
+            egress.attached.push(a);
+            egress.save();
+            Ok(())
+        }
+        Err(e) => {
+            egress.stop_shaping();
+            Err(e)
         }
     }
 }

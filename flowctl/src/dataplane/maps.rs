@@ -37,6 +37,10 @@ pub struct Maps {
     pub egress_counts: PerCpuArray<MapData, u64>,
     /// Warm-up rules' buckets (`flowctl_common::warm`), per record.
     pub warm: Array<MapData, flowctl_common::warm::WarmBucket>,
+    /// The egress shaper's table, its aggregate buckets and its counters.
+    pub shapers: Array<MapData, flowctl_common::shaper::ShaperConfig>,
+    pub shaper_next: Array<MapData, u64>,
+    pub shaper_counts: PerCpuArray<MapData, flowctl_common::shaper::ShaperCounters>,
 }
 
 /// Where a warm-up rule's ramp stands (`Maps::warm_up`).
@@ -77,7 +81,34 @@ impl Maps {
                 names::EGRESS_COUNTS,
             )?))?,
             warm: Array::try_from(Map::Array(open_pinned(&d, names::WARM)?))?,
+            shapers: Array::try_from(Map::Array(open_pinned(&d, names::SHAPERS)?))?,
+            shaper_next: Array::try_from(Map::Array(open_pinned(&d, names::SHAPER_NEXT)?))?,
+            shaper_counts: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(
+                &d,
+                names::SHAPER_COUNTS,
+            )?))?,
         })
+    }
+
+    /// Shaper `i`'s counters, summed over the CPUs.
+    pub fn shaper_counters(&self, i: u32) -> Result<flowctl_common::shaper::ShaperCounters> {
+        let mut t = flowctl_common::shaper::ShaperCounters::default();
+        for c in self.shaper_counts.get(&i, 0)?.iter() {
+            t.offered_pkts += c.offered_pkts;
+            t.offered_bytes += c.offered_bytes;
+            t.delayed_pkts += c.delayed_pkts;
+            t.delay_ns += c.delay_ns;
+            t.horizon_drops += c.horizon_drops;
+            t.horizon_drop_bytes += c.horizon_drop_bytes;
+            t.table_full += c.table_full;
+        }
+        Ok(t)
+    }
+
+    /// How far ahead of now aggregate shaper `i` has booked departures (its
+    /// queue's time depth), ns.
+    pub fn shaper_backlog_ns(&self, i: u32) -> Result<u64> {
+        Ok(self.shaper_next.get(&i, 0)?.saturating_sub(monotonic_ns()))
     }
 
     /// The ramp of the active slot's rule `index` (profile order), whose

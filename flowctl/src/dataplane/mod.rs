@@ -47,7 +47,7 @@ pub mod state;
 
 pub use apply::{apply, plan_states};
 pub use attach::{attach, detach, Mode, SeveredLink};
-pub use egress::{set_egress, Egress};
+pub use egress::{set_egress, set_shapers, write_shapers, Egress};
 pub use global_keys::GlobalKeys;
 pub use inspect::{count_entries, map_memlock, pinned_layout, pinned_max_entries, pinned_memlock};
 pub use kernel_log::KernelLog;

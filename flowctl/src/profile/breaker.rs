@@ -331,6 +331,6 @@ dry_run = true
             .map(|i| format!("[[breaker]]\nname = \"b{i}\"\ntarget = \"10.0.0.{i}\"\n"))
             .collect();
         assert!(err(&many).contains("17 target slots; the kernel has 16"));
-        assert!(err("").contains("no [[rule]] and no [[breaker]]"));
+        assert!(err("").contains("no [[rule]], no [[breaker]] and no [[shaper]]"));
     }
 }

@@ -28,6 +28,7 @@ mod primitives;
 mod raw;
 mod rule;
 mod settings;
+pub mod shaper;
 
 pub use error::{line_col_of, ProfileError};
 pub use memory::{fixed_table_bytes, host_cpus, human_bytes, lru_bytes_per_entry};
@@ -68,8 +69,8 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         Some(s) => (settings::settings(&cx, s.get_ref())?, settings::budget_span(s)),
         None => (Settings::default(), 0..0),
     };
-    if raw.rule.is_empty() && raw.breaker.is_empty() {
-        return Err(cx.err_at_top("the profile has no [[rule]] and no [[breaker]]"));
+    if raw.rule.is_empty() && raw.breaker.is_empty() && raw.shaper.is_empty() {
+        return Err(cx.err_at_top("the profile has no [[rule]], no [[breaker]] and no [[shaper]]"));
     }
     let max_rules = settings.stats.max_rules as usize;
     if raw.rule.len() > max_rules {
@@ -117,6 +118,7 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     }
     breaker::check_all(&cx, &breakers)?;
     let breakers = breakers.into_iter().map(|(b, _)| b).collect();
+    let shapers = shaper::shapers(&cx, &raw.shaper)?;
     let fleet = raw.fleet.as_ref().map(|f| fleet::fleet(&cx, f)).transpose()?;
     if fleet.is_none() {
         if let Some((r, _)) = raw.rule.iter().zip(&rules).find(|(_, r)| r.global.is_some()) {
@@ -125,7 +127,7 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         }
     }
     memory::check_budget(&cx, &settings, budget_span)?;
-    Ok(RuleSet { settings, rules, klimiter, baselines, breakers, fleet })
+    Ok(RuleSet { settings, rules, klimiter, baselines, breakers, shapers, fleet })
 }
 
 /// BBR reads its window from the statistics ring: one BBR bucket per ring

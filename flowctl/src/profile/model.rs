@@ -22,6 +22,8 @@ pub struct RuleSet {
     pub klimiter: KlimiterSettings,
     pub baselines: Vec<Baseline>,
     pub breakers: Vec<Breaker>,
+    /// `[[shaper]]`: targets this host paces what it sends to.
+    pub shapers: Vec<super::shaper::Shaper>,
     /// The store global rules share (required when there is one).
     pub fleet: Option<Fleet>,
 }

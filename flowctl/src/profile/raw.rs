@@ -16,7 +16,23 @@ pub struct RawProfile {
     pub baseline: Vec<Spanned<RawBaseline>>,
     #[serde(default)]
     pub breaker: Vec<Spanned<RawBreaker>>,
+    #[serde(default)]
+    pub shaper: Vec<Spanned<RawShaper>>,
     pub fleet: Option<Spanned<RawFleet>>,
+}
+
+/// `[[shaper]]`: a downstream target this host paces what it sends to.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShaper {
+    pub name: Spanned<String>,
+    pub dst: Option<Spanned<String>>,
+    pub proto: Option<Spanned<String>>,
+    pub dport: Option<Spanned<RawPorts>>,
+    pub rate: Option<Spanned<String>>,
+    pub per: Option<Spanned<String>>,
+    pub action: Option<Spanned<String>>,
+    pub horizon: Option<Spanned<String>>,
 }
 
 /// `[fleet]`: the store the global rules share (docs/fleet.md).

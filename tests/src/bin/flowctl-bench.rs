@@ -357,10 +357,8 @@ fn main() {
     println!("\n1g. Warm-up: `measured` as one aggregate bucket (key = \"rule\"), plain and with warm_up = \"1h\" (cold, on the ramp), admitted (10k keys)");
     let aggregate = profile.replace("rate = \"100G/s\"\nkey = \"src\"\n", "rate = \"100G/s\"\n");
     assert_ne!(aggregate, profile, "`measured` made an aggregate rule");
-    let warm_text = aggregate.replace(
-        "rate = \"100G/s\"\n",
-        "rate = \"100G/s\"\nwarm_up = \"1h\"\ncold_factor = 3\n",
-    );
+    let warm_text = aggregate
+        .replace("rate = \"100G/s\"\n", "rate = \"100G/s\"\nwarm_up = \"1h\"\ncold_factor = 3\n");
     let (plain_bucket, warming) = (plane(&aggregate), plane(&warm_text));
     let (wm, verdicts) =
         refs.interleaved(&[xdp_fd(&plain_bucket), xdp_fd(&warming)], &frame, 10_000, repeat);

@@ -16,6 +16,7 @@ mod klimiter;
 mod lifecycle;
 mod limits;
 mod observability;
+mod shaping;
 
 use bbr::*;
 use breakers::*;
@@ -27,6 +28,7 @@ use klimiter::*;
 use lifecycle::*;
 use limits::*;
 use observability::*;
+use shaping::*;
 
 /// One UDP rule on port 7000, 100/s with a burst of 20 per source: the
 /// profile of most tests that need one.
@@ -47,6 +49,7 @@ fn main() {
         tcp_connection_quota: [Root],
         booked_retransmissions_give_tcp_clients_the_rate: [Root],
         warm_up_ramps_real_traffic_and_status_shows_it: [Root],
+        shaper_paces_tcp_and_udp_senders: [Root, Qdisc("fq"), Command("tc"), Command("nstat")],
         wrk_through_nginx_gets_the_configured_connection_rate: [Root, Command("nginx"), Command("wrk")],
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
