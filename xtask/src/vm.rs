@@ -14,7 +14,7 @@
 use crate::{
     kernels::Kernel,
     root, setup, tee,
-    tiers::{KernelRun, Row, TestBin, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
+    tiers::{KernelRun, Row, TestBin, E2E_FULL_VM, E2E_SUBSET, KERNEL_TIER, XDP_GATE},
 };
 use anyhow::{Context, Result};
 use std::{
@@ -55,7 +55,7 @@ struct Step {
 
 const NO_XDP: &str = "not run: the XDP program does not load on this kernel (see xdp-gate)";
 
-fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
+fn plan(bins: &[TestBin], full: bool) -> Result<Vec<Step>> {
     let exe = |name: &str| {
         bins.iter()
             .find(|b| b.name == name)
@@ -94,7 +94,10 @@ fn plan(bins: &[TestBin]) -> Result<Vec<Step>> {
     }
     let subset = |all: bool| {
         let mut a = args(&[serial, "--exact"]);
-        a.extend(E2E_SUBSET.iter().filter(|t| all || !t.xdp).map(|t| t.name.to_string()));
+        let extra = if full { E2E_FULL_VM } else { &[] };
+        a.extend(
+            E2E_SUBSET.iter().chain(extra).filter(|t| all || !t.xdp).map(|t| t.name.to_string()),
+        );
         a
     };
     v.push(Step {
@@ -207,9 +210,10 @@ fn out_dir(dir: &str, k: &Kernel) -> PathBuf {
     root().join("target").join(dir).join(k.version)
 }
 
-/// The kernel tier and the end-to-end subset on kernel `k`.
-pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, _full: bool) -> Result<KernelRun> {
-    run_plan(k, plan(bins)?, flowctl, TEST_DIR)
+/// The kernel tier and the end-to-end subset on kernel `k` (with
+/// `E2E_FULL_VM` under `--full`).
+pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, full: bool) -> Result<KernelRun> {
+    run_plan(k, plan(bins, full)?, flowctl, TEST_DIR)
 }
 
 /// `bench ARGS` (the benchmark runner) on kernel `k`; with what it printed.
