@@ -25,6 +25,7 @@ pub mod packet_socket;
 pub mod pki;
 pub mod redis;
 pub mod server;
+pub mod shaper_bench;
 pub mod tempfile;
 pub mod testrun;
 pub mod tmux;

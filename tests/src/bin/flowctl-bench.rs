@@ -198,6 +198,12 @@ fn main() {
         breaker_section(quick);
         return;
     }
+    if std::env::args().any(|a| a == "shaper") {
+        // `bench shaper [quick]`: section 9 alone.
+        println!("9. The egress shaper");
+        flowctl_tests::shaper_bench::run(quick);
+        return;
+    }
     if std::env::args().any(|a| a == "fleet") && std::env::args().any(|a| a == "lab") {
         // `bench fleet lab`: the real three-agent lab (8c) alone.
         println!("8. Fleet: one limit across many hosts (docs/fleet.md, \"Global limits\")");
@@ -436,6 +442,9 @@ fn main() {
     println!();
     flowctl_tests::testrun::pin_to_cpu(0);
     fleet_section(&mut refs, &profile, &frame, quick);
+
+    println!("\n9. The egress shaper");
+    flowctl_tests::shaper_bench::run(quick);
 }
 
 /// The committed benchmark profile (bench/profile.toml).
