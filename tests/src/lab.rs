@@ -19,6 +19,16 @@ pub fn sh_ns(ns: &str, args: &[&str]) -> String {
     sh(&full)
 }
 
+/// A `nstat` counter of namespace `ns` (absolute, since the namespace
+/// began); 0 when it never counted.
+pub fn nstat(ns: &str, name: &str) -> u64 {
+    let out = sh_ns(ns, &["nstat", "-az", name]);
+    out.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.split_whitespace().next()))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Joins two namespaces with a veth pair; each end, (namespace, device,
 /// address/prefix), gets its address and is set up.
 pub fn veth_pair(ends: [(&str, &str, &str); 2]) {

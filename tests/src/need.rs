@@ -41,6 +41,8 @@ pub enum Need {
     /// module it can load): the egress shaper needs `fq`, which this
     /// project's host kernel lacks and Debian's 6.1 and 6.12 have.
     Qdisc(&'static str),
+    /// A kernel *without* that qdisc: the refusal a profile needing it gets.
+    NoQdisc(&'static str),
     /// An environment variable naming an existing file (`FLOWCTL_DEB`: the
     /// package under test, which `cargo xtask test` builds and sets).
     EnvFile(&'static str),
@@ -136,6 +138,9 @@ impl Host {
                 }
             },
             Need::Command(c) => (!on_path(c)).then(|| format!("needs `{c}` on PATH")),
+            Need::NoQdisc(kind) => qdisc_available(&self.release, kind).then(|| {
+                format!("needs a kernel without the {kind} qdisc ({} has sch_{kind}): it checks the refusal", self.release)
+            }),
             Need::Qdisc(kind) => (!qdisc_available(&self.release, kind)).then(|| {
                 format!(
                     "needs the {kind} qdisc (no sch_{kind} built into or as a module of {})",

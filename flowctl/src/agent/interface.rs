@@ -135,6 +135,24 @@ impl<'a> InterfaceAgent<'a> {
             Err(e) => return Response::err(format!("{e:#}")),
         };
         let set = plan.set;
+        // The shapers first: what they need of the interface (fq at its
+        // root, a kernel that has it) is only known by installing it, and
+        // a profile whose shapers cannot run is refused whole, with the
+        // shapers as they were.
+        if let Err(e) =
+            dataplane::set_shapers(self.ebpf, &mut self.maps, &set, self.egress, &self.state.iface)
+        {
+            if let Err(back) = dataplane::set_shapers(
+                self.ebpf,
+                &mut self.maps,
+                &self.set,
+                self.egress,
+                &self.state.iface,
+            ) {
+                tracing::warn!("restoring the shapers after a refused apply: {back:#}");
+            }
+            return Response::err(format!("{e:#} (nothing was applied)"));
+        }
         let result = dataplane::apply(&mut self.maps, &mut self.state, &set)
             .and_then(|()| self.state.record_profile(path))
             .and_then(|()| match plan.breakers {
@@ -150,6 +168,17 @@ impl<'a> InterfaceAgent<'a> {
                 }
             });
         if let Err(e) = result {
+            // The rules were not applied: the shapers go back to the
+            // profile still in force.
+            if let Err(back) = dataplane::set_shapers(
+                self.ebpf,
+                &mut self.maps,
+                &self.set,
+                self.egress,
+                &self.state.iface,
+            ) {
+                tracing::warn!("restoring the shapers after a failed apply: {back:#}");
+            }
             return Response::err(format!("{e:#}"));
         }
         let n = set.rules.len();
@@ -177,15 +206,7 @@ impl<'a> InterfaceAgent<'a> {
         if let Err(e) = dataplane::set_egress(self.ebpf, &mut self.maps, &self.set, self.egress) {
             tracing::warn!("egress counters: {e:#}");
         }
-        if let Err(e) = dataplane::set_shapers(
-            self.ebpf,
-            &mut self.maps,
-            &self.set,
-            self.egress,
-            &self.state.iface,
-        ) {
-            tracing::warn!("shapers: {e:#}");
-        }
+
         let mut next = KlimiterLoop::new(&self.set);
         if let (Some(n), Some(o)) = (next.as_mut(), self.loops.klimiter_loop.as_ref()) {
             n.inherit(o);

@@ -270,13 +270,7 @@ pub fn set_egress(
     if ifaces.iter().all(|i| have.contains(i)) {
         return Ok(());
     }
-    let prog: &mut aya::programs::SchedClassifier = ebpf
-        .program_mut(flowctl_common::EGRESS_PROGRAM)
-        .context("egress program missing from the object")?
-        .try_into()?;
-    if prog.fd().is_err() {
-        prog.load().map_err(load_error)?;
-    }
+    let prog = loaded_classifier(ebpf, flowctl_common::EGRESS_PROGRAM)?;
     let tcx = crate::kernel::features::get().has(crate::kernel::features::Feature::Tcx);
     for i in ifaces {
         if have.contains(&i) {
@@ -287,6 +281,21 @@ pub fn set_egress(
         egress.save();
     }
     Ok(())
+}
+
+/// The object's TC program `name`, loaded on first use.
+fn loaded_classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &str,
+) -> Result<&'a mut aya::programs::SchedClassifier> {
+    let prog: &mut aya::programs::SchedClassifier = ebpf
+        .program_mut(name)
+        .with_context(|| format!("{name} missing from the object"))?
+        .try_into()?;
+    if prog.fd().is_err() {
+        prog.load().map_err(load_error)?;
+    }
+    Ok(prog)
 }
 
 /// Attaches the egress counter to `iface`: a TCX link where the kernel has
@@ -377,14 +386,21 @@ pub fn set_shapers(
         }
         return Ok(());
     }
-    if egress.shaping() {
-        return Ok(());
-    }
     let ifindex = crate::system::netns::ifindex(iface)?;
     let horizon_ns = set.shapers.iter().map(|s| s.config.horizon_ns).max().unwrap_or(0);
     // fq's own horizon past the shaper's: the shaper drops first, and
     // counts what it drops.
     let fq_horizon_us = ((horizon_ns + 1_000_000_000) / 1000).min(u32::MAX as u64) as u32;
+    if egress.shaping() {
+        // A new profile's horizons: flowctl's fq follows them (changed in
+        // place, its queue kept); an fq someone else installed is theirs.
+        if egress.fq.is_some() {
+            crate::kernel::tc::add_root_fq(ifindex, fq_horizon_us, 10_000).with_context(|| {
+                format!("changing the fq qdisc on {iface} for the new horizons")
+            })?;
+        }
+        return Ok(());
+    }
     let root = crate::kernel::tc::root_qdisc(ifindex)
         .with_context(|| format!("reading the root qdisc of {iface}"))?;
     match root {
@@ -407,13 +423,7 @@ pub fn set_shapers(
             Err(e) => bail!("installing the fq qdisc on {iface} for the [[shaper]] tables: {e}"),
         },
     }
-    let prog: &mut aya::programs::SchedClassifier = ebpf
-        .program_mut(flowctl_common::SHAPER_PROGRAM)
-        .context("shaper program missing from the object")?
-        .try_into()?;
-    if prog.fd().is_err() {
-        prog.load().map_err(load_error)?;
-    }
+    let prog = loaded_classifier(ebpf, flowctl_common::SHAPER_PROGRAM)?;
     let tcx = crate::kernel::features::get().has(crate::kernel::features::Feature::Tcx);
     match attach_egress(prog, flowctl_common::SHAPER_PROGRAM, iface, tcx) {
         Ok(a) => {

@@ -5,7 +5,7 @@ use flowctl_tests::{
     agent::Agent,
     cli::rule,
     flood::{blackhole_replies, clients_from, syn_flood, tx_dropped, FIRST_SYN, FLOOD_NET},
-    lab::Lab,
+    lab::{nstat, Lab},
     tempfile::TempFile,
     traffic::{blast, TcpServer},
 };
@@ -180,13 +180,4 @@ pub fn a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit() {
     assert!(clients.first_syn as f64 >= 0.9 * clients.attempts as f64, "{clients:?}");
     server.stop();
     agent.stop();
-}
-
-/// A `nstat` counter of namespace `ns` (absolute, since the namespace began).
-fn nstat(ns: &str, name: &str) -> u64 {
-    let out = flowctl_tests::lab::sh_ns(ns, &["nstat", "-az", name]);
-    out.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.split_whitespace().next()))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {out}"))
 }

@@ -50,6 +50,7 @@ fn main() {
         booked_retransmissions_give_tcp_clients_the_rate: [Root],
         warm_up_ramps_real_traffic_and_status_shows_it: [Root],
         shaper_paces_tcp_and_udp_senders: [Root, Qdisc("fq"), Command("tc"), Command("nstat")],
+        shapers_are_refused_whole_without_fq: [Root, NoQdisc("fq"), Command("tc")],
         wrk_through_nginx_gets_the_configured_connection_rate: [Root, Command("nginx"), Command("wrk")],
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],

@@ -3,7 +3,12 @@
 //! veth. Needs a kernel with fq (the kernel matrix's VMs; this project's
 //! host kernel has none, so the test reports itself skipped there).
 
-use flowctl_tests::{agent::Agent, cli::attachment, lab::Lab, tempfile::TempFile};
+use flowctl_tests::{
+    agent::Agent,
+    cli::attachment,
+    lab::{nstat, Lab},
+    tempfile::TempFile,
+};
 use std::{
     io::{Read, Write},
     net::{TcpListener, TcpStream, UdpSocket},
@@ -24,14 +29,6 @@ fn rate_between(s: &[(f64, u64)], from: f64, to: f64) -> f64 {
 fn shaper_json(iface: &str, name: &str) -> serde_json::Value {
     let a = attachment(iface).expect("attached");
     a["shapers"].as_array().unwrap().iter().find(|s| s["shaper"] == name).cloned().expect("shaper")
-}
-
-fn nstat(ns: &str, name: &str) -> u64 {
-    let out = flowctl_tests::lab::sh_ns(ns, &["nstat", "-az", name]);
-    out.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.split_whitespace().next()))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// A TCP sender and a UDP sender in the attached namespace, each faster
@@ -171,6 +168,12 @@ pub fn shaper_paces_tcp_and_udp_senders() {
         }
         n
     });
+    // `top` while the UDP sender runs: the shaper's rates over 1 s.
+    let veth = lab.veth_srv.clone();
+    let top = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        flowctl_tests::cli::top_once(&veth, "1")
+    });
     let cli = lab.ip_cli.clone();
     let sent = Lab::in_ns(&lab.ns_srv, move || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -184,6 +187,16 @@ pub fn shaper_paces_tcp_and_udp_senders() {
         sent
     });
     let received_udp = receiver.join().unwrap();
+    let top = top.join().unwrap();
+    let row = top["attachments"][0]["shapers"]
+        .as_array()
+        .and_then(|v| v.iter().find(|s| s["shaper"] == "udp").cloned())
+        .unwrap_or_else(|| panic!("no udp shaper in top: {top}"));
+    println!("top: {row}");
+    let top_sent = row["sent_pps"].as_f64().unwrap();
+    // Under TCG `top`'s own interval is loose: 10%.
+    assert!((top_sent / UDP_RATE - 1.0).abs() <= 0.1, "top shows {top_sent:.0}/s sent");
+    assert!(row["horizon_drop_pps"].as_f64().unwrap() > 0.0, "{row}");
     let udp_rate = rate_between(&got.lock().unwrap(), 1.5, 5.5);
     // Inter-arrival spacing at the receiver against 1/rate (2 ms):
     // indicative only under TCG, which keeps no real time for a guest.
@@ -210,6 +223,20 @@ pub fn shaper_paces_tcp_and_udp_senders() {
     assert!(drops > 0, "a sender faster than the horizon holds loses datagrams, counted");
     assert_eq!(received_udp + drops, sent, "each datagram received or counted as dropped");
 
+    // A profile without shapers through the running agent: the shaper and
+    // its fq go, the root qdisc the interface had comes back.
+    let rules_only =
+        TempFile::profile("[[rule]]\nname = \"r\"\nproto = \"udp\"\ndport = 9\nrate = \"1/s\"\n");
+    let out = flowctl_tests::cli::flowctl(&[
+        "apply",
+        &lab.veth_srv,
+        rules_only.path(),
+        "--netns",
+        &lab.ns_srv,
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dropped = root(&lab.ns_srv, &lab.veth_srv);
+    assert!(!dropped.contains("qdisc fq"), "fq removed with the shapers: {dropped}");
     agent.stop();
     let after = root(&lab.ns_srv, &lab.veth_srv);
     assert!(!after.contains("qdisc fq"), "fq removed: {after}");
@@ -218,4 +245,55 @@ pub fn shaper_paces_tcp_and_udp_senders() {
         before.split_whitespace().nth(1),
         "the root qdisc restored: {before} -> {after}"
     );
+}
+
+/// Where the kernel has no fq: a profile with shapers is refused with how to
+/// fix it, by attach (nothing is attached, nothing stays) and by apply to a
+/// running agent (nothing is applied: the rules in force stay, and the
+/// interface's qdisc is untouched).
+pub fn shapers_are_refused_whole_without_fq() {
+    let lab = Lab::new("fnofq", 254);
+    let cli = lab.ip_cli.clone();
+    let shaper = format!("[[shaper]]\nname = \"s\"\ndst = \"{cli}\"\nrate = \"1000/s\"\n");
+    let with_shaper =
+        TempFile::profile(&format!("[[rule]]\nname = \"new\"\nrate = \"1/s\"\n{shaper}"));
+    let how = "this kernel has none (sch_fq, CONFIG_NET_SCH_FQ): load it with `modprobe sch_fq`";
+    let out = flowctl_tests::cli::flowctl(&[
+        "attach",
+        &lab.veth_srv,
+        "--profile",
+        with_shaper.path(),
+        "--netns",
+        &lab.ns_srv,
+    ]);
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains(how), "{text}");
+    assert!(attachment(&lab.veth_srv).is_none(), "nothing attached");
+    let rules = TempFile::profile("[[rule]]\nname = \"old\"\nrate = \"1/s\"\n");
+    let agent = Agent::start(&lab, rules.path(), &[]);
+    let out = flowctl_tests::cli::flowctl(&[
+        "apply",
+        &lab.veth_srv,
+        with_shaper.path(),
+        "--netns",
+        &lab.ns_srv,
+    ]);
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        !out.status.success() && text.contains(how) && text.contains("nothing was applied"),
+        "{text}"
+    );
+    let a = attachment(&lab.veth_srv).expect("still attached");
+    let names: Vec<&str> =
+        a["rules"].as_array().unwrap().iter().filter_map(|r| r["rule"].as_str()).collect();
+    assert_eq!(names, ["old"], "the rules in force stay: {a}");
+    assert_eq!(a["shapers"].as_array().map(|s| s.len()), Some(0), "{a}");
+    let q = flowctl_tests::lab::sh_ns(
+        &lab.ns_srv,
+        &["tc", "qdisc", "show", "dev", &lab.veth_srv, "root"],
+    );
+    assert!(q.contains("noqueue"), "the qdisc untouched: {q}");
+    agent.stop();
 }

@@ -64,6 +64,9 @@ pub fn once(
         for line in columns::text_table(columns::RULE_COLUMNS, &cells, width.saturating_sub(2)) {
             out!("  {line}");
         }
+        for s in &a.shapers {
+            out!("  {}", view::shaper_text(s));
+        }
     }
     for c in &top.breakers {
         out!("breakers of cgroup {} (agent pid {})", c.cgroup, c.pid);

@@ -61,6 +61,33 @@ pub struct Attachment {
     /// without global rules or without a running agent).
     pub leases: Option<crate::agent::leases::Published>,
     pub rules: Vec<RuleRow>,
+    /// `[[shaper]]` tables of the active profile, with their rates over
+    /// the interval.
+    pub shapers: Vec<ShaperRow>,
+}
+
+/// One shaper over the interval (docs/profile.md, "Shapers").
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ShaperRow {
+    pub shaper: String,
+    pub dst: String,
+    pub rate: String,
+    /// "aggregate" or "flow".
+    pub per: String,
+    pub dry_run: bool,
+    pub offered_pps: f64,
+    pub offered_bps: f64,
+    /// Offered less dropped past the horizon (in dry-run: what would be).
+    pub sent_pps: f64,
+    /// Held back (stamped to leave later than they came).
+    pub delayed_pps: f64,
+    /// Mean delay of the packets held back in the interval.
+    pub mean_delay_ms: f64,
+    pub horizon_drop_pps: f64,
+    /// How far ahead an aggregate shaper has booked departures now (0 per
+    /// flow): the queue's time depth.
+    pub backlog_ms: f64,
+    pub horizon_drops_total: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -168,10 +195,13 @@ impl RuleRow {
 pub struct Sample {
     at: Instant,
     counters: HashMap<(u64, u32, String), RuleCounters>,
+    /// Each attachment's shapers' counters, by slot.
+    shapers: HashMap<(u64, u32), Vec<flowctl_common::shaper::ShaperCounters>>,
 }
 
 pub fn sample() -> Sample {
     let mut counters = HashMap::new();
+    let mut shapers = HashMap::new();
     for id in pins::list_attachments() {
         let (Ok(Some(state)), Ok(maps)) = (AttachState::load(&id), Maps::open(&id)) else {
             continue;
@@ -181,8 +211,12 @@ pub fn sample() -> Sample {
                 counters.insert((id.netns_ino, id.ifindex, r.name.clone()), c);
             }
         }
+        let used = (0..flowctl_common::shaper::MAX_SHAPERS as u32)
+            .take_while(|&i| maps.shapers.get(&i, 0).is_ok_and(|c| c.family != 0));
+        let c: Vec<_> = used.map(|i| maps.shaper_counters(i).unwrap_or_default()).collect();
+        shapers.insert((id.netns_ino, id.ifindex), c);
     }
-    Sample { at: Instant::now(), counters }
+    Sample { at: Instant::now(), counters, shapers }
 }
 
 /// Rates between two samples, with the rule details from each attachment's
@@ -306,7 +340,55 @@ fn attachment(
         leases: crate::agent::leases::published(state, agent_rec.is_some()),
         key_tables_note: "approximate: entries at the agent's last walk plus inserts since (evictions not counted), capped at capacity".into(),
         rules,
+        shapers: shaper_rows(id, set.as_ref(), &maps, before, after, dt),
     })
+}
+
+/// The active profile's shapers with their rates between the samples.
+fn shaper_rows(
+    id: &AttachId,
+    set: Option<&profile::RuleSet>,
+    maps: &Maps,
+    before: &Sample,
+    after: &Sample,
+    dt: f64,
+) -> Vec<ShaperRow> {
+    let (Some(set), Some(a), Some(b)) = (
+        set,
+        before.shapers.get(&(id.netns_ino, id.ifindex)),
+        after.shapers.get(&(id.netns_ino, id.ifindex)),
+    ) else {
+        return Vec::new();
+    };
+    let mut rows = Vec::new();
+    for (i, s) in set.shapers.iter().enumerate() {
+        let (Some(a), Some(b)) = (a.get(i), b.get(i)) else { continue };
+        let d = |f: fn(&flowctl_common::shaper::ShaperCounters) -> u64| f(b).saturating_sub(f(a));
+        let (offered, dropped, delayed) =
+            (d(|c| c.offered_pkts), d(|c| c.horizon_drops), d(|c| c.delayed_pkts));
+        let backlog_ns =
+            if s.per_flow() { 0 } else { maps.shaper_backlog_ns(i as u32).unwrap_or(0) };
+        rows.push(ShaperRow {
+            shaper: s.name.clone(),
+            dst: s.dst_text.clone(),
+            rate: s.rate_text.clone(),
+            per: if s.per_flow() { "flow" } else { "aggregate" }.into(),
+            dry_run: s.dry_run(),
+            offered_pps: offered as f64 / dt,
+            offered_bps: d(|c| c.offered_bytes) as f64 * 8.0 / dt,
+            sent_pps: offered.saturating_sub(dropped) as f64 / dt,
+            delayed_pps: delayed as f64 / dt,
+            mean_delay_ms: if delayed == 0 {
+                0.0
+            } else {
+                d(|c| c.delay_ns) as f64 / delayed as f64 / 1e6
+            },
+            horizon_drop_pps: dropped as f64 / dt,
+            backlog_ms: backlog_ns as f64 / 1e6,
+            horizon_drops_total: b.horizon_drops,
+        });
+    }
+    rows
 }
 
 /// The CPU signal as the agent last published it (`None`: no fresh

@@ -237,7 +237,25 @@ pub fn attachment_title_parts(a: &super::state::Attachment, cpu: Option<&Series>
         parts.push(store_text(&l.store));
     }
     parts.extend(klimiter_text(a).split(" | ").filter(|s| !s.is_empty()).map(String::from));
+    parts.extend(a.shapers.iter().map(shaper_text));
     parts
+}
+
+/// One shaper over the interval, as a title part and a `--once` line.
+pub fn shaper_text(s: &super::state::ShaperRow) -> String {
+    let dry = if s.dry_run { " dry-run:" } else { "" };
+    format!(
+        "shaper {} ({} at {}):{dry} {:.0} pps in, {:.0} out, {:.0} held {:.1} ms, {:.0} dropped, backlog {:.0} ms",
+        s.shaper,
+        s.dst,
+        s.rate,
+        s.offered_pps,
+        s.sent_pps,
+        s.delayed_pps,
+        s.mean_delay_ms,
+        s.horizon_drop_pps,
+        s.backlog_ms
+    )
 }
 
 /// The `?` legend: every column of the rule table (and of the breakers',
@@ -386,6 +404,7 @@ mod tests {
                 key_tables_note: String::new(),
                 klimiter: None,
                 leases: None,
+                shapers: vec![],
                 rules: vec![row("quiet", 10.0, 0.0), row("noisy", 5000.0, 4000.0)],
             }],
             breakers: vec![],
@@ -448,6 +467,32 @@ mod tests {
             let l = render_at(&fixture(true), SortBy::Profile, false, true, w, h);
             assert!(l.contains("legend (? or Esc closes)") && l.contains("drop %  "), "{l}");
         }
+    }
+
+    #[test]
+    fn shapers_show_in_the_title_and_as_json() {
+        let mut top = fixture(true);
+        top.attachments[0].shapers = vec![crate::cli::top::state::ShaperRow {
+            shaper: "db".into(),
+            dst: "10.0.0.5".into(),
+            rate: "500/s".into(),
+            per: "aggregate".into(),
+            dry_run: false,
+            offered_pps: 900.0,
+            offered_bps: 1e6,
+            sent_pps: 500.0,
+            delayed_pps: 500.0,
+            mean_delay_ms: 150.0,
+            horizon_drop_pps: 400.0,
+            backlog_ms: 199.0,
+            horizon_drops_total: 4000,
+        }];
+        let text = shaper_text(&top.attachments[0].shapers[0]);
+        assert_eq!(text, "shaper db (10.0.0.5 at 500/s): 900 pps in, 500 out, 500 held 150.0 ms, 400 dropped, backlog 199 ms");
+        let wide = render_at(&top, SortBy::Profile, false, false, 400, 30);
+        assert!(wide.contains("shaper db (10.0.0.5 at 500/s)"), "{wide}");
+        let json = serde_json::to_value(&top).unwrap();
+        assert_eq!(json["attachments"][0]["shapers"][0]["sent_pps"], 500.0);
     }
 
     #[test]
