@@ -376,3 +376,23 @@ fn run_plan(k: &Kernel, plan: Vec<Step>, flowctl: &Path, dir: &str) -> Result<Ke
     }
     Ok(KernelRun { kernel: name, rows, wall, boot_s, console_tail })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_adds_the_vm_only_end_to_end_tests() {
+        let bins: Vec<TestBin> = ["kernel", "breaker", "cgroup", "e2e"]
+            .iter()
+            .map(|n| TestBin { name: n.to_string(), path: PathBuf::from(format!("/t/{n}")) })
+            .collect();
+        let e2e = |full: bool| {
+            plan(&bins, full).unwrap().into_iter().find(|s| s.name == "e2e").unwrap().args
+        };
+        let shaper = E2E_FULL_VM[0].name.to_string();
+        assert!(!e2e(false).contains(&shaper));
+        assert!(e2e(true).contains(&shaper));
+        assert!(E2E_SUBSET.iter().all(|t| e2e(true).contains(&t.name.to_string())));
+    }
+}
