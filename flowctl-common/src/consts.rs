@@ -61,11 +61,20 @@ pub const fn nested_limit_at(rule_at: u32, i: u32) -> u32 {
     (MAX_RULES * SLOTS) as u32 + rule_at * MAX_NESTED_LIMITS as u32 + i
 }
 
-/// Distinct source classes per slot: one per distinct prefix in a profile,
-/// plus the two default routes. The LPM trie maps a source to its class; the
-/// class's rule bitmap lives in `SRC_CLASSES`, so the per-source cache stores a
-/// 4-byte class instead of a 32-byte bitmap.
-pub const MAX_SRC_CLASSES: usize = MAX_RULES + 2;
+/// Distinct source classes per slot: one per distinct set of rules a
+/// source can match by its address (at most one per trie entry). The LPM
+/// trie maps a source to its class; the class's rule bitmap lives in
+/// `SRC_CLASSES`, so the per-source cache stores a 4-byte class instead of
+/// a 32-byte bitmap. Rules with plain prefixes make at most `MAX_RULES + 2`;
+/// lists of many prefixes mostly repeat a few (`tables::compile`).
+pub const MAX_SRC_CLASSES: usize = 4096;
+/// Prefixes all `[[list]]`s of a profile may hold together: the trie keeps
+/// two slots of them during an apply (docs/lists.md).
+pub const MAX_LIST_PREFIXES: usize = 1 << 22;
+/// Entries of `FLOWCTL_SRC_TRIE`: per slot, the rules' prefixes, the two
+/// default routes and the lists' prefixes. An LPM trie is never
+/// preallocated: memory follows what is inserted.
+pub const SRC_TRIE_ENTRIES: usize = SLOTS * (MAX_RULES + 2 + MAX_LIST_PREFIXES);
 /// Trie value meaning "no class" (only before the first apply).
 pub const NO_CLASS: u32 = u32::MAX;
 
@@ -151,7 +160,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 11;
+pub const LAYOUT_VERSION: u32 = 12;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).

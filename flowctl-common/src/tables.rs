@@ -3,10 +3,10 @@
 //! [`first_match`](crate::matcher::first_match) the kernel uses.
 
 use crate::{
-    matcher::first_match, rule_set, RuleBitmap, TrieData, PORT_INDICES, PORT_NONE, PROTO_INDICES,
-    RULE_SETS, TRIE_TAG_BITS,
+    matcher::first_match, rule_set, RuleBitmap, TrieData, MAX_SRC_CLASSES, PORT_INDICES, PORT_NONE,
+    PROTO_INDICES, RULE_SETS, TRIE_TAG_BITS,
 };
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 /// A source prefix with its host bits clear.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -52,11 +52,76 @@ impl std::fmt::Display for Cidr {
     }
 }
 
+/// A named set of prefixes: a profile's `[[list]]`. Cloning shares the
+/// prefixes (a list of a million is read once and held once).
+#[derive(Clone)]
+pub struct PrefixList {
+    pub name: String,
+    pub prefixes: Arc<[Cidr]>,
+}
+
+impl PrefixList {
+    /// True when some prefix of the list contains `addr` (a linear scan:
+    /// for host-side checks; the kernel asks its trie).
+    pub fn contains(&self, addr: &IpAddr) -> bool {
+        self.prefixes.iter().any(|c| c.contains(addr))
+    }
+}
+
+/// Only the name: a rule's bucket state survives a change of its list's
+/// contents (`Rule::state_fingerprint` is built from this), and a million
+/// prefixes do not belong in a log line.
+impl std::fmt::Debug for PrefixList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "@{}", self.name)
+    }
+}
+
+impl PartialEq for PrefixList {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && (Arc::ptr_eq(&self.prefixes, &other.prefixes) || self.prefixes == other.prefixes)
+    }
+}
+impl Eq for PrefixList {}
+
+impl std::hash::Hash for PrefixList {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+        self.prefixes.len().hash(state);
+    }
+}
+
+/// Where a rule's packets come from: one prefix, or every prefix of a list.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    Prefix(Cidr),
+    List(PrefixList),
+}
+
+impl Source {
+    pub fn contains(&self, addr: &IpAddr) -> bool {
+        match self {
+            Source::Prefix(c) => c.contains(addr),
+            Source::List(l) => l.contains(addr),
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Prefix(c) => c.fmt(f),
+            Source::List(l) => write!(f, "@{} ({} prefixes)", l.name, l.prefixes.len()),
+        }
+    }
+}
+
 /// What a rule matches on. `None` means any.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct MatchSpec {
     pub proto: Option<u8>,
-    pub src: Option<Cidr>,
+    pub src: Option<Source>,
     /// Inclusive destination port range.
     pub ports: Option<(u16, u16)>,
     /// The rule limits (action `drop`): it is taken for packets it might
@@ -80,12 +145,21 @@ pub struct Tables {
     pub slot: u8,
     pub proto: Vec<RuleBitmap>,
     pub port: Vec<RuleBitmap>,
+    /// Sorted by family, address, then length (an entry's covering entries
+    /// come before it).
     pub trie: Vec<TrieEntry>,
     /// Distinct source bitmaps (at most `MAX_SRC_CLASSES`).
     pub classes: Vec<RuleBitmap>,
     /// `FLOWCTL_RULE_SETS` of this slot: rules by property, for packets
     /// whose ports are unknown ([`crate::matcher::first_unparsed`]).
     pub sets: [RuleBitmap; RULE_SETS],
+}
+
+/// Why a set of rules does not fit the kernel's source tables.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CompileError {
+    #[error("the rules' sources make {0} distinct source classes, more than the kernel's {MAX_SRC_CLASSES}: lists that overlap each other and the rules' prefixes in many different ways; merge lists or rules")]
+    TooManyClasses(usize),
 }
 
 /// The trie key data of `addr` in `slot`.
@@ -104,8 +178,41 @@ pub fn trie_data(slot: u8, addr: &IpAddr) -> TrieData {
     d
 }
 
+/// A prefix as a sortable key: family, address bits (IPv4 in the top 32),
+/// length. In this order a prefix comes after every prefix that covers it,
+/// and the prefixes between the two are covered too.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct PrefixKey {
+    v6: bool,
+    bits: u128,
+    len: u8,
+}
+
+impl PrefixKey {
+    fn of(c: &Cidr) -> Self {
+        let bits = Cidr::bits(&c.addr);
+        let bits = if c.len == 0 { 0 } else { bits & (u128::MAX << (128 - c.len as u32)) };
+        Self { v6: c.addr.is_ipv6(), bits, len: c.len }
+    }
+
+    fn covers(&self, other: &PrefixKey) -> bool {
+        self.v6 == other.v6
+            && self.len <= other.len
+            && (self.len == 0 || (self.bits ^ other.bits) >> (128 - self.len as u32) == 0)
+    }
+
+    fn cidr(&self) -> Cidr {
+        let addr = if self.v6 {
+            IpAddr::V6(self.bits.into())
+        } else {
+            IpAddr::V4(((self.bits >> 96) as u32).into())
+        };
+        Cidr { addr, len: self.len }
+    }
+}
+
 /// Builds the tables for `specs` (index = rule number, profile order).
-pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
+pub fn compile(specs: &[MatchSpec], slot: u8) -> Result<Tables, CompileError> {
     let mut proto = vec![RuleBitmap::EMPTY; PROTO_INDICES];
     let mut port = vec![RuleBitmap::EMPTY; PORT_INDICES];
     let mut sets = [RuleBitmap::EMPTY; RULE_SETS];
@@ -125,47 +232,93 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Tables {
             None => port.iter_mut().for_each(|b| b.set(i)),
         }
     }
-    // Every distinct prefix, plus both default routes so every address finds
-    // an entry: its bitmap holds the rules whose prefix covers it. For the
-    // longest stored prefix P that contains an address A, "rules containing A"
-    // equals "rules covering P" (any rule prefix containing A is itself stored
-    // and no longer than P).
-    let mut prefixes: Vec<Cidr> = vec![
-        Cidr { addr: IpAddr::V4(0.into()), len: 0 },
-        Cidr { addr: IpAddr::V6(0u128.into()), len: 0 },
-    ];
-    for s in specs {
-        if let Some(c) = s.src {
-            if !prefixes.contains(&c) {
-                prefixes.push(c);
+    let (trie, classes) = source_classes(specs, slot)?;
+    Ok(Tables { slot, proto, port, trie, classes, sets })
+}
+
+/// The trie and its classes. Every prefix any rule or list names is a
+/// candidate entry, plus both default routes so every address finds one;
+/// an entry's bitmap holds the rules whose source covers it. For the
+/// longest entry P that contains an address A, "rules whose source
+/// contains A" equals "rules whose source covers P": any prefix of a
+/// source that contains A is a candidate itself and no longer than P.
+///
+/// One sorted pass computes this: each candidate's bitmap is its nearest
+/// covering candidate's plus the rules that name the candidate itself. A
+/// candidate whose bitmap equals its nearest covering entry's is left out
+/// (the lookup then finds that entry, with the same answer), so a list
+/// that repeats itself or nests costs no entries.
+fn source_classes(
+    specs: &[MatchSpec],
+    slot: u8,
+) -> Result<(Vec<TrieEntry>, Vec<RuleBitmap>), CompileError> {
+    let mut any = RuleBitmap::EMPTY;
+    let mut named: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
+    // Rules naming the same list share one pass over it.
+    let mut lists: Vec<(&PrefixList, RuleBitmap)> = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        match &s.src {
+            None => any.set(i),
+            Some(Source::Prefix(c)) => {
+                let mut b = RuleBitmap::EMPTY;
+                b.set(i);
+                named.push((PrefixKey::of(c), b));
             }
+            Some(Source::List(l)) => match lists.iter_mut().find(|(o, _)| *o == l) {
+                Some((_, b)) => b.set(i),
+                None => {
+                    let mut b = RuleBitmap::EMPTY;
+                    b.set(i);
+                    lists.push((l, b));
+                }
+            },
         }
     }
+    for (l, b) in &lists {
+        named.extend(l.prefixes.iter().map(|c| (PrefixKey::of(c), *b)));
+    }
+    for v6 in [false, true] {
+        named.push((PrefixKey { v6, bits: 0, len: 0 }, any));
+    }
+    named.sort_unstable_by_key(|(k, _)| *k);
+
+    let mut trie: Vec<TrieEntry> = Vec::new();
     let mut classes: Vec<RuleBitmap> = Vec::new();
-    let trie = prefixes
-        .iter()
-        .map(|p| {
-            let mut bits = RuleBitmap::EMPTY;
-            for (i, s) in specs.iter().enumerate() {
-                if s.src.is_none_or(|c| c.covers(p)) {
-                    bits.set(i);
-                }
-            }
-            let class = match classes.iter().position(|c| *c == bits) {
-                Some(i) => i,
-                None => {
-                    classes.push(bits);
-                    classes.len() - 1
-                }
-            };
-            TrieEntry {
-                prefix_len: TRIE_TAG_BITS + p.len as u32,
-                data: trie_data(slot, &p.addr),
-                class: class as u32,
-            }
-        })
-        .collect();
-    Tables { slot, proto, port, trie, classes, sets }
+    let mut class_of: std::collections::HashMap<RuleBitmap, u32> = Default::default();
+    // The covering chain of the current candidate: (prefix, its bitmap).
+    let mut chain: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
+    let mut i = 0;
+    while i < named.len() {
+        let key = named[i].0;
+        let mut direct = RuleBitmap::EMPTY;
+        while i < named.len() && named[i].0 == key {
+            direct = direct.union(&named[i].1);
+            i += 1;
+        }
+        while chain.last().is_some_and(|(k, _)| !k.covers(&key)) {
+            chain.pop();
+        }
+        let parent = chain.last().map(|(_, b)| *b);
+        let bits = parent.map_or(direct, |p| p.union(&direct));
+        if parent == Some(bits) {
+            continue;
+        }
+        chain.push((key, bits));
+        let class = *class_of.entry(bits).or_insert_with(|| {
+            classes.push(bits);
+            classes.len() as u32 - 1
+        });
+        let c = key.cidr();
+        trie.push(TrieEntry {
+            prefix_len: TRIE_TAG_BITS + c.len as u32,
+            data: trie_data(slot, &c.addr),
+            class,
+        });
+    }
+    if classes.len() > MAX_SRC_CLASSES {
+        return Err(CompileError::TooManyClasses(classes.len()));
+    }
+    Ok((trie, classes))
 }
 
 impl Tables {
@@ -213,7 +366,7 @@ mod tests {
             .iter()
             .position(|s| {
                 s.proto.is_none_or(|p| p == proto)
-                    && s.src.is_none_or(|c| c.contains(src))
+                    && s.src.as_ref().is_none_or(|c| c.contains(src))
                     && match (s.ports, dport) {
                         (None, _) => true,
                         (Some((lo, hi)), Some(p)) => lo <= p && p <= hi,
@@ -228,20 +381,25 @@ mod tests {
         let specs = vec![
             MatchSpec {
                 proto: Some(6),
-                src: Some(cidr("10.1.0.0/16")),
+                src: Some(Source::Prefix(cidr("10.1.0.0/16"))),
                 ports: Some((22, 22)),
                 enforcing: true,
             },
-            MatchSpec { proto: None, src: Some(cidr("10.0.0.0/8")), ports: None, enforcing: true },
+            MatchSpec {
+                proto: None,
+                src: Some(Source::Prefix(cidr("10.0.0.0/8"))),
+                ports: None,
+                enforcing: true,
+            },
             MatchSpec { proto: Some(17), src: None, ports: Some((53, 53)), enforcing: true },
             MatchSpec {
                 proto: None,
-                src: Some(cidr("2001:db8::/32")),
+                src: Some(Source::Prefix(cidr("2001:db8::/32"))),
                 ports: Some((80, 90)),
                 enforcing: true,
             },
         ];
-        let t = compile(&specs, 1);
+        let t = compile(&specs, 1).unwrap();
         assert!(t.classes.len() <= t.trie.len());
         let a = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(t.classify(&a("10.1.2.3"), 6, Some(22)), Some(0));
@@ -267,30 +425,129 @@ mod tests {
         ]
     }
 
-    fn arb_spec() -> impl Strategy<Value = MatchSpec> {
+    /// Two lists the specs may name, drawn once per case: prefixes that
+    /// nest, repeat and overlap the rules' own.
+    fn arb_lists() -> impl Strategy<Value = [PrefixList; 2]> {
+        (proptest::collection::vec(arb_cidr(), 0..30), proptest::collection::vec(arb_cidr(), 0..30))
+            .prop_map(|(a, b)| {
+                [
+                    PrefixList { name: "a".into(), prefixes: a.into() },
+                    PrefixList { name: "b".into(), prefixes: b.into() },
+                ]
+            })
+    }
+
+    fn arb_spec() -> impl Strategy<Value = (MatchSpec, Option<usize>)> {
         (
             proptest::option::of(prop_oneof![Just(6u8), Just(17u8), Just(1u8)]),
             proptest::option::of(arb_cidr()),
             proptest::option::of((0u16..200, 0u16..50).prop_map(|(a, w)| (a, a + w))),
+            proptest::option::of(0usize..2),
         )
-            .prop_map(|(proto, src, ports)| MatchSpec {
-                proto,
-                src,
-                ports,
-                enforcing: true,
+            .prop_map(|(proto, src, ports, list)| {
+                let spec =
+                    MatchSpec { proto, src: src.map(Source::Prefix), ports, enforcing: true };
+                (spec, list)
             })
+    }
+
+    fn with_lists(
+        specs: Vec<(MatchSpec, Option<usize>)>,
+        lists: &[PrefixList; 2],
+    ) -> Vec<MatchSpec> {
+        specs
+            .into_iter()
+            .map(|(mut s, l)| {
+                if let Some(l) = l {
+                    s.src = Some(Source::List(lists[l].clone()));
+                }
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_list_costs_one_entry_per_prefix_it_adds() {
+        let list = PrefixList {
+            name: "block".into(),
+            prefixes: [
+                "192.0.2.0/24",
+                "192.0.2.7/32",
+                "192.0.2.0/24",
+                "2001:db8::/48",
+                "198.51.100.9/32",
+            ]
+            .map(cidr)
+            .into(),
+        };
+        let specs = vec![
+            MatchSpec {
+                proto: None,
+                src: Some(Source::List(list.clone())),
+                ports: None,
+                enforcing: true,
+            },
+            MatchSpec { proto: None, src: None, ports: None, enforcing: true },
+        ];
+        let t = compile(&specs, 0).unwrap();
+        // The two default routes, the /24 (its /32 and duplicate add nothing),
+        // the /48 and the /32 elsewhere.
+        assert_eq!(t.trie.len(), 5);
+        assert_eq!(t.classes.len(), 2);
+        let a = |s: &str| s.parse::<IpAddr>().unwrap();
+        for (addr, rule) in [
+            ("192.0.2.7", 0),
+            ("192.0.2.200", 0),
+            ("198.51.100.9", 0),
+            ("198.51.100.10", 1),
+            ("2001:db8::5", 0),
+            ("2001:db9::", 1),
+        ] {
+            assert_eq!(t.classify(&a(addr), 6, Some(80)), Some(rule), "{addr}");
+        }
+    }
+
+    #[test]
+    fn classes_beyond_the_kernel_table_are_refused() {
+        // 13 rules, each with a list: address 10.0.n.m is in list b when
+        // bit b of n*256+m is set, so the 8,192 addresses make as many
+        // distinct rule sets (the empty one being the default routes').
+        let specs: Vec<MatchSpec> = (0..13u32)
+            .map(|bit| {
+                let prefixes: Vec<Cidr> = (0..(1u32 << 13))
+                    .filter(|n| n & (1 << bit) != 0)
+                    .map(|n| Cidr { addr: IpAddr::V4((0x0a00_0000 | n).into()), len: 32 })
+                    .collect();
+                MatchSpec {
+                    proto: None,
+                    src: Some(Source::List(PrefixList {
+                        name: format!("l{bit}"),
+                        prefixes: prefixes.into(),
+                    })),
+                    ports: None,
+                    enforcing: true,
+                }
+            })
+            .collect();
+        assert_eq!(compile(&specs, 0).unwrap_err(), CompileError::TooManyClasses(8192));
     }
 
     proptest! {
         #[test]
         fn tables_agree_with_linear_scan(
             specs in proptest::collection::vec(arb_spec(), 1..40),
+            lists in arb_lists(),
             probes in proptest::collection::vec((arb_cidr(), prop_oneof![Just(6u8), Just(17u8), Just(1u8), Just(47u8)], proptest::option::of(0u16..260)), 1..40),
         ) {
-            let t = compile(&specs, 0);
-            for (c, proto, port) in probes {
+            let specs = with_lists(specs, &lists);
+            let t = compile(&specs, 0).unwrap();
+            // Probes inside the lists' prefixes too, where lists decide.
+            let inside = lists.iter().flat_map(|l| l.prefixes.iter().map(|c| (*c, 6u8, Some(80u16))));
+            for (c, proto, port) in probes.into_iter().chain(inside) {
                 prop_assert_eq!(t.classify(&c.addr, proto, port), linear(&specs, &c.addr, proto, port));
             }
+            // Sorted so a covering entry comes first, with no entry twice.
+            prop_assert!(t.trie.windows(2).all(|w| w[0].data != w[1].data || w[0].prefix_len != w[1].prefix_len));
         }
     }
 }

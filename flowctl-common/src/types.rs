@@ -85,7 +85,7 @@ pub mod unparsed {
 
 /// A set of rule indices (bit i = rule i of the active slot).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RuleBitmap {
     pub words: [u64; BITMAP_WORDS],
 }
@@ -101,6 +101,17 @@ impl RuleBitmap {
 
     pub fn contains(&self, rule: usize) -> bool {
         rule < MAX_RULES && self.words[rule / 64] & (1u64 << (rule % 64)) != 0
+    }
+
+    /// The rules of either.
+    pub fn union(&self, o: &Self) -> Self {
+        let mut words = self.words;
+        let mut i = 0;
+        while i < BITMAP_WORDS {
+            words[i] |= o.words[i];
+            i += 1;
+        }
+        Self { words }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -18,7 +18,7 @@ use flowctl_common::{
     DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
     MAX_GRANTS, MAX_NESTED_LIMITS, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
-    PROTO_INDICES, RULE_CONFIGS, RULE_SETS, SLOTS,
+    PROTO_INDICES, RULE_CONFIGS, RULE_SETS, SLOTS, SRC_TRIE_ENTRIES,
 };
 
 // The profile, as the agent applied it: two slots of everything it reads
@@ -37,8 +37,7 @@ pub static FLOWCTL_PORT_BITS: Array<RuleBitmap> = Array::pinned((PORT_INDICES * 
 #[map]
 pub static FLOWCTL_RULE_SETS: Array<RuleBitmap> = Array::pinned((RULE_SETS * SLOTS) as u32, 0);
 #[map]
-pub static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> =
-    LpmTrie::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);
+pub static FLOWCTL_SRC_TRIE: LpmTrie<TrieData, u32> = LpmTrie::pinned(SRC_TRIE_ENTRIES as u32, 0);
 #[map]
 pub static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> =
     Array::pinned((MAX_SRC_CLASSES * SLOTS) as u32, 0);

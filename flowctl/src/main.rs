@@ -192,10 +192,35 @@ enum Cmd {
         #[arg(long)]
         netns: Option<String>,
     },
+    /// Block and allow lists ([[list]] in the profile, docs/lists.md).
+    #[command(subcommand)]
+    List(ListCmd),
     /// Manual pages and shell completions from these definitions (for
     /// packagers: cargo xtask package; docs/packaging.md).
     #[command(hide = true, subcommand)]
     Generate(Generate),
+}
+
+#[derive(Subcommand)]
+enum ListCmd {
+    /// Read a list again and apply it, atomically: a packet sees the old
+    /// list or the new one. The rules keep their buckets.
+    ///
+    /// From the file the profile names: sudo flowctl list update eth0 blocklist
+    ///
+    /// From another file (in force until the next apply or restart, which
+    /// read the profile's file): sudo flowctl list update eth0 blocklist /tmp/new.txt
+    Update {
+        /// The interface whose agent applies it.
+        iface: String,
+        /// The list's name in the profile (`[[list]] name = ...`).
+        name: String,
+        /// One address or prefix per line, # comments (default: the
+        /// profile's `file` of the list).
+        file: Option<PathBuf>,
+        #[arg(long)]
+        netns: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -317,6 +342,7 @@ fn main() {
             })
         }
         Cmd::Explain { iface, proto, src, dport, netns } => cli::explain::explain(&iface, &proto, &src, dport, &netns),
+        Cmd::List(ListCmd::Update { iface, name, file, netns }) => cli::list::update(&iface, &name, file.as_deref(), &netns),
         Cmd::Generate(Generate::Man { dir }) => cli::generate::man(Cli::command(), &dir).map(|files| files.iter().for_each(|f| println!("{}", f.display()))),
         Cmd::Generate(Generate::Completions { shell, dir }) => cli::generate::completions(Cli::command(), shell, &dir).map(|f| println!("{}", f.display())),
     };

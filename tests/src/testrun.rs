@@ -9,7 +9,7 @@ use flowctl::{
     dataplane::{self, pins::AttachId, state::AttachState, Maps},
     profile,
 };
-use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX, LAYOUT_VERSION};
+use flowctl_common::{RuleCounters, GLOBAL_COUNTER_INDEX};
 use std::time::Duration;
 
 pub struct TestPlane {
@@ -64,22 +64,7 @@ impl TestPlane {
         let ebpf =
             dataplane::load_variant(&id, &set.settings, variant).expect("load the XDP program");
         let mut maps = Maps::open(&id).expect("open pinned maps");
-        let mut state = AttachState {
-            layout_version: LAYOUT_VERSION,
-            iface: "test".into(),
-            netns: None,
-            id,
-            mode: "test".into(),
-            profile_path: String::new(),
-            rules: Vec::new(),
-            next_state_id: 0,
-            attached_at_unix: 0,
-            key_table_entries: set.settings.key_table_entries,
-            source_cache_entries: set.settings.source_cache_entries,
-            quota_table_entries: set.settings.quota_table_entries,
-            stats: set.settings.stats,
-            connection_table_entries: set.settings.connection_table_entries,
-        };
+        let mut state = AttachState::fresh(id, "test", None, "test".into(), &set.settings, 0);
         dataplane::apply(&mut maps, &mut state, &set).expect("apply");
         dataplane::write_shapers(&mut maps, &set.shapers).expect("write the shapers");
         Self { ebpf, id, maps, state, kernel_log: None }

@@ -200,6 +200,38 @@ impl<'a> InterfaceAgent<'a> {
         }
     }
 
+    /// `flowctl list update`: the profile in force with one list read
+    /// again, applied like a profile (the kernel sees the old list or the
+    /// new one, never part of either); the rules keep their buckets.
+    fn update_list(&mut self, name: &str, file: Option<&Path>) -> Response {
+        let started = std::time::Instant::now();
+        let set = match crate::profile::list::replace(&self.set, name, file) {
+            Ok(s) => s,
+            Err(e) => return Response::err(format!("{e} (nothing was applied)")),
+        };
+        let before = self.set.lists.iter().find(|l| l.prefixes.name == name);
+        let before = before.map_or(0, |l| l.prefixes.prefixes.len());
+        let after = set.lists.iter().find(|l| l.prefixes.name == name);
+        let after = after.map_or(0, |l| l.prefixes.prefixes.len());
+        if let Err(e) = dataplane::apply(&mut self.maps, &mut self.state, &set)
+            .and_then(|()| self.state.save())
+        {
+            return Response::err(format!("{e:#}"));
+        }
+        self.set = set;
+        let generation = self.maps.global().map(|g| g.generation).unwrap_or(0);
+        tracing::info!(list = name, before, after, "list updated (generation {generation})");
+        let mut r = Response::ok(format!(
+            "list `{name}`: {after} prefixes (were {before}), applied in {} ms (generation {generation})",
+            started.elapsed().as_millis()
+        ));
+        r.data = Some(serde_json::json!({
+            "list": name, "prefixes": after, "before": before, "generation": generation,
+            "ms": started.elapsed().as_millis() as u64,
+        }));
+        r
+    }
+
     /// A new profile: its egress targets, and a new KLimiter keeping the
     /// ratios of the entries it still has.
     fn profile_changed(&mut self) {
@@ -365,6 +397,9 @@ impl Service for InterfaceAgent<'_> {
                 "this agent follows a profile in etcd; change it with `flowctl publish etcd://... FILE` (nothing was applied)",
             ),
             Ok(Request::Apply { profile }) => self.apply(Path::new(&profile)),
+            Ok(Request::ListUpdate { name, file }) => {
+                self.update_list(&name, file.as_deref().map(Path::new))
+            }
             Ok(Request::Keys { rule, top }) => self.keys(&rule, top),
             Err(e) => Response::err(format!("bad request: {e}")),
         }

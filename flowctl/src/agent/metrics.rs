@@ -358,7 +358,7 @@ struct ShaperLabel {
 /// shapers' backlog.
 fn register_shapers(reg: &mut Registry, id: &AttachId, maps: &Maps) {
     let path = id.run_dir().join(dataplane::pins::run_file::PROFILE);
-    let Ok(set) = crate::profile::load(&path) else { return };
+    let Ok(set) = crate::profile::load_recorded(&path) else { return };
     if set.shapers.is_empty() {
         return;
     }

@@ -37,7 +37,6 @@ use crate::{
     },
 };
 use anyhow::{bail, Result};
-use flowctl_common::LAYOUT_VERSION;
 use std::path::PathBuf;
 
 pub struct AttachArgs {
@@ -164,22 +163,7 @@ fn run_interface(
     }
     let mut state = match AttachState::load(&id)? {
         Some(s) if adopted => s,
-        _ => AttachState {
-            layout_version: LAYOUT_VERSION,
-            iface: iface.to_string(),
-            netns: args.netns.clone(),
-            id,
-            mode: mode_used,
-            profile_path: String::new(),
-            rules: Vec::new(),
-            next_state_id: 0,
-            attached_at_unix: now_unix(),
-            key_table_entries: set.settings.key_table_entries,
-            source_cache_entries: set.settings.source_cache_entries,
-            quota_table_entries: set.settings.quota_table_entries,
-            stats: set.settings.stats,
-            connection_table_entries: set.settings.connection_table_entries,
-        },
+        _ => AttachState::fresh(id, iface, args.netns.clone(), mode_used, &set.settings, now_unix()),
     };
     let mut maps = Maps::open(&id)?;
     preflight::attachment(&state, &set)?;

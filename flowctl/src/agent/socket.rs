@@ -17,6 +17,13 @@ pub enum Request {
     Apply {
         profile: String,
     },
+    /// `flowctl list update`: list `name` read again, from `file` (an
+    /// absolute path) or else the file the profile names, and applied.
+    ListUpdate {
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        file: Option<String>,
+    },
     /// The heaviest keys of a rule (`top --keys`); starts key sampling,
     /// which stops again when nobody has asked for 10 s.
     Keys {

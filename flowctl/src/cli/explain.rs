@@ -24,7 +24,7 @@ pub fn explain(
     let id = AttachId::of(iface)?;
     let state =
         AttachState::load(&id)?.with_context(|| format!("nothing is attached to {iface}"))?;
-    let set = profile::load(&id.run_dir().join(run_file::PROFILE))?;
+    let set = profile::load_recorded(&id.run_dir().join(run_file::PROFILE))?;
     let proto_n: u8 = match proto {
         "tcp" => 6,
         "udp" => 17,

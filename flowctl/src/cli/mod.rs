@@ -8,6 +8,7 @@ pub mod doctor;
 pub mod explain;
 pub mod format;
 pub mod generate;
+pub mod list;
 pub mod publish;
 pub mod rollout;
 pub mod simulate;

@@ -81,6 +81,8 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "kernel_memory_bytes": dataplane::pinned_memlock(&id),
             "rules": rules,
             "unmatched": unmatched,
+            // [[list]]s: their prefixes in the kernel's trie, and who names them.
+            "lists": state.as_ref().map(|s| s.lists.clone()).unwrap_or_default(),
             // [[shaper]] tables: what they paced (the agent runs them).
             "shapers": shapers,
             // SYNs (new TCP connections) since attach, every record's.
@@ -176,6 +178,17 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                 );
             }
         }
+        for l in a["lists"].as_array().into_iter().flatten() {
+            let rules: Vec<&str> =
+                l["rules"].as_array().into_iter().flatten().filter_map(|r| r.as_str()).collect();
+            out!(
+                "  list `{}`: {} prefixes from {}, named by {}",
+                l["name"].as_str().unwrap_or("?"),
+                l["prefixes"],
+                l["file"].as_str().unwrap_or("the profile"),
+                if rules.is_empty() { "no rule".to_string() } else { format!("rule `{}`", rules.join("`, `")) }
+            );
+        }
         if let Some(line) = syn_line(&a["syn_totals"]) {
             out!("  {line}");
         }
@@ -190,7 +203,7 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
 /// what the kernel counted for each since the agent installed them.
 fn shapers_json(id: &pins::AttachId, m: &Maps) -> Vec<serde_json::Value> {
     let path = id.run_dir().join(pins::run_file::PROFILE);
-    let Ok(set) = crate::profile::load(&path) else { return Vec::new() };
+    let Ok(set) = crate::profile::load_recorded(&path) else { return Vec::new() };
     let mut out = Vec::new();
     for (i, s) in set.shapers.iter().enumerate() {
         let c = m.shaper_counters(i as u32).unwrap_or_default();

@@ -5,7 +5,7 @@
 
 use super::{
     maps::Maps,
-    state::{AttachState, RuleState},
+    state::{AttachState, ListState, RuleState},
 };
 use crate::{profile::RuleSet, system::clock::monotonic_ns};
 use anyhow::{anyhow, bail, Result};
@@ -14,11 +14,13 @@ use aya::{
     Pod,
 };
 use flowctl_common::{
-    nested_limit_at, nested_state_id, tables, RuleConfig, RuleCounters, StatsBucket, TrieData,
+    nested_limit_at, nested_state_id,
+    tables::{self, Source},
+    RuleConfig, RuleCounters, StatsBucket, TrieData,
     DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
     PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
 };
-use std::{fs, ops::Range};
+use std::{collections::HashSet, fs, ops::Range};
 
 /// Assigns counter records and bucket-state ids for `set`, keeping a rule's
 /// record while its name is unchanged and its state id while its match and
@@ -156,25 +158,12 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         }
     }
     let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
-    let t = tables::compile(&specs, slot as u8);
+    let t = tables::compile(&specs, slot as u8)?;
     write_slot(&mut maps.proto, slot, PROTO_INDICES, &t.proto)?;
     write_slot(&mut maps.port, slot, PORT_INDICES, &t.port)?;
     write_slot(&mut maps.rule_sets, slot, RULE_SETS, &t.sets)?;
-    // Replace this slot's trie entries.
-    let stale: Vec<Key<TrieData>> = maps
-        .trie
-        .keys()
-        .filter_map(|k| k.ok())
-        .filter(|k| k.data()[0] >> 1 == slot as u8)
-        .collect();
-    for k in &stale {
-        let _ = maps.trie.remove(k);
-    }
-    // Classes first, so no trie entry ever names a class not yet written.
     write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
-    for e in &t.trie {
-        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0)?;
-    }
+    write_trie(maps, slot as u8, &t.trie)?;
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
     let now = monotonic_ns();
     for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
@@ -209,6 +198,57 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     maps.global.set(0, g, 0)?;
     state.rules = planned;
     state.next_state_id = next;
+    state.lists = list_states(set);
+    Ok(())
+}
+
+/// The lists of `set` as `status` shows them.
+fn list_states(set: &RuleSet) -> Vec<ListState> {
+    set.lists
+        .iter()
+        .map(|l| ListState {
+            name: l.prefixes.name.clone(),
+            prefixes: l.prefixes.prefixes.len() as u64,
+            file: l.file.as_ref().map(|f| f.display().to_string()),
+            rules: set
+                .rules
+                .iter()
+                .filter(|r| matches!(&r.spec.src, Some(Source::List(x)) if x.name == l.prefixes.name))
+                .map(|r| r.name.clone())
+                .collect(),
+        })
+        .collect()
+}
+
+/// Makes `slot`'s trie entries `entries`: each is written (over the old
+/// one with its key, if any), then the slot's entries that are not among
+/// them are removed. The slot is not live, so the order does not matter
+/// to packets; this one never holds more than the two slots' entries.
+fn write_trie(maps: &mut Maps, slot: u8, entries: &[tables::TrieEntry]) -> Result<()> {
+    let mut stale: HashSet<(u32, TrieData)> = maps
+        .trie
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| k.data()[0] >> 1 == slot)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect();
+    for e in entries {
+        maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0).map_err(|err| {
+            anyhow!(
+                "writing the source trie ({} entries): {err}{}",
+                entries.len(),
+                if matches!(&err, aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM)) {
+                    "; the kernel is out of memory for it (a smaller list, or more memory)"
+                } else {
+                    ""
+                }
+            )
+        })?;
+        stale.remove(&(e.prefix_len, e.data));
+    }
+    for (len, data) in stale {
+        let _ = maps.trie.remove(&Key::new(len, data));
+    }
     Ok(())
 }
 

@@ -15,6 +15,19 @@ pub struct RuleState {
     pub record: u32,
 }
 
+/// A `[[list]]` as applied: what `status` shows of it (the prefixes are in
+/// the kernel's trie; the profile's copy in the run directory names only
+/// the file).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListState {
+    pub name: String,
+    pub prefixes: u64,
+    /// Where it was read from; `None` when inline.
+    pub file: Option<String>,
+    /// The rules that name it.
+    pub rules: Vec<String>,
+}
+
 /// What the agent (or an agent-less apply) records about an attachment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttachState {
@@ -38,6 +51,9 @@ pub struct AttachState {
     pub stats: crate::profile::StatsSettings,
     #[serde(default = "default_conn_entries")]
     pub connection_table_entries: u32,
+    /// The applied profile's lists.
+    #[serde(default)]
+    pub lists: Vec<ListState>,
 }
 
 fn default_conn_entries() -> u32 {
@@ -49,6 +65,35 @@ fn default_quota_entries() -> u32 {
 }
 
 impl AttachState {
+    /// A new attachment's state, nothing applied yet: the table shapes of
+    /// `settings`, which the program is loaded with.
+    pub fn fresh(
+        id: AttachId,
+        iface: &str,
+        netns: Option<String>,
+        mode: String,
+        settings: &crate::profile::Settings,
+        attached_at_unix: u64,
+    ) -> Self {
+        Self {
+            layout_version: flowctl_common::LAYOUT_VERSION,
+            iface: iface.to_string(),
+            netns,
+            id,
+            mode,
+            profile_path: String::new(),
+            rules: Vec::new(),
+            next_state_id: 0,
+            attached_at_unix,
+            key_table_entries: settings.key_table_entries,
+            source_cache_entries: settings.source_cache_entries,
+            quota_table_entries: settings.quota_table_entries,
+            stats: settings.stats,
+            connection_table_entries: settings.connection_table_entries,
+            lists: Vec::new(),
+        }
+    }
+
     pub fn path(id: &AttachId) -> PathBuf {
         id.run_dir().join(run_file::STATE)
     }

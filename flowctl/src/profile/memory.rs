@@ -101,6 +101,7 @@ impl Settings {
                 size_of::<flowctl_common::GlobalBucket>(),
             );
         cache
+            + list_trie_bytes(self.list_prefixes)
             + keys
             + quotas
             + conns
@@ -108,6 +109,19 @@ impl Settings {
             + fixed_table_bytes_on(cpus)
             + self.stats.kernel_bytes_on(cpus)
     }
+}
+
+/// Kernel bytes of an LPM trie node: `struct lpm_trie_node` (an RCU head,
+/// two child pointers, the prefix length and flags: 40 bytes) plus the
+/// 17-byte key data and the 4-byte class, in a 64-byte allocation. A
+/// prefix takes its own node and at most one intermediate node.
+const LPM_NODE_BYTES: u64 = 64;
+
+/// Kernel bytes of the lists' trie entries: two slots of them (an apply
+/// writes the new slot before it removes the old one's), each prefix at
+/// most two nodes. Measured in docs/lists.md.
+pub fn list_trie_bytes(prefixes: u64) -> u64 {
+    2 * 2 * LPM_NODE_BYTES * prefixes
 }
 
 /// The tables must fit `memory_budget`; `span` is where to point
@@ -141,7 +155,7 @@ pub fn human_bytes(n: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use crate::profile::{parse, tests::err};
+    use crate::profile::{parse, tests::err, Settings};
 
     #[test]
     fn memory_budget_rejects_big_tables() {
@@ -164,7 +178,11 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "746.7 MiB");
+        assert_eq!(super::human_bytes(on_128), "747.0 MiB");
+        // A list of a million prefixes: two slots of at most two 64-byte
+        // trie nodes each, 244 MiB more.
+        let listed = Settings { list_prefixes: 1_000_000, ..ok.settings.clone() };
+        assert_eq!(listed.kernel_memory_bytes_on(2) - mem, 256_000_000);
         // All 256 rules: rings for 513 records, 5.6 MiB per CPU: 1.07 GiB,
         // over the budget on 128 CPUs (as before max_rules existed).
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")

@@ -22,6 +22,7 @@ pub mod breaker;
 mod error;
 mod fleet;
 pub mod klimiter;
+pub mod list;
 mod memory;
 mod model;
 mod primitives;
@@ -52,6 +53,15 @@ pub fn load(path: &Path) -> Result<RuleSet, ProfileError> {
     parse(&file, &text)
 }
 
+/// An applied profile's copy in the run-time directory, for readers that
+/// ask the kernel which source matches what: its list files are not read
+/// (a file list has its name and no prefixes).
+pub fn load_recorded(path: &Path) -> Result<RuleSet, ProfileError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ProfileError::unreadable(&file, &e))?;
+    parse_with(&file, &text, list::Files::Unread)
+}
+
 /// Validates profile text; `file` is used in error messages.
 ///
 /// The first error found is the one returned, so the order is fixed,
@@ -60,6 +70,10 @@ pub fn load(path: &Path) -> Result<RuleSet, ProfileError> {
 /// baseline (they name rules); the checks between rules and baselines;
 /// each breaker, then the checks across breakers; the memory budget.
 pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
+    parse_with(file, text, list::Files::Read)
+}
+
+fn parse_with(file: &str, text: &str, files: list::Files) -> Result<RuleSet, ProfileError> {
     let cx = Ctx { file, text };
     let raw: RawProfile = toml::from_str(text).map_err(|e| {
         let span = e.span().unwrap_or(0..0);
@@ -82,9 +96,14 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
         };
         return Err(cx.err(span, why));
     }
+    let lists = list::lists(&cx, &raw.list, files)?;
+    let settings = Settings {
+        list_prefixes: lists.iter().map(|l| l.prefixes.prefixes.len() as u64).sum(),
+        ..settings
+    };
     let mut rules: Vec<Rule> = Vec::new();
     for r in &raw.rule {
-        let rule = rule::rule(&cx, r)?;
+        let rule = rule::rule(&cx, r, &lists)?;
         if rules.iter().any(|o| o.name == rule.name) {
             return Err(cx.err(r.span(), format!("duplicate rule name `{}`", rule.name)));
         }
@@ -126,8 +145,25 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
             return Err(cx.err(span, "scope = \"global\" needs a [fleet] section with redis = \"redis://HOST:6379\": the store the hosts share the limit through"));
         }
     }
+    sources_fit(&cx, &raw, &rules)?;
     memory::check_budget(&cx, &settings, budget_span)?;
-    Ok(RuleSet { settings, rules, klimiter, baselines, breakers, shapers, fleet })
+    Ok(RuleSet { settings, rules, klimiter, baselines, breakers, shapers, fleet, lists })
+}
+
+/// The rules' sources must fit the kernel's classes (lists that overlap
+/// in many ways may not): compiled here as `apply` will, so `check`
+/// refuses what `apply` could not write. Pointed at the first rule that
+/// names a list.
+fn sources_fit(cx: &Ctx, raw: &RawProfile, rules: &[Rule]) -> Result<(), ProfileError> {
+    let specs: Vec<_> = rules.iter().map(|r| r.spec.clone()).collect();
+    let Err(e) = flowctl_common::tables::compile(&specs, 0) else {
+        return Ok(());
+    };
+    let at = rules
+        .iter()
+        .position(|r| matches!(r.spec.src, Some(flowctl_common::tables::Source::List(_))))
+        .map_or(0..0, |i| raw.rule[i].span());
+    Err(cx.err(at, e.to_string()))
 }
 
 /// BBR reads its window from the statistics ring: one BBR bucket per ring

@@ -8,7 +8,7 @@ use flowctl_common::{
     action,
     breaker::StateConfig,
     key_kind, stats,
-    tables::{Cidr, MatchSpec},
+    tables::{Cidr, MatchSpec, PrefixList},
     unit, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_MAX_RULES,
     DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     MAX_RULES, XDP_PASS,
@@ -26,6 +26,20 @@ pub struct RuleSet {
     pub shapers: Vec<super::shaper::Shaper>,
     /// The store global rules share (required when there is one).
     pub fleet: Option<Fleet>,
+    /// `[[list]]`: prefixes rules name with `src = "@name"`.
+    pub lists: Vec<List>,
+}
+
+// ---- [[list]] ----
+
+/// One validated `[[list]]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct List {
+    pub prefixes: PrefixList,
+    /// The file it was read from (resolved), `None` when inline: what
+    /// `flowctl list update NAME` reads again.
+    pub file: Option<std::path::PathBuf>,
+    pub line: usize,
 }
 
 // ---- [fleet] ----
@@ -101,6 +115,9 @@ pub struct Settings {
     /// log shows `flowctl::kernel` at debug (`system::log::kernel_events`);
     /// off, the verifier prunes them.
     pub kernel_events: bool,
+    /// Not a profile key: the prefixes of the profile's lists, whose trie
+    /// entries cost kernel memory (`super::memory`).
+    pub list_prefixes: u64,
 }
 
 impl Default for Settings {
@@ -118,6 +135,7 @@ impl Default for Settings {
             stats: StatsSettings::default(),
             cpu_source: CpuSource::Host,
             kernel_events: false,
+            list_prefixes: 0,
         }
     }
 }
@@ -218,6 +236,9 @@ pub struct Rule {
     /// `warm_up` (and `cold_factor`): the rule's aggregate bucket ramps
     /// from `rate / cold_factor` to its rate (docs/algorithms.md, 1.8).
     pub warm_up: Option<WarmUp>,
+    /// `action = "block"`: every packet is dropped (a `drop` rule whose
+    /// bucket never holds a token).
+    pub block: bool,
 }
 
 /// A rule's warm-up ramp.
@@ -367,7 +388,7 @@ impl Rule {
             None => "any".to_string(),
             Some(p) => proto_name(p),
         };
-        let src = self.spec.src.map(|c| c.to_string()).unwrap_or_else(|| "any".into());
+        let src = self.spec.src.as_ref().map(|c| c.to_string()).unwrap_or_else(|| "any".into());
         let ports = match self.spec.ports {
             None => "any".into(),
             Some((a, b)) if a == b => a.to_string(),

@@ -19,6 +19,17 @@ pub struct RawProfile {
     #[serde(default)]
     pub shaper: Vec<Spanned<RawShaper>>,
     pub fleet: Option<Spanned<RawFleet>>,
+    #[serde(default)]
+    pub list: Vec<Spanned<RawList>>,
+}
+
+/// `[[list]]`: named prefixes, from a file or inline.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawList {
+    pub name: Spanned<String>,
+    pub file: Option<Spanned<String>>,
+    pub entries: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// `[[shaper]]`: a downstream target this host paces what it sends to.

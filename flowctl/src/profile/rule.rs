@@ -8,7 +8,7 @@
 use super::{
     error::{Ctx, ProfileError},
     model::{
-        proto_name, BbrRule, DefaultShare, GlobalScope, NestedLimit, Rule, WarmUp,
+        proto_name, BbrRule, DefaultShare, GlobalScope, List, NestedLimit, Rule, WarmUp,
         DEFAULT_QUOTA_BUCKETS, MIN_BYTE_BURST, TCP, UDP,
     },
     primitives::{amount, cidr, duration, keyword, name, ports, protocol, rate},
@@ -17,13 +17,13 @@ use super::{
 use flowctl_common::{
     action, gcra, key_kind,
     rate::{Dimension, Rate},
-    tables::MatchSpec,
+    tables::{MatchSpec, Source},
     unit, MAX_NESTED_LIMITS, MAX_QUOTA_BUCKETS, OPEN_BUCKETS, OPEN_BUCKET_NS,
 };
 use toml::Spanned;
 
 /// Validates one `[[rule]]`.
-pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
+pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>, lists: &[List]) -> Result<Rule, ProfileError> {
     let span = raw.span();
     let r = raw.get_ref();
     let name = name(
@@ -32,12 +32,12 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         64,
         "rule names are 1-64 characters of letters, digits, '-', '_' or '.'",
     )?;
-    let spec = match_spec(cx, r)?;
+    let spec = match_spec(cx, r, lists)?;
     let action = rule_action(cx, r)?;
     let mut rule = Rule {
         name,
         line: cx.line(&span),
-        spec: MatchSpec { enforcing: action == action::DROP, ..spec },
+        spec: MatchSpec { enforcing: action == action::DROP || action == BLOCK, ..spec },
         action,
         unit: unit::PACKETS,
         key_kind: key_kind::RULE,
@@ -60,9 +60,21 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>) -> Result<Rule, ProfileError> {
         book_retransmits: false,
         limits: Vec::new(),
         warm_up: None,
+        block: false,
     };
     if action == action::PASS {
-        nothing_to_limit(cx, r)?;
+        nothing_to_limit(cx, r, "pass")?;
+        return Ok(rule);
+    }
+    if action == BLOCK {
+        // A bucket that never holds a token: every packet is refused (and
+        // counted as a rate drop), with no kernel stage of its own.
+        nothing_to_limit(cx, r, "block")?;
+        rule.action = action::DROP;
+        rule.block = true;
+        rule.rate_text = "block".into();
+        rule.interval_fp = u64::MAX;
+        rule.burst_ns = 0;
         return Ok(rule);
     }
     if r.rate.is_none() && r.quota.is_none() {
@@ -297,12 +309,12 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
 /// What a packet must be to match: `proto`, `src` and `dport` (which needs
 /// a protocol with ports, when a protocol is named). Whether the rule
 /// enforces is its action's (`enforcing` is left false).
-fn match_spec(cx: &Ctx, r: &RawRule) -> Result<MatchSpec, ProfileError> {
+fn match_spec(cx: &Ctx, r: &RawRule, lists: &[List]) -> Result<MatchSpec, ProfileError> {
     let proto = match &r.proto {
         None => None,
         Some(p) => protocol(cx, p)?,
     };
-    let src = r.src.as_ref().map(|s| cidr(cx, s)).transpose()?;
+    let src = r.src.as_ref().map(|s| source(cx, s, lists)).transpose()?;
     let ports = match &r.dport {
         None => None,
         Some(p) => {
@@ -319,6 +331,25 @@ fn match_spec(cx: &Ctx, r: &RawRule) -> Result<MatchSpec, ProfileError> {
     Ok(MatchSpec { proto, src, ports, enforcing: false })
 }
 
+/// `src`: a prefix, or `@name` of a `[[list]]`.
+fn source(cx: &Ctx, s: &Spanned<String>, lists: &[List]) -> Result<Source, ProfileError> {
+    let Some(wanted) = s.get_ref().trim().strip_prefix('@') else {
+        return Ok(Source::Prefix(cidr(cx, s)?));
+    };
+    match lists.iter().find(|l| l.prefixes.name == wanted) {
+        Some(l) => Ok(Source::List(l.prefixes.clone())),
+        None => {
+            let names: Vec<&str> = lists.iter().map(|l| l.prefixes.name.as_str()).collect();
+            let declared = if names.is_empty() {
+                "the profile declares none".to_string()
+            } else {
+                format!("declared: {}", names.join(", "))
+            };
+            Err(cx.err(s.span(), format!("no [[list]] named `{wanted}` ({declared})")))
+        }
+    }
+}
+
 fn rule_action(cx: &Ctx, r: &RawRule) -> Result<u8, ProfileError> {
     match &r.action {
         None => Ok(action::DROP),
@@ -331,23 +362,33 @@ fn rule_action(cx: &Ctx, r: &RawRule) -> Result<u8, ProfileError> {
                 ("pass", action::PASS),
                 ("dry-run", action::DRY_RUN),
                 ("dry_run", action::DRY_RUN),
+                ("block", BLOCK),
             ],
-            "use drop, pass or dry-run",
+            "use drop, pass, dry-run or block",
         ),
     }
 }
 
-/// A `pass` rule limits nothing: a limit on it is a mistake.
-fn nothing_to_limit(cx: &Ctx, r: &RawRule) -> Result<(), ProfileError> {
+/// `action = "block"` as `rule_action` reads it (the rule's kernel action
+/// is `drop`, with a bucket that refuses everything).
+const BLOCK: u8 = u8::MAX;
+
+/// A `pass` rule limits nothing and a `block` rule drops everything: a
+/// limit on either is a mistake.
+fn nothing_to_limit(cx: &Ctx, r: &RawRule, word: &str) -> Result<(), ProfileError> {
     for (f, s) in [
         ("rate", r.rate.as_ref().map(|x| x.span())),
         ("burst", r.burst.as_ref().map(|x| x.span())),
         ("key", r.key.as_ref().map(|x| x.span())),
         ("quota", r.quota.as_ref().map(|x| x.span())),
         ("[[rule.limit]]", r.limit.first().map(|x| x.span())),
+        ("warm_up", r.warm_up.as_ref().map(|x| x.span())),
+        ("bbr", r.bbr.as_ref().map(|x| x.span())),
+        ("scope", r.scope.as_ref().map(|x| x.span())),
+        ("admission_ratio", r.admission_ratio.as_ref().map(|x| x.span())),
     ] {
         if let Some(s) = s {
-            return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"pass\"")));
+            return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"{word}\"")));
         }
     }
     Ok(())

@@ -5,6 +5,7 @@
 
 use super::reference::{RefProfile, WINDOW};
 use std::net::IpAddr;
+use flowctl_common::tables::{Cidr, Source};
 
 /// SplitMix64: small, fast, and good enough to pick layouts.
 #[derive(Clone, Debug)]
@@ -147,7 +148,14 @@ impl Targets {
         let (mut v4, mut v6, mut ports, mut protos) =
             (vec![], vec![], vec![53u16, 80, 443], vec![]);
         for r in &p.rules {
-            if let Some(c) = r.src {
+            let prefixes: &[Cidr] = match &r.src {
+                None => &[],
+                Some(Source::Prefix(c)) => std::slice::from_ref(c),
+                // Aim at a list's first prefixes (a long list would crowd
+                // out every other target).
+                Some(Source::List(l)) => &l.prefixes[..l.prefixes.len().min(16)],
+            };
+            for c in prefixes {
                 match c.addr {
                     IpAddr::V4(a) => v4.push((u32::from(a), c.len)),
                     IpAddr::V6(a) => v6.push((u128::from(a), c.len)),

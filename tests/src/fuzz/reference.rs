@@ -5,7 +5,7 @@
 //! decides a class decides it.
 
 use flowctl::profile;
-use flowctl_common::{action, reason, tables::Cidr, XDP_DROP, XDP_PASS};
+use flowctl_common::{action, reason, tables::Source, XDP_DROP, XDP_PASS};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The parse window: every header the parser reads ends within it.
@@ -35,7 +35,8 @@ pub fn is_ext(nh: u8) -> bool {
 pub struct RefRule {
     pub name: String,
     pub proto: Option<u8>,
-    pub src: Option<Cidr>,
+    /// A prefix or a list (`@name`): the address is in one of its prefixes.
+    pub src: Option<Source>,
     pub ports: Option<(u16, u16)>,
     /// `action = "drop"` (the profile's word for limit): refused packets are dropped.
     pub enforcing: bool,
@@ -67,7 +68,7 @@ impl RefProfile {
             .map(|r| RefRule {
                 name: r.name.clone(),
                 proto: r.spec.proto,
-                src: r.spec.src,
+                src: r.spec.src.clone(),
                 ports: r.spec.ports,
                 enforcing: r.action == action::DROP,
             })

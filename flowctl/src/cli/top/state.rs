@@ -245,7 +245,7 @@ fn attachment(
     dt: f64,
 ) -> Result<Attachment> {
     let agent = pins::agent_running(id);
-    let set = profile::load(&id.run_dir().join(pins::run_file::PROFILE)).ok();
+    let set = profile::load_recorded(&id.run_dir().join(pins::run_file::PROFILE)).ok();
     let maps = Maps::open(id)?;
     // What only the agent knows, read once: `None` when it is not running.
     let agent_rec = crate::agent::occupancy::fresh_record(&maps);
