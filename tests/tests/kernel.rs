@@ -472,6 +472,53 @@ fn apply_keeps_state_and_reclassifies_cached_sources() {
     assert_eq!(p.run(&f), XDP_PASS, "changed limits start a fresh bucket");
 }
 
+/// `[[list]]`s in the kernel's trie: a `pass` rule's list exempts, a
+/// `block` rule's list drops every packet (from the first, counted as
+/// rate drops), nested and IPv6 prefixes included, an unlisted source is
+/// unmatched; a new list applied is in force for a source the cache
+/// already knew.
+fn lists_classify_sources_and_block_rules_drop_everything() {
+    let rules = |block: &str| {
+        profile(&format!(
+            "[[list]]\nname = \"vip\"\nentries = [\"10.20.5.0/24\"]\n\
+[[list]]\nname = \"block\"\nentries = [{block}]\n\
+[[rule]]\nname = \"vip\"\nsrc = \"@vip\"\naction = \"pass\"\n\
+[[rule]]\nname = \"banned\"\nsrc = \"@block\"\naction = \"block\"\n"
+        ))
+    };
+    let mut p = TestPlane::new(&rules(
+        "\"10.20.0.0/16\", \"10.20.9.9/32\", \"2001:db8:20::/48\", \"192.0.2.7\"",
+    ));
+    let v6 = |last: u8| {
+        V6::new([0x20, 0x01, 0x0d, 0xb8, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]).build(L4::Icmp, 0)
+    };
+    let vip = V4::new([10, 20, 5, 9]).build(L4::Icmp, 0);
+    let listed = V4::new([10, 20, 9, 9]).build(L4::Icmp, 0);
+    let host = V4::new([192, 0, 2, 7]).build(L4::Icmp, 0);
+    let unlisted = V4::new([10, 21, 0, 1]).build(L4::Icmp, 0);
+    for _ in 0..3 {
+        assert_eq!(p.run(&vip), XDP_PASS, "the pass rule's list comes first");
+        assert_eq!(p.run(&listed), XDP_DROP, "a blocked source, from its first packet");
+        assert_eq!(p.run(&host), XDP_DROP, "a bare address in a list is a /32");
+        assert_eq!(p.run(&v6(0x20)), XDP_DROP, "IPv6 prefixes of a list");
+        assert_eq!(p.run(&v6(0x21)), XDP_PASS);
+        assert_eq!(p.run(&unlisted), XDP_PASS);
+    }
+    let banned = p.counters("banned");
+    assert_eq!((banned.offered_pkts, banned.passed_pkts), (9, 0));
+    assert_eq!(banned.dropped_pkts[reason::RATE], 9);
+    assert_eq!(p.counters("vip").passed_pkts, 3);
+    assert_eq!(p.unmatched().offered_pkts, 6);
+    // The block list now holds only the formerly unlisted source: the cached
+    // sources are classified again.
+    p.apply(&rules("\"10.21.0.0/24\""));
+    assert_eq!(p.run(&listed), XDP_PASS);
+    assert_eq!(p.run(&v6(0x20)), XDP_PASS);
+    assert_eq!(p.run(&unlisted), XDP_DROP);
+    assert_eq!(p.run(&vip), XDP_PASS);
+    assert_eq!(p.counters("banned").offered_pkts, 10, "the rule kept its counters");
+}
+
 /// Every key kind builds buckets as documented.
 fn key_kinds_split_buckets() {
     let cases = [
@@ -1702,6 +1749,7 @@ fn main() {
         truncation_at_every_boundary: [Root],
         fragment_policy_v4_and_v6: [Root],
         apply_keeps_state_and_reclassifies_cached_sources: [Root],
+        lists_classify_sources_and_block_rules_drop_everything: [Root],
         key_kinds_split_buckets: [Root],
         exact_under_concurrency: [Root],
         verifier_rejection_carries_the_log_tail: [Root],

@@ -209,12 +209,13 @@ impl<'a> InterfaceAgent<'a> {
             Ok(s) => s,
             Err(e) => return Response::err(format!("{e} (nothing was applied)")),
         };
+        tracing::debug!("list `{name}` read and checked in {:?}", started.elapsed());
         let before = self.set.lists.iter().find(|l| l.prefixes.name == name);
         let before = before.map_or(0, |l| l.prefixes.prefixes.len());
         let after = set.lists.iter().find(|l| l.prefixes.name == name);
         let after = after.map_or(0, |l| l.prefixes.prefixes.len());
-        if let Err(e) = dataplane::apply(&mut self.maps, &mut self.state, &set)
-            .and_then(|()| self.state.save())
+        if let Err(e) =
+            dataplane::apply(&mut self.maps, &mut self.state, &set).and_then(|()| self.state.save())
         {
             return Response::err(format!("{e:#}"));
         }

@@ -163,7 +163,9 @@ fn run_interface(
     }
     let mut state = match AttachState::load(&id)? {
         Some(s) if adopted => s,
-        _ => AttachState::fresh(id, iface, args.netns.clone(), mode_used, &set.settings, now_unix()),
+        _ => {
+            AttachState::fresh(id, iface, args.netns.clone(), mode_used, &set.settings, now_unix())
+        }
     };
     let mut maps = Maps::open(&id)?;
     preflight::attachment(&state, &set)?;

@@ -26,10 +26,8 @@ pub fn update(iface: &str, name: &str, file: Option<&Path>, netns: &Option<Strin
     require_root()?;
     enter(netns)?;
     let id = AttachId::of(iface)?;
-    let req = Request::ListUpdate {
-        name: name.to_string(),
-        file: file.map(|f| f.display().to_string()),
-    };
+    let req =
+        Request::ListUpdate { name: name.to_string(), file: file.map(|f| f.display().to_string()) };
     match socket::call(&id, &req)? {
         Some(r) if r.ok => {
             out!("{}", r.message);

@@ -186,7 +186,11 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                 l["name"].as_str().unwrap_or("?"),
                 l["prefixes"],
                 l["file"].as_str().unwrap_or("the profile"),
-                if rules.is_empty() { "no rule".to_string() } else { format!("rule `{}`", rules.join("`, `")) }
+                if rules.is_empty() {
+                    "no rule".to_string()
+                } else {
+                    format!("rule `{}`", rules.join("`, `"))
+                }
             );
         }
         if let Some(line) = syn_line(&a["syn_totals"]) {

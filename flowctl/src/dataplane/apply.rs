@@ -16,9 +16,8 @@ use aya::{
 use flowctl_common::{
     nested_limit_at, nested_state_id,
     tables::{self, Source},
-    RuleConfig, RuleCounters, StatsBucket, TrieData,
-    DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
-    PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
+    RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES,
+    MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
 };
 use std::{collections::HashSet, fs, ops::Range};
 
@@ -163,7 +162,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     write_slot(&mut maps.port, slot, PORT_INDICES, &t.port)?;
     write_slot(&mut maps.rule_sets, slot, RULE_SETS, &t.sets)?;
     write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
-    write_trie(maps, slot as u8, &t.trie)?;
+    write_trie(maps, slot as u8, t.trie)?;
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
     let now = monotonic_ns();
     for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
@@ -213,26 +212,71 @@ fn list_states(set: &RuleSet) -> Vec<ListState> {
             rules: set
                 .rules
                 .iter()
-                .filter(|r| matches!(&r.spec.src, Some(Source::List(x)) if x.name == l.prefixes.name))
+                .filter(
+                    |r| matches!(&r.spec.src, Some(Source::List(x)) if x.name == l.prefixes.name),
+                )
                 .map(|r| r.name.clone())
                 .collect(),
         })
         .collect()
 }
 
-/// Makes `slot`'s trie entries `entries`: each is written (over the old
-/// one with its key, if any), then the slot's entries that are not among
-/// them are removed. The slot is not live, so the order does not matter
-/// to packets; this one never holds more than the two slots' entries.
-fn write_trie(maps: &mut Maps, slot: u8, entries: &[tables::TrieEntry]) -> Result<()> {
-    let mut stale: HashSet<(u32, TrieData)> = maps
-        .trie
-        .keys()
-        .filter_map(|k| k.ok())
-        .filter(|k| k.data()[0] >> 1 == slot)
-        .map(|k| (k.prefix_len(), k.data()))
-        .collect();
-    for e in entries {
+/// Makes `slot`'s trie entries `entries` (sorted, as `tables::compile`
+/// leaves them). Against what this process last wrote there, only the
+/// difference is written; otherwise every entry is written (over the old
+/// one with its key, if any) and the slot's other entries, read back from
+/// the kernel, are removed. The slot is not live, so the order does not
+/// matter to packets; the trie never holds more than the two slots.
+fn write_trie(maps: &mut Maps, slot: u8, entries: Vec<tables::TrieEntry>) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let key = |e: &tables::TrieEntry| (e.data, e.prefix_len);
+    let (writes, removes): (Vec<&tables::TrieEntry>, Vec<(u32, TrieData)>) =
+        match maps.trie_written[slot as usize].take() {
+            Some(old) if old.is_sorted_by_key(key) && entries.is_sorted_by_key(key) => {
+                let (mut writes, mut removes) = (Vec::new(), Vec::new());
+                let (mut i, mut j) = (0, 0);
+                while i < old.len() || j < entries.len() {
+                    let ord = match (old.get(i), entries.get(j)) {
+                        (Some(o), Some(n)) => key(o).cmp(&key(n)),
+                        (Some(_), None) => std::cmp::Ordering::Less,
+                        _ => std::cmp::Ordering::Greater,
+                    };
+                    match ord {
+                        std::cmp::Ordering::Less => {
+                            removes.push((old[i].prefix_len, old[i].data));
+                            i += 1;
+                        }
+                        std::cmp::Ordering::Greater => {
+                            writes.push(&entries[j]);
+                            j += 1;
+                        }
+                        std::cmp::Ordering::Equal => {
+                            if old[i].class != entries[j].class {
+                                writes.push(&entries[j]);
+                            }
+                            i += 1;
+                            j += 1;
+                        }
+                    }
+                }
+                (writes, removes)
+            }
+            _ => {
+                let mut stale: HashSet<(u32, TrieData)> = maps
+                    .trie
+                    .keys()
+                    .filter_map(|k| k.ok())
+                    .filter(|k| k.data()[0] >> 1 == slot)
+                    .map(|k| (k.prefix_len(), k.data()))
+                    .collect();
+                for e in &entries {
+                    stale.remove(&(e.prefix_len, e.data));
+                }
+                (entries.iter().collect(), stale.into_iter().collect())
+            }
+        };
+    let t1 = t0.elapsed();
+    for e in &writes {
         maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0).map_err(|err| {
             anyhow!(
                 "writing the source trie ({} entries): {err}{}",
@@ -244,11 +288,17 @@ fn write_trie(maps: &mut Maps, slot: u8, entries: &[tables::TrieEntry]) -> Resul
                 }
             )
         })?;
-        stale.remove(&(e.prefix_len, e.data));
     }
-    for (len, data) in stale {
-        let _ = maps.trie.remove(&Key::new(len, data));
+    let t2 = t0.elapsed();
+    for (len, data) in &removes {
+        let _ = maps.trie.remove(&Key::new(*len, *data));
     }
+    tracing::debug!(
+        diff = ?t1, write = ?(t2 - t1), remove = ?(t0.elapsed() - t2),
+        "source trie of slot {slot}: {} entries, {} written, {} removed",
+        entries.len(), writes.len(), removes.len()
+    );
+    maps.trie_written[slot as usize] = Some(entries);
     Ok(())
 }
 

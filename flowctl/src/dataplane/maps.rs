@@ -41,6 +41,11 @@ pub struct Maps {
     pub shapers: Array<MapData, flowctl_common::shaper::ShaperConfig>,
     pub shaper_next: Array<MapData, u64>,
     pub shaper_counts: PerCpuArray<MapData, flowctl_common::shaper::ShaperCounters>,
+    /// What this process last wrote into each slot of the source trie, so
+    /// an apply writes only what changed (a list of a million that gains
+    /// one address costs one insert); `None` when not known (another
+    /// process wrote it, or a write failed): the slot is read back.
+    pub trie_written: [Option<Vec<tables::TrieEntry>>; 2],
 }
 
 /// Where a warm-up rule's ramp stands (`Maps::warm_up`).
@@ -87,6 +92,7 @@ impl Maps {
                 &d,
                 names::SHAPER_COUNTS,
             )?))?,
+            trie_written: [None, None],
         })
     }
 

@@ -33,11 +33,7 @@ pub enum Files {
 }
 
 /// Validates the profile's lists, reading their files.
-pub fn lists(
-    cx: &Ctx,
-    raw: &[Spanned<RawList>],
-    files: Files,
-) -> Result<Vec<List>, ProfileError> {
+pub fn lists(cx: &Ctx, raw: &[Spanned<RawList>], files: Files) -> Result<Vec<List>, ProfileError> {
     let mut out: Vec<List> = Vec::new();
     let mut total = 0usize;
     for r in raw {
@@ -131,7 +127,10 @@ pub fn replace(set: &RuleSet, name: &str, file: Option<&Path>) -> Result<RuleSet
     compile(&specs, 0)?;
     let need = next.settings.kernel_memory_bytes();
     if need > next.settings.memory_budget {
-        return Err(ListError::OverBudget(human_bytes(need), human_bytes(next.settings.memory_budget)));
+        return Err(ListError::OverBudget(
+            human_bytes(need),
+            human_bytes(next.settings.memory_budget),
+        ));
     }
     Ok(next)
 }
@@ -223,7 +222,10 @@ mod tests {
         let text = "# banned by fail2ban\n192.0.2.7\n\n  198.51.100.0/24  # a whole net\n2001:db8::/32\r\n2001:db8:1::9\n";
         let v = parse_text("b.txt", text).unwrap();
         let shown: Vec<String> = v.iter().map(|c| c.to_string()).collect();
-        assert_eq!(shown, ["192.0.2.7/32", "198.51.100.0/24", "2001:db8::/32", "2001:db8:1::9/128"]);
+        assert_eq!(
+            shown,
+            ["192.0.2.7/32", "198.51.100.0/24", "2001:db8::/32", "2001:db8:1::9/128"]
+        );
     }
 
     #[test]
@@ -319,7 +321,8 @@ rate = "100/s"
 
     #[test]
     fn an_etcd_profile_names_list_files_absolutely() {
-        let text = "[[list]]\nname = \"b\"\nfile = \"b.txt\"\n[[rule]]\nname = \"r\"\nsrc = \"@b\"\n";
+        let text =
+            "[[list]]\nname = \"b\"\nfile = \"b.txt\"\n[[rule]]\nname = \"r\"\nsrc = \"@b\"\n";
         let e = parse("etcd://10.0.0.5:2379/flowctl/web", text).unwrap_err();
         assert!(e.msg.contains("absolute path"), "{e}");
     }

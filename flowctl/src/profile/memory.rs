@@ -111,17 +111,17 @@ impl Settings {
     }
 }
 
-/// Kernel bytes of an LPM trie node: `struct lpm_trie_node` (an RCU head,
-/// two child pointers, the prefix length and flags: 40 bytes) plus the
-/// 17-byte key data and the 4-byte class, in a 64-byte allocation. A
-/// prefix takes its own node and at most one intermediate node.
-const LPM_NODE_BYTES: u64 = 64;
+/// Kernel bytes per list prefix in one slot of the source trie: its node
+/// (`struct lpm_trie_node`, 40 bytes, plus the 17-byte key data and the
+/// 4-byte class) and the intermediate nodes a trie of many prefixes needs,
+/// as slab allocations. Measured: 140 bytes per prefix (unreclaimable slab
+/// grew by 139-141 MB per slot of a million /32s on 6.18, docs/lists.md).
+const LIST_PREFIX_BYTES_PER_SLOT: u64 = 144;
 
 /// Kernel bytes of the lists' trie entries: two slots of them (an apply
-/// writes the new slot before it removes the old one's), each prefix at
-/// most two nodes. Measured in docs/lists.md.
+/// writes the new slot while the old one is live).
 pub fn list_trie_bytes(prefixes: u64) -> u64 {
-    2 * 2 * LPM_NODE_BYTES * prefixes
+    2 * LIST_PREFIX_BYTES_PER_SLOT * prefixes
 }
 
 /// The tables must fit `memory_budget`; `span` is where to point
@@ -179,10 +179,9 @@ mod tests {
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
         assert_eq!(super::human_bytes(on_128), "747.0 MiB");
-        // A list of a million prefixes: two slots of at most two 64-byte
-        // trie nodes each, 244 MiB more.
+        // A list of a million prefixes: two slots of 144 bytes each, 275 MiB.
         let listed = Settings { list_prefixes: 1_000_000, ..ok.settings.clone() };
-        assert_eq!(listed.kernel_memory_bytes_on(2) - mem, 256_000_000);
+        assert_eq!(listed.kernel_memory_bytes_on(2) - mem, 288_000_000);
         // All 256 rules: rings for 513 records, 5.6 MiB per CPU: 1.07 GiB,
         // over the budget on 128 CPUs (as before max_rules existed).
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")

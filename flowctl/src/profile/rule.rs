@@ -388,7 +388,9 @@ fn nothing_to_limit(cx: &Ctx, r: &RawRule, word: &str) -> Result<(), ProfileErro
         ("admission_ratio", r.admission_ratio.as_ref().map(|x| x.span())),
     ] {
         if let Some(s) = s {
-            return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"{word}\"")));
+            return Err(
+                cx.err(s, format!("`{f}` has no effect on a rule with action = \"{word}\""))
+            );
         }
     }
     Ok(())

@@ -4,8 +4,8 @@
 //! of them and cutting some frames anywhere.
 
 use super::reference::{RefProfile, WINDOW};
-use std::net::IpAddr;
 use flowctl_common::tables::{Cidr, Source};
+use std::net::IpAddr;
 
 /// SplitMix64: small, fast, and good enough to pick layouts.
 #[derive(Clone, Debug)]

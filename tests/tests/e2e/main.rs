@@ -15,6 +15,7 @@ mod floods;
 mod klimiter;
 mod lifecycle;
 mod limits;
+mod lists;
 mod observability;
 mod shaping;
 
@@ -27,6 +28,7 @@ use floods::*;
 use klimiter::*;
 use lifecycle::*;
 use limits::*;
+use lists::*;
 use observability::*;
 use shaping::*;
 
@@ -54,6 +56,7 @@ fn main() {
         wrk_through_nginx_gets_the_configured_connection_rate: [Root, Command("nginx"), Command("wrk")],
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
+        a_million_prefix_list_blocks_and_updates_atomically: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
