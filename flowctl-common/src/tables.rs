@@ -112,7 +112,9 @@ impl std::fmt::Display for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Source::Prefix(c) => c.fmt(f),
-            Source::List(l) => write!(f, "@{} ({} prefixes)", l.name, l.prefixes.len()),
+            // The name only: readers of an applied profile's copy do not
+            // read the list's file (its count is in `status`).
+            Source::List(l) => write!(f, "@{}", l.name),
         }
     }
 }

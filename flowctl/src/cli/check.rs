@@ -51,6 +51,15 @@ pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
     for r in &set.rules {
         out!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
     }
+    for l in &set.lists {
+        let n = l.prefixes.prefixes.len() as u64;
+        out!(
+            "  list {:<15} {n} prefixes from {} (up to {} of trie)",
+            l.prefixes.name,
+            l.file.as_ref().map_or("the profile".to_string(), |f| f.display().to_string()),
+            human_bytes(profile::list_trie_bytes(n))
+        );
+    }
     for b in &set.breakers {
         out!("  breaker {:<12} {:<40} {}", b.name, b.target.to_string(), breaker_text(b));
     }

@@ -32,6 +32,9 @@ pub fn limit_text(r: &profile::Rule) -> String {
     if r.action == flowctl_common::action::PASS {
         return "pass (exempt)".into();
     }
+    if r.block {
+        return "block (every packet dropped)".into();
+    }
     let mut parts = Vec::new();
     if r.interval_fp != 0 {
         parts.push(format!("{} {} burst {}", r.rate_text, r.unit_name(), r.burst));

@@ -272,7 +272,7 @@ rate = "100/s"
         assert_eq!(s.lists.len(), 2);
         assert_eq!(s.lists[0].file.as_deref(), Some(dir.join("block.txt").as_path()));
         assert_eq!(s.lists[0].prefixes.prefixes.len(), 2);
-        assert_eq!(s.rules[0].match_text(), "any from @block (2 prefixes) to port any");
+        assert_eq!(s.rules[0].match_text(), "any from @block to port any");
         assert_eq!(s.settings.list_prefixes, 3);
         assert!(s.rules[0].block && s.rules[0].interval_fp == u64::MAX && s.rules[0].burst_ns == 0);
         assert_eq!(s.rules[0].action, flowctl_common::action::DROP);

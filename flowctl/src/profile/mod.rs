@@ -32,7 +32,7 @@ mod settings;
 pub mod shaper;
 
 pub use error::{line_col_of, ProfileError};
-pub use memory::{fixed_table_bytes, host_cpus, human_bytes, lru_bytes_per_entry};
+pub use memory::{fixed_table_bytes, host_cpus, human_bytes, list_trie_bytes, lru_bytes_per_entry};
 // The model's types where callers name them; the breaker and KLimiter
 // ones are named from `breaker` and `klimiter`.
 pub use model::{

@@ -377,8 +377,51 @@ fn main() {
     );
     drop((plain_bucket, warming));
 
+    println!("\n1i. Lists: the admitted path without and with a list of 1M /32s interleaved with the measured sources (every fourth address of 10.0.0.0/8 from 10.0.0.1, named by a `pass` rule after `measured`, so a trie lookup walks to full depth): sources in the cache (10k keys), and missing it (a 64k-entry source cache)");
+    let list_file =
+        std::env::temp_dir().join(format!("flowctl-bench-list-{}.txt", std::process::id()));
+    {
+        use std::fmt::Write;
+        let mut text = String::with_capacity(16 << 20);
+        let base = u32::from(std::net::Ipv4Addr::new(10, 0, 0, 0));
+        for i in 0..1_000_000u32 {
+            let _ = writeln!(text, "{}", std::net::Ipv4Addr::from(base + i * 4 + 1));
+        }
+        std::fs::write(&list_file, text).expect("write the bench list");
+    }
+    let listed = |p: &str| {
+        format!(
+            "{p}\n[[list]]\nname = \"interleaved\"\nfile = \"{}\"\n\n[[rule]]\nname = \"listed\"\nsrc = \"@interleaved\"\naction = \"pass\"\n",
+            list_file.display()
+        )
+    };
+    let small_cache =
+        profile.replace("source_cache_entries = 1048576", "source_cache_entries = 65536");
+    assert_ne!(small_cache, profile);
+    let t = std::time::Instant::now();
+    let list_planes = [
+        plane(&profile),
+        plane(&listed(&profile)),
+        plane(&small_cache),
+        plane(&listed(&small_cache)),
+    ];
+    println!("  (4 planes loaded in {:.1} s, two with the 1M list)", t.elapsed().as_secs_f64());
+    let _ = std::fs::remove_file(&list_file);
+    let fds: Vec<_> = list_planes.iter().map(xdp_fd).collect();
+    refs.set_keys(10_000);
+    let (hit, v) = refs.interleaved(&fds[..2], &frame, 10_000, repeat);
+    assert!(v.iter().all(|v| *v == flowctl_common::XDP_PASS), "`measured` admits, listed or not");
+    let miss_keys = if quick { 300_000 } else { 1_000_000 };
+    refs.set_keys(miss_keys);
+    let (miss, _) = refs.interleaved(&fds[2..], &frame, miss_keys, repeat);
+    println!(
+        "  cached: {:.1} ns/packet, with the list {:.1} ({:.2}x)   cache misses: {:.1} ns/packet, with the list {:.1} ({:.2}x, {:+.1} ns per lookup)",
+        hit[0], hit[1], hit[1] / hit[0], miss[0], miss[1], miss[1] / miss[0], miss[1] - miss[0]
+    );
+    drop(list_planes);
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1g alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1i alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
