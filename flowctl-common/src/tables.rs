@@ -215,6 +215,17 @@ impl PrefixKey {
 
 /// Builds the tables for `specs` (index = rule number, profile order).
 pub fn compile(specs: &[MatchSpec], slot: u8) -> Result<Tables, CompileError> {
+    compile_keeping(specs, slot, &[])
+}
+
+/// As [`compile`], a bitmap found in `previous` (the classes the slot
+/// held) keeping its index there, so an entry whose rules did not change
+/// keeps its class and need not be written again.
+pub fn compile_keeping(
+    specs: &[MatchSpec],
+    slot: u8,
+    previous: &[RuleBitmap],
+) -> Result<Tables, CompileError> {
     let mut proto = vec![RuleBitmap::EMPTY; PROTO_INDICES];
     let mut port = vec![RuleBitmap::EMPTY; PORT_INDICES];
     let mut sets = [RuleBitmap::EMPTY; RULE_SETS];
@@ -234,7 +245,7 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Result<Tables, CompileError> {
             None => port.iter_mut().for_each(|b| b.set(i)),
         }
     }
-    let (trie, classes) = source_classes(specs, slot)?;
+    let (trie, classes) = source_classes(specs, slot, previous)?;
     Ok(Tables { slot, proto, port, trie, classes, sets })
 }
 
@@ -253,6 +264,7 @@ pub fn compile(specs: &[MatchSpec], slot: u8) -> Result<Tables, CompileError> {
 fn source_classes(
     specs: &[MatchSpec],
     slot: u8,
+    previous: &[RuleBitmap],
 ) -> Result<(Vec<TrieEntry>, Vec<RuleBitmap>), CompileError> {
     let mut any = RuleBitmap::EMPTY;
     let mut named: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
@@ -284,9 +296,8 @@ fn source_classes(
     }
     named.sort_unstable_by_key(|(k, _)| *k);
 
-    let mut trie: Vec<TrieEntry> = Vec::new();
-    let mut classes: Vec<RuleBitmap> = Vec::new();
-    let mut class_of: std::collections::HashMap<RuleBitmap, u32> = Default::default();
+    // The entries and their bitmaps, then the bitmaps numbered.
+    let mut entries: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
     // The covering chain of the current candidate: (prefix, its bitmap).
     let mut chain: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
     let mut i = 0;
@@ -306,21 +317,59 @@ fn source_classes(
             continue;
         }
         chain.push((key, bits));
-        let class = *class_of.entry(bits).or_insert_with(|| {
-            classes.push(bits);
-            classes.len() as u32 - 1
-        });
-        let c = key.cidr();
-        trie.push(TrieEntry {
-            prefix_len: TRIE_TAG_BITS + c.len as u32,
-            data: trie_data(slot, &c.addr),
-            class,
-        });
+        entries.push((key, bits));
     }
-    if classes.len() > MAX_SRC_CLASSES {
-        return Err(CompileError::TooManyClasses(classes.len()));
-    }
+    let classes = number_classes(entries.iter().map(|(_, b)| *b), previous)?;
+    let class_of: std::collections::HashMap<RuleBitmap, u32> =
+        classes.iter().enumerate().rev().map(|(i, b)| (*b, i as u32)).collect();
+    let trie = entries
+        .iter()
+        .map(|(key, bits)| {
+            let c = key.cidr();
+            TrieEntry {
+                prefix_len: TRIE_TAG_BITS + c.len as u32,
+                data: trie_data(slot, &c.addr),
+                class: class_of[bits],
+            }
+        })
+        .collect();
     Ok((trie, classes))
+}
+
+/// The class table for `bitmaps`: each distinct bitmap once, at its index
+/// in `previous` when it was there, else at an index `previous` does not
+/// use any more, else appended; in first-seen order otherwise, so the
+/// numbering is deterministic.
+fn number_classes(
+    bitmaps: impl Iterator<Item = RuleBitmap>,
+    previous: &[RuleBitmap],
+) -> Result<Vec<RuleBitmap>, CompileError> {
+    let mut wanted: Vec<RuleBitmap> = Vec::new();
+    let mut seen: std::collections::HashSet<RuleBitmap> = Default::default();
+    for b in bitmaps {
+        if seen.insert(b) {
+            wanted.push(b);
+        }
+    }
+    if wanted.len() > MAX_SRC_CLASSES {
+        return Err(CompileError::TooManyClasses(wanted.len()));
+    }
+    // Previous indices of bitmaps still wanted (the first, if twice).
+    let mut placed: std::collections::HashSet<RuleBitmap> = Default::default();
+    let mut classes: Vec<Option<RuleBitmap>> = previous[..previous.len().min(MAX_SRC_CLASSES)]
+        .iter()
+        .map(|b| (seen.contains(b) && placed.insert(*b)).then_some(*b))
+        .collect();
+    let mut free: Vec<usize> = (0..classes.len()).filter(|i| classes[*i].is_none()).collect();
+    free.reverse();
+    for b in wanted.into_iter().filter(|b| !placed.contains(b)) {
+        match free.pop() {
+            Some(i) => classes[i] = Some(b),
+            None => classes.push(Some(b)),
+        }
+    }
+    // An index nothing uses keeps a bitmap no trie entry names.
+    Ok(classes.into_iter().map(|c| c.unwrap_or(RuleBitmap::EMPTY)).collect())
 }
 
 impl Tables {
@@ -545,8 +594,25 @@ mod tests {
             let t = compile(&specs, 0).unwrap();
             // Probes inside the lists' prefixes too, where lists decide.
             let inside = lists.iter().flat_map(|l| l.prefixes.iter().map(|c| (*c, 6u8, Some(80u16))));
+            let probes_again: Vec<_> = probes.clone().into_iter().chain(inside.clone()).collect();
             for (c, proto, port) in probes.into_iter().chain(inside) {
                 prop_assert_eq!(t.classify(&c.addr, proto, port), linear(&specs, &c.addr, proto, port));
+            }
+            // Numbered against another numbering: the same answers, and
+            // every bitmap both have keeps its old index.
+            let mut previous = t.classes.clone();
+            previous.reverse();
+            previous.push(RuleBitmap::EMPTY);
+            let k = compile_keeping(&specs, 0, &previous).unwrap();
+            for (c, proto, port) in probes_again.iter() {
+                prop_assert_eq!(k.classify(&c.addr, *proto, *port), t.classify(&c.addr, *proto, *port));
+            }
+            for (i, b) in k.classes.iter().enumerate() {
+                if let Some(p) = previous.iter().position(|x| x == b) {
+                    if k.trie.iter().any(|e| e.class as usize == i) {
+                        prop_assert_eq!(p, i);
+                    }
+                }
             }
             // Sorted so a covering entry comes first, with no entry twice.
             prop_assert!(t.trie.windows(2).all(|w| w[0].data != w[1].data || w[0].prefix_len != w[1].prefix_len));

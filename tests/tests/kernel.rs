@@ -517,6 +517,22 @@ fn lists_classify_sources_and_block_rules_drop_everything() {
     assert_eq!(p.run(&unlisted), XDP_DROP);
     assert_eq!(p.run(&vip), XDP_PASS);
     assert_eq!(p.counters("banned").offered_pkts, 10, "the rule kept its counters");
+    // Back into the slot written first, against what it held: entries
+    // removed (the /16 and the IPv6 /48 of the first list), added, and
+    // classes renumbered by a new one (a vip list that now overlaps).
+    p.apply(&rules("\"10.20.9.0/24\""));
+    assert_eq!(p.run(&listed), XDP_DROP);
+    assert_eq!(p.run(&V4::new([10, 20, 1, 1]).build(L4::Icmp, 0)), XDP_PASS, "the /16 is gone");
+    assert_eq!(p.run(&v6(0x20)), XDP_PASS, "the IPv6 /48 is gone");
+    assert_eq!(p.run(&unlisted), XDP_PASS);
+    assert_eq!(p.run(&host), XDP_PASS);
+    assert_eq!(p.run(&vip), XDP_PASS);
+    // And once more, into the other slot.
+    p.apply(&rules("\"10.20.5.0/25\", \"192.0.2.0/24\""));
+    assert_eq!(p.run(&listed), XDP_PASS);
+    assert_eq!(p.run(&host), XDP_DROP);
+    assert_eq!(p.run(&vip), XDP_PASS, "the pass rule's list still comes first");
+    assert_eq!(p.counters("vip").passed_pkts, 6);
 }
 
 /// Every key kind builds buckets as documented.

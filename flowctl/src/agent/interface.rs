@@ -214,12 +214,16 @@ impl<'a> InterfaceAgent<'a> {
         let before = before.map_or(0, |l| l.prefixes.prefixes.len());
         let after = set.lists.iter().find(|l| l.prefixes.name == name);
         let after = after.map_or(0, |l| l.prefixes.prefixes.len());
-        if let Err(e) =
-            dataplane::apply(&mut self.maps, &mut self.state, &set).and_then(|()| self.state.save())
-        {
+        if let Err(e) = dataplane::apply(&mut self.maps, &mut self.state, &set) {
             return Response::err(format!("{e:#}"));
         }
+        // Applied: what the agent holds follows, even if the record fails.
         self.set = set;
+        if let Err(e) = self.state.save() {
+            return Response::err(format!(
+                "list `{name}` applied, but the attachment's state was not saved: {e:#}"
+            ));
+        }
         let generation = self.maps.global().map(|g| g.generation).unwrap_or(0);
         tracing::info!(list = name, before, after, "list updated (generation {generation})");
         let mut r = Response::ok(format!(

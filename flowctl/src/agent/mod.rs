@@ -135,14 +135,23 @@ fn run_interface(
     // A socket left by an agent that was killed: gone before anything else, so
     // `status` never mistakes it for this agent being ready.
     let _ = std::fs::remove_file(socket::socket_path(&id));
-    if args.replace && id.pin_dir().join("link").exists() {
-        dataplane::detach(&id)?;
+    // --replace keeps the XDP link (ours, or another version's) so the
+    // interface is never without the old program or the new one; an older
+    // flowctl's kept data plane (an upgrade) is taken over the same way,
+    // since its state cannot be adopted and refusing would leave it
+    // without an agent.
+    let upgrade = !id.pin_dir().exists()
+        && pins::other_layout_dirs(&id).iter().any(|(v, _)| *v < flowctl_common::LAYOUT_VERSION);
+    let taken_over = if args.replace || upgrade {
+        dataplane::replace_keeping_link(&id)?
     } else {
-        preflight::pins(&id, &set)?;
-    }
+        preflight::pins(&id, &set, iface)?;
+        None
+    };
     let adopting = id.pin_dir().join("link").exists();
     let mut held = Attachment::new(id, iface, lock, adopting);
-    let mode_used = match load_and_attach(&mut held, &set, args.mode) {
+    let takeover = taken_over.clone().map(|mode| Takeover { mode, netns: args.netns.clone() });
+    let mode_used = match load_and_attach(&mut held, &set, args.mode, takeover.as_ref()) {
         Err(e) if e.is::<dataplane::SeveredLink>() => {
             // Pins of an interface that no longer exists (its namespace was
             // deleted and the inode and ifindex reused): nothing to adopt.
@@ -152,9 +161,14 @@ fn run_interface(
             ));
             dataplane::detach(&id)?;
             held.not_adopting();
-            load_and_attach(&mut held, &set, args.mode)?
+            load_and_attach(&mut held, &set, args.mode, None)?
         }
         other => other?,
+    };
+    // A link taken over keeps the mode it was attached in.
+    let mode_used = match taken_over {
+        Some(m) if mode_used == "adopted" => m,
+        _ => mode_used,
     };
     let adopted = !held.owns_pins();
     if !adopted {
@@ -168,6 +182,7 @@ fn run_interface(
         }
     };
     let mut maps = Maps::open(&id)?;
+    maps.agent_heartbeat = true;
     preflight::attachment(&state, &set)?;
     dataplane::apply(&mut maps, &mut state, &set)?;
     state.record_profile(&args.profile)?;
@@ -295,11 +310,35 @@ fn load_and_attach(
     held: &mut Attachment,
     set: &crate::profile::RuleSet,
     mode: Mode,
+    takeover: Option<&Takeover>,
 ) -> Result<String> {
     let mut ebpf = dataplane::load(&held.id, &set.settings)?;
+    if let Some(t) = takeover {
+        // The link still runs the program being replaced: the new one goes
+        // on it only with the profile in its maps, or packets would meet
+        // empty tables (and pass) in between.
+        let mut state = AttachState::fresh(
+            held.id,
+            &held.iface,
+            t.netns.clone(),
+            t.mode.clone(),
+            &set.settings,
+            now_unix(),
+        );
+        dataplane::apply(&mut Maps::open(&held.id)?, &mut state, set)?;
+        state.save()?;
+    }
     let mode = dataplane::attach(&mut ebpf, &held.id, &held.iface, mode)?;
     held.loaded(ebpf, set.settings.kernel_events)?;
     Ok(mode)
+}
+
+/// `--replace` keeping an XDP link: the old program's mode, and where
+/// the attachment lives, for the state written before the new program
+/// takes the link.
+struct Takeover {
+    mode: String,
+    netns: Option<String>,
 }
 
 fn now_unix() -> u64 {

@@ -115,7 +115,15 @@ fn cgroup_profile(profile: &Path) -> Result<RuleSet> {
 /// The pins of an attachment about to be adopted: the layout this flowctl
 /// reads, and tables of the sizes the profile asks for (a pinned map's size
 /// is fixed; changing it means starting over with `--replace`).
-pub fn pins(id: &AttachId, set: &RuleSet) -> Result<()> {
+pub fn pins(id: &AttachId, set: &RuleSet, iface: &str) -> Result<()> {
+    // An older layout's is taken over before this (an upgrade); a newer
+    // one's is a downgrade, done only when asked.
+    if let Some((v, dir)) = dataplane::pins::other_layout_dirs(id).pop() {
+        bail!(
+            "{iface} is held by the kept data plane of a newer flowctl (layout v{v}, pins at {}); this flowctl (layout v{LAYOUT_VERSION}) cannot adopt its buckets. `flowctl attach {iface} --replace --profile ...` takes it over without a gap (its program enforces until this one replaces it on the same XDP link), starting with fresh buckets, counters and statistics; or go on with the newer flowctl",
+            dir.display()
+        );
+    }
     if !id.pin_dir().exists() {
         return Ok(());
     }

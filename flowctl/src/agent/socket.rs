@@ -61,8 +61,18 @@ pub fn call(id: &AttachId, req: &Request) -> Result<Option<Response>> {
 
 /// The same, at a socket path (a cgroup attachment's).
 pub fn call_at(sock: &std::path::Path, req: &Request) -> Result<Option<Response>> {
+    call_within(sock, req, Duration::from_secs(30))
+}
+
+/// A call that may take longer than most: `wait` for the answer (a list
+/// update of millions of prefixes, queued behind another).
+pub fn call_within(
+    sock: &std::path::Path,
+    req: &Request,
+    wait: Duration,
+) -> Result<Option<Response>> {
     let Ok(mut s) = UnixStream::connect(sock) else { return Ok(None) };
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_read_timeout(Some(wait))?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
     s.write_all(line.as_bytes())?;

@@ -46,7 +46,7 @@ pub fn explain(
             out!("rule   {} (#{}, line {} of the active profile)", r.name, i + 1, r.line);
             out!("match  {}", r.match_text());
             out!("action {}", r.action_name());
-            if r.action != flowctl_common::action::PASS {
+            if r.action != flowctl_common::action::PASS && !r.block {
                 if r.interval_fp != 0 {
                     out!("limit  {} {} with burst {}", r.rate_text, r.unit_name(), r.burst);
                 }

@@ -28,7 +28,9 @@ pub fn update(iface: &str, name: &str, file: Option<&Path>, netns: &Option<Strin
     let id = AttachId::of(iface)?;
     let req =
         Request::ListUpdate { name: name.to_string(), file: file.map(|f| f.display().to_string()) };
-    match socket::call(&id, &req)? {
+    // A list of millions takes seconds to write, and updates queue.
+    let wait = std::time::Duration::from_secs(300);
+    match socket::call_within(&socket::socket_path(&id), &req, wait)? {
         Some(r) if r.ok => {
             out!("{}", r.message);
             Ok(())

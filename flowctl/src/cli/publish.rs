@@ -13,7 +13,7 @@ pub fn publish(url: &str, path: &Path, access: Access) -> Result<()> {
     // The text validated is the text written: read once.
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the profile {}", path.display()))?;
-    let set = profile::parse(&path.display().to_string(), &text)?;
+    let set = profile::parse_for_fleet(&path.display().to_string(), &text)?;
     if set.rules.is_empty() {
         bail!("{}: the profile has no [[rule]]; agents follow etcd on an interface and would reject it (nothing was published)", path.display());
     }

@@ -8,7 +8,7 @@ use super::{
     state::{AttachState, ListState, RuleState},
 };
 use crate::{profile::RuleSet, system::clock::monotonic_ns};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{lpm_trie::Key, Array, MapData, PerCpuValues},
     Pod,
@@ -157,11 +157,13 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         }
     }
     let specs: Vec<_> = set.rules.iter().map(|r| r.spec.clone()).collect();
-    let t = tables::compile(&specs, slot as u8)?;
+    let previous = maps.classes_written[slot as usize].take();
+    let t = tables::compile_keeping(&specs, slot as u8, previous.as_deref().unwrap_or(&[]))?;
     write_slot(&mut maps.proto, slot, PROTO_INDICES, &t.proto)?;
     write_slot(&mut maps.port, slot, PORT_INDICES, &t.port)?;
     write_slot(&mut maps.rule_sets, slot, RULE_SETS, &t.sets)?;
     write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
+    maps.classes_written[slot as usize] = Some(t.classes.clone());
     write_trie(maps, slot as u8, t.trie)?;
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
     let now = monotonic_ns();
@@ -187,7 +189,11 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             }
         })?;
     }
-    // The flip.
+    // The flip, on the record as it is now: the agent's heartbeat may have
+    // moved during a long write (`write_trie`).
+    let hash_seed = g.hash_seed;
+    let mut g = maps.global()?;
+    g.hash_seed = hash_seed;
     g.layout_version = LAYOUT_VERSION;
     g.active_slot = slot;
     g.generation += 1;
@@ -208,7 +214,7 @@ fn list_states(set: &RuleSet) -> Vec<ListState> {
         .map(|l| ListState {
             name: l.prefixes.name.clone(),
             prefixes: l.prefixes.prefixes.len() as u64,
-            file: l.file.as_ref().map(|f| f.display().to_string()),
+            file: l.from.as_ref().map(|f| f.display().to_string()),
             rules: set
                 .rules
                 .iter()
@@ -223,82 +229,108 @@ fn list_states(set: &RuleSet) -> Vec<ListState> {
 
 /// Makes `slot`'s trie entries `entries` (sorted, as `tables::compile`
 /// leaves them). Against what this process last wrote there, only the
-/// difference is written; otherwise every entry is written (over the old
-/// one with its key, if any) and the slot's other entries, read back from
-/// the kernel, are removed. The slot is not live, so the order does not
-/// matter to packets; the trie never holds more than the two slots.
+/// difference is written; otherwise the slot is read back from the
+/// kernel and rewritten. Removals go first, so the trie never holds more
+/// than the live slot and the new one; the slot is not live, so the order
+/// does not matter to packets. Any failure leaves the memo unknown, so
+/// the next apply reads the slot back.
 fn write_trie(maps: &mut Maps, slot: u8, entries: Vec<tables::TrieEntry>) -> Result<()> {
     let t0 = std::time::Instant::now();
     let key = |e: &tables::TrieEntry| (e.data, e.prefix_len);
-    let (writes, removes): (Vec<&tables::TrieEntry>, Vec<(u32, TrieData)>) =
+    let (removes, writes): (Vec<(u32, TrieData)>, Vec<&tables::TrieEntry>) =
         match maps.trie_written[slot as usize].take() {
             Some(old) if old.is_sorted_by_key(key) && entries.is_sorted_by_key(key) => {
-                let (mut writes, mut removes) = (Vec::new(), Vec::new());
-                let (mut i, mut j) = (0, 0);
-                while i < old.len() || j < entries.len() {
-                    let ord = match (old.get(i), entries.get(j)) {
-                        (Some(o), Some(n)) => key(o).cmp(&key(n)),
-                        (Some(_), None) => std::cmp::Ordering::Less,
-                        _ => std::cmp::Ordering::Greater,
-                    };
-                    match ord {
-                        std::cmp::Ordering::Less => {
-                            removes.push((old[i].prefix_len, old[i].data));
-                            i += 1;
-                        }
-                        std::cmp::Ordering::Greater => {
-                            writes.push(&entries[j]);
-                            j += 1;
-                        }
-                        std::cmp::Ordering::Equal => {
-                            if old[i].class != entries[j].class {
-                                writes.push(&entries[j]);
-                            }
-                            i += 1;
-                            j += 1;
-                        }
-                    }
-                }
-                (writes, removes)
+                trie_diff(&old, &entries)
             }
             _ => {
-                let mut stale: HashSet<(u32, TrieData)> = maps
-                    .trie
-                    .keys()
-                    .filter_map(|k| k.ok())
-                    .filter(|k| k.data()[0] >> 1 == slot)
-                    .map(|k| (k.prefix_len(), k.data()))
-                    .collect();
+                let mut stale: HashSet<(u32, TrieData)> = HashSet::new();
+                for k in maps.trie.keys() {
+                    let k = k.context("reading the source trie back")?;
+                    if k.data()[0] >> 1 == slot {
+                        stale.insert((k.prefix_len(), k.data()));
+                    }
+                }
                 for e in &entries {
                     stale.remove(&(e.prefix_len, e.data));
                 }
-                (entries.iter().collect(), stale.into_iter().collect())
+                (stale.into_iter().collect(), entries.iter().collect())
             }
         };
     let t1 = t0.elapsed();
-    for e in &writes {
+    for (i, (len, data)) in removes.iter().enumerate() {
+        match maps.trie.remove(&Key::new(*len, *data)) {
+            Ok(()) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(anyhow!("removing a stale source trie entry: {e}")),
+        }
+        keep_alive(maps, i)?;
+    }
+    let t2 = t0.elapsed();
+    for (i, e) in writes.iter().enumerate() {
         maps.trie.insert(&Key::new(e.prefix_len, e.data), e.class, 0).map_err(|err| {
+            let enomem = matches!(&err, aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM));
             anyhow!(
                 "writing the source trie ({} entries): {err}{}",
                 entries.len(),
-                if matches!(&err, aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM)) {
-                    "; the kernel is out of memory for it (a smaller list, or more memory)"
-                } else {
-                    ""
-                }
+                if enomem { "; the kernel is out of memory for it (a smaller list, or more memory)" } else { "" }
             )
         })?;
-    }
-    let t2 = t0.elapsed();
-    for (len, data) in &removes {
-        let _ = maps.trie.remove(&Key::new(*len, *data));
+        keep_alive(maps, i)?;
     }
     tracing::debug!(
-        diff = ?t1, write = ?(t2 - t1), remove = ?(t0.elapsed() - t2),
-        "source trie of slot {slot}: {} entries, {} written, {} removed",
-        entries.len(), writes.len(), removes.len()
+        diff = ?t1, remove = ?(t2 - t1), write = ?(t0.elapsed() - t2),
+        "source trie of slot {slot}: {} entries, {} removed, {} written",
+        entries.len(), removes.len(), writes.len()
     );
     maps.trie_written[slot as usize] = Some(entries);
+    Ok(())
+}
+
+/// What to remove from a slot holding `old` and what to write so that it
+/// holds `new` (both sorted by key data and prefix length).
+fn trie_diff<'a>(
+    old: &[tables::TrieEntry],
+    new: &'a [tables::TrieEntry],
+) -> (Vec<(u32, TrieData)>, Vec<&'a tables::TrieEntry>) {
+    use std::cmp::Ordering;
+    let key = |e: &tables::TrieEntry| (e.data, e.prefix_len);
+    let (mut removes, mut writes) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        let ord = match (old.get(i), new.get(j)) {
+            (Some(o), Some(n)) => key(o).cmp(&key(n)),
+            (Some(_), None) => Ordering::Less,
+            _ => Ordering::Greater,
+        };
+        match ord {
+            Ordering::Less => {
+                removes.push((old[i].prefix_len, old[i].data));
+                i += 1;
+            }
+            Ordering::Greater => {
+                writes.push(&new[j]);
+                j += 1;
+            }
+            Ordering::Equal => {
+                if old[i].class != new[j].class {
+                    writes.push(&new[j]);
+                }
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    (removes, writes)
+}
+
+/// During a long trie write by the agent: its heartbeat every 64k
+/// entries, so the kernel's adaptive stages do not take it for gone
+/// (`GlobalRecord::grace_ns`) while a list of millions is written.
+fn keep_alive(maps: &mut Maps, i: usize) -> Result<()> {
+    if maps.agent_heartbeat && i % 65_536 == 65_535 {
+        super::maps::heartbeat(maps)?;
+    }
     Ok(())
 }
 

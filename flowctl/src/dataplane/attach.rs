@@ -89,6 +89,62 @@ pub fn attach(ebpf: &mut Ebpf, id: &AttachId, iface: &str, mode: Mode) -> Result
     Ok(used.into())
 }
 
+/// Unpins an XDP link (when pinned there): with its last pin and fd gone,
+/// the kernel detaches it.
+fn unpin_link(path: &std::path::Path) -> Result<()> {
+    if path.exists() {
+        let pinned = PinnedLink::from_pin(path).context("opening the pinned XDP link")?;
+        drop(pinned.unpin().context("unpinning the XDP link")?);
+    }
+    Ok(())
+}
+
+/// `attach --replace`: everything of the attachment goes except its XDP
+/// link, ours or one another flowctl version pinned (an upgrade over a
+/// kept data plane). The old program stays on the link, enforcing with its
+/// own maps, until `attach` re-points the link at the new program: no
+/// packet passes unchecked in between. What goes is said: every bucket,
+/// counter, statistic and quota window starts afresh. Returns the kept
+/// link's mode as last recorded (`native`, `generic`; `adopted` when no
+/// record says), or `None` when there was no link (nothing was attached).
+pub fn replace_keeping_link(id: &AttachId) -> Result<Option<String>> {
+    let recorded = super::state::AttachState::load(id).ok().flatten().map(|s| s.mode);
+    let dir = id.pin_dir();
+    let link_path = dir.join("link");
+    let mut kept = link_path.exists();
+    if dir.exists() {
+        for e in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+            let p = e?.path();
+            if p != link_path {
+                fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+            }
+        }
+    }
+    for (version, old) in super::pins::other_layout_dirs(id) {
+        let old_link = old.join("link");
+        if old_link.exists() && !kept {
+            fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let link: FdLink =
+                PinnedLink::from_pin(&old_link).context("opening the older XDP link")?.into();
+            drop(link.pin(&link_path).with_context(|| {
+                format!("pinning the XDP link of layout v{version} at {}", link_path.display())
+            })?);
+            kept = true;
+            crate::system::log::status(format_args!(
+                "taking over the data plane of flowctl layout v{version} (pins at {}): its program enforces until this one replaces it on the same link; buckets, counters and statistics start afresh",
+                old.display()
+            ));
+        } else {
+            unpin_link(&old_link)?;
+        }
+        super::pins::remove_other_layout_dir(&old)?;
+    }
+    for f in [run_file::STATE, run_file::PROFILE, run_file::SYN_TOTALS] {
+        let _ = fs::remove_file(id.run_dir().join(f));
+    }
+    Ok(kept.then(|| recorded.unwrap_or_else(|| "adopted".into())))
+}
+
 fn is_busy(e: &ProgramError) -> bool {
     let s = format!("{e:?}");
     s.contains("EBUSY")
@@ -138,16 +194,24 @@ fn attach_error(e: ProgramError, iface: &str, frags: bool) -> anyhow::Error {
 /// remove. The run directory and its lock stay: whoever holds the lock
 /// removes them (`pins::remove_run_dir`).
 pub fn detach(id: &AttachId) -> Result<bool> {
+    // Another flowctl version's kept data plane on this interface goes too.
+    let mut detached = false;
+    for (_, dir) in super::pins::other_layout_dirs(id) {
+        unpin_link(&dir.join("link"))?;
+        super::pins::remove_other_layout_dir(&dir)?;
+        detached = true;
+    }
     let dir = id.pin_dir();
     if !dir.exists() {
-        return Ok(false);
+        if detached {
+            for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {
+                let _ = fs::remove_file(id.run_dir().join(f));
+            }
+            super::pins::prune_empty_roots();
+        }
+        return Ok(detached);
     }
-    let link_path = dir.join("link");
-    if link_path.exists() {
-        let pinned = PinnedLink::from_pin(&link_path).context("opening the pinned XDP link")?;
-        let fd = pinned.unpin().context("unpinning the XDP link")?;
-        drop(fd);
-    }
+    unpin_link(&dir.join("link"))?;
     fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     // What describes the pins goes with them; the lock stays (see above).
     for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {

@@ -46,6 +46,13 @@ pub struct Maps {
     /// one address costs one insert); `None` when not known (another
     /// process wrote it, or a write failed): the slot is read back.
     pub trie_written: [Option<Vec<tables::TrieEntry>>; 2],
+    /// The classes last written into each slot, so equal bitmaps keep
+    /// their index (`tables::compile_keeping`) and a list's entries do not
+    /// all change when a new class sorts before theirs.
+    pub classes_written: [Option<Vec<RuleBitmap>>; 2],
+    /// This process is the attachment's agent: a long write keeps its
+    /// heartbeat fresh (an agent-less apply must not claim an agent).
+    pub agent_heartbeat: bool,
 }
 
 /// Where a warm-up rule's ramp stands (`Maps::warm_up`).
@@ -93,6 +100,8 @@ impl Maps {
                 names::SHAPER_COUNTS,
             )?))?,
             trie_written: [None, None],
+            classes_written: [None, None],
+            agent_heartbeat: false,
         })
     }
 

@@ -46,7 +46,7 @@ mod samples;
 pub mod state;
 
 pub use apply::{apply, plan_states};
-pub use attach::{attach, detach, Mode, SeveredLink};
+pub use attach::{attach, detach, replace_keeping_link, Mode, SeveredLink};
 pub use egress::{set_egress, set_shapers, write_shapers, Egress};
 pub use global_keys::GlobalKeys;
 pub use inspect::{count_entries, map_memlock, pinned_layout, pinned_max_entries, pinned_memlock};

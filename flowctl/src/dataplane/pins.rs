@@ -194,11 +194,44 @@ impl Drop for PruneRootsOnDrop {
 /// directory under these roots makes its parents too (`create_dir_all`) at
 /// the moment it needs them.
 pub fn prune_empty_roots() {
-    let layout = layout_root();
+    prune_empty_layout(&layout_root());
+    let _ = fs::remove_dir(PIN_ROOT);
+    let _ = fs::remove_dir(RUN_ROOT);
+}
+
+/// One layout's root (`/sys/fs/bpf/flowctl/vN`), where nothing is left in it.
+fn prune_empty_layout(layout: &Path) {
     for d in ["ifaces", "cgroups", "egress"] {
         let _ = fs::remove_dir(layout.join(d));
     }
-    let _ = fs::remove_dir(&layout);
-    let _ = fs::remove_dir(PIN_ROOT);
-    let _ = fs::remove_dir(RUN_ROOT);
+    let _ = fs::remove_dir(layout);
+}
+
+/// The pin directories of this attachment that another flowctl version
+/// left under its own layout (`/sys/fs/bpf/flowctl/vN/ifaces/<id>`, N not
+/// ours): a kept data plane this flowctl cannot adopt, but can take over
+/// (`attach::replace_keeping_link`).
+pub fn other_layout_dirs(id: &AttachId) -> Vec<(u32, PathBuf)> {
+    let Ok(versions) = fs::read_dir(PIN_ROOT) else { return Vec::new() };
+    let mut out: Vec<(u32, PathBuf)> = versions
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let v: u32 = e.file_name().to_str()?.strip_prefix('v')?.parse().ok()?;
+            let dir = e.path().join("ifaces").join(id.dir_name());
+            (v != LAYOUT_VERSION && dir.exists()).then_some((v, dir))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Removes another layout's pin directory of an attachment (its link pin
+/// included: a link pinned elsewhere too stays attached) and that layout's
+/// roots where they are left empty.
+pub fn remove_other_layout_dir(dir: &Path) -> Result<()> {
+    fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+    if let Some(layout) = dir.parent().and_then(Path::parent) {
+        prune_empty_layout(layout);
+    }
+    Ok(())
 }

@@ -30,6 +30,9 @@ pub enum Files {
     /// the kernel's tables, not the lists; the copy sits in the run-time
     /// directory, where relative file names would not resolve anyway.
     Unread,
+    /// Names only, for a profile every host of a fleet reads its own list
+    /// files for (`flowctl publish`): the paths must be absolute.
+    Elsewhere,
 }
 
 /// Validates the profile's lists, reading their files.
@@ -80,13 +83,23 @@ fn list(cx: &Ctx, raw: &Spanned<RawList>, files: Files) -> Result<List, ProfileE
             (v, None)
         }
         (Some(f), None) if files == Files::Unread => (Vec::new(), Some(f.get_ref().into())),
+        (Some(f), None) if files == Files::Elsewhere => {
+            if !Path::new(f.get_ref()).is_absolute() {
+                return Err(cx.err(
+                    f.span(),
+                    "a list file of a profile published to etcd must be an absolute path (each host reads its own copy)",
+                ));
+            }
+            (Vec::new(), Some(f.get_ref().into()))
+        }
         (Some(f), None) => {
             let path = resolve(cx, f)?;
             let v = read_file(&path, &format!("list `{name}` of {}:{line}", cx.file))?;
             (v, Some(path))
         }
     };
-    Ok(List { prefixes: PrefixList { name, prefixes: prefixes.into() }, file, line })
+    let from = if files == Files::Read { file.clone() } else { None };
+    Ok(List { prefixes: PrefixList { name, prefixes: prefixes.into() }, file, from, line })
 }
 
 /// `set` with list `name`'s prefixes read again: from `file`, else from
@@ -117,6 +130,7 @@ pub fn replace(set: &RuleSet, name: &str, file: Option<&Path>) -> Result<RuleSet
     let new = PrefixList { name: name.to_string(), prefixes };
     let mut next = set.clone();
     next.lists[i].prefixes = new.clone();
+    next.lists[i].from = Some(path);
     for r in &mut next.rules {
         if matches!(&r.spec.src, Some(Source::List(l)) if l.name == name) {
             r.spec.src = Some(Source::List(new.clone()));
@@ -165,7 +179,10 @@ fn resolve(cx: &Ctx, f: &Spanned<String>) -> Result<PathBuf, ProfileError> {
             "a list file of a profile from etcd must be an absolute path (each host reads its own copy)",
         ));
     }
-    Ok(Path::new(cx.file).parent().unwrap_or(Path::new("")).join(p))
+    let joined = Path::new(cx.file).parent().unwrap_or(Path::new("")).join(p);
+    // Absolute, so the CLI, `check` and the agent (which is handed the
+    // profile's canonical path) read the same file, and `status` names it.
+    Ok(std::fs::canonicalize(&joined).unwrap_or(joined))
 }
 
 /// Reads a list file: one address or prefix per line, `#` starts a
@@ -173,12 +190,23 @@ fn resolve(cx: &Ctx, f: &Spanned<String>) -> Result<PathBuf, ProfileError> {
 /// is. The first bad line is the error, at its line and column.
 pub fn read_file(path: &Path, whose: &str) -> Result<Vec<Cidr>, ProfileError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| ProfileError {
-        file: file.clone(),
-        line: 0,
-        col: 0,
-        msg: format!("cannot read {whose}: {e}"),
-    })?;
+    let unreadable = |msg: String| ProfileError { file: file.clone(), line: 0, col: 0, msg };
+    // A regular file of a bounded size: a FIFO would block the agent, and
+    // a file of far more lines than a list may hold would cost it memory
+    // before the count is checked (a prefix takes at least 8 bytes a line).
+    let meta =
+        std::fs::metadata(path).map_err(|e| unreadable(format!("cannot read {whose}: {e}")))?;
+    if !meta.is_file() {
+        return Err(unreadable(format!("{whose}: not a regular file")));
+    }
+    if meta.len() > 64 * MAX_LIST_PREFIXES as u64 {
+        return Err(unreadable(format!(
+            "{whose}: {} bytes, more than a list of {MAX_LIST_PREFIXES} prefixes can take",
+            meta.len()
+        )));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| unreadable(format!("cannot read {whose}: {e}")))?;
     parse_text(&file, &text).map_err(|mut e| {
         e.msg = format!("{} ({whose})", e.msg);
         e
@@ -188,8 +216,9 @@ pub fn read_file(path: &Path, whose: &str) -> Result<Vec<Cidr>, ProfileError> {
 /// The prefixes of a list file's text; `file` names it in errors.
 pub fn parse_text(file: &str, text: &str) -> Result<Vec<Cidr>, ProfileError> {
     let mut out = Vec::new();
-    let mut offset = 0;
-    for raw_line in text.split_inclusive('\n') {
+    // A byte-order mark some editors write is not part of line 1.
+    let mut offset = if text.starts_with('\u{feff}') { '\u{feff}'.len_utf8() } else { 0 };
+    for raw_line in text[offset..].split_inclusive('\n') {
         let start = offset;
         offset += raw_line.len();
         let content = raw_line.split('#').next().unwrap_or("");
@@ -208,6 +237,9 @@ pub fn parse_text(file: &str, text: &str) -> Result<Vec<Cidr>, ProfileError> {
             )));
         }
         out.push(parse_cidr(token).map_err(err)?);
+        if out.len() > MAX_LIST_PREFIXES {
+            return Err(err(format!("more than {MAX_LIST_PREFIXES} prefixes in one list")));
+        }
     }
     Ok(out)
 }
@@ -226,6 +258,8 @@ mod tests {
             shown,
             ["192.0.2.7/32", "198.51.100.0/24", "2001:db8::/32", "2001:db8:1::9/128"]
         );
+        // A byte-order mark before line 1.
+        assert_eq!(parse_text("b.txt", "\u{feff}192.0.2.7\n").unwrap().len(), 1);
     }
 
     #[test]
@@ -235,6 +269,8 @@ mod tests {
             ("192.0.2.7\n\n10.0.0.1/8 # oops\n", 3, 1, "host bits set"),
             ("192.0.2.7 198.51.100.1\n", 1, 1, "one address or prefix per line"),
             ("# ok\n10.0.0.0/33\n", 2, 1, "longer than /32"),
+            ("10.0.0.0/+8\n", 1, 1, "bad prefix length"),
+            ("::ffff:192.0.2.7\n", 1, 1, "write 192.0.2.7"),
         ] {
             let e = parse_text("b.txt", text).unwrap_err();
             assert_eq!((e.line, e.col), (line, col), "{text:?}: {e}");

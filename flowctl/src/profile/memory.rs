@@ -132,7 +132,7 @@ pub fn check_budget(cx: &Ctx, settings: &Settings, span: Span) -> Result<(), Pro
         return Err(cx.err(
             span,
             format!(
-                "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries or raise settings.memory_budget)",
+                "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries, shorten the lists, or raise settings.memory_budget)",
                 human_bytes(need),
                 human_bytes(settings.memory_budget)
             ),

@@ -53,6 +53,13 @@ pub fn load(path: &Path) -> Result<RuleSet, ProfileError> {
     parse(&file, &text)
 }
 
+/// A profile to publish to a fleet: validated as each host will, except
+/// that list files are not read here (each host reads its own copy, so
+/// their paths must be absolute).
+pub fn parse_for_fleet(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
+    parse_with(file, text, list::Files::Elsewhere)
+}
+
 /// An applied profile's copy in the run-time directory, for readers that
 /// ask the kernel which source matches what: its list files are not read
 /// (a file list has its name and no prefixes).

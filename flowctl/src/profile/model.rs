@@ -39,6 +39,9 @@ pub struct List {
     /// The file it was read from (resolved), `None` when inline: what
     /// `flowctl list update NAME` reads again.
     pub file: Option<std::path::PathBuf>,
+    /// Where its prefixes were read from: the file above, or the one a
+    /// `flowctl list update` named (`None`: inline, or not read).
+    pub from: Option<std::path::PathBuf>,
     pub line: usize,
 }
 
@@ -366,6 +369,7 @@ impl Rule {
         match self.action {
             action::PASS => "pass",
             action::DRY_RUN => "dry-run",
+            _ if self.block => "block",
             _ => "drop",
         }
     }

@@ -88,9 +88,11 @@ pub fn parse_prefix(s: &str) -> Result<Prefix<'_>, String> {
     };
     let addr: IpAddr = a.trim().parse().map_err(|_| format!("`{a}` is not an IP address"))?;
     let len = match l {
-        Some(l) => {
+        // Digits only: `u8::from_str` would take a sign (`/+8`).
+        Some(l) if !l.trim().is_empty() && l.trim().bytes().all(|b| b.is_ascii_digit()) => {
             Some((l.trim().parse::<u8>().map_err(|_| format!("bad prefix length `{l}`"))?, l))
         }
+        Some(l) => return Err(format!("bad prefix length `{l}`")),
         None => None,
     };
     Ok(Prefix { addr, len })
@@ -100,6 +102,15 @@ pub fn parse_prefix(s: &str) -> Result<Prefix<'_>, String> {
 /// bare address is a host prefix.
 pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
     let Prefix { addr, len } = parse_prefix(s)?;
+    if let IpAddr::V6(v6) = addr {
+        if let Some(v4) = v6.to_ipv4_mapped() {
+            // Packets are matched by their own family: an IPv4 packet never
+            // carries this form.
+            return Err(format!(
+                "`{s}` is an IPv4-mapped IPv6 address, which no IPv4 packet matches: write {v4}"
+            ));
+        }
+    }
     let max = Cidr::max_len(&addr);
     let len = len.map_or(max, |(n, _)| n);
     if len > max {

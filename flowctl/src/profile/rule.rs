@@ -376,22 +376,36 @@ const BLOCK: u8 = u8::MAX;
 /// A `pass` rule limits nothing and a `block` rule drops everything: a
 /// limit on either is a mistake.
 fn nothing_to_limit(cx: &Ctx, r: &RawRule, word: &str) -> Result<(), ProfileError> {
-    for (f, s) in [
+    let mut keys = vec![
         ("rate", r.rate.as_ref().map(|x| x.span())),
         ("burst", r.burst.as_ref().map(|x| x.span())),
         ("key", r.key.as_ref().map(|x| x.span())),
         ("quota", r.quota.as_ref().map(|x| x.span())),
         ("[[rule.limit]]", r.limit.first().map(|x| x.span())),
-        ("warm_up", r.warm_up.as_ref().map(|x| x.span())),
-        ("bbr", r.bbr.as_ref().map(|x| x.span())),
-        ("scope", r.scope.as_ref().map(|x| x.span())),
-        ("admission_ratio", r.admission_ratio.as_ref().map(|x| x.span())),
-    ] {
-        if let Some(s) = s {
-            return Err(
-                cx.err(s, format!("`{f}` has no effect on a rule with action = \"{word}\""))
-            );
-        }
+    ];
+    if word == "block" {
+        // A block rule drops every packet of its match: anything that would
+        // narrow or shape that (`unit = "connections"` would read as "block
+        // new connections only") is refused rather than ignored.
+        keys.extend([
+            ("unit", r.unit.as_ref().map(|x| x.span())),
+            ("prefix_v4", r.prefix_v4.as_ref().map(|x| x.span())),
+            ("prefix_v6", r.prefix_v6.as_ref().map(|x| x.span())),
+            ("quota_window", r.quota_window.as_ref().map(|x| x.span())),
+            ("quota_buckets", r.quota_buckets.as_ref().map(|x| x.span())),
+            ("warm_up", r.warm_up.as_ref().map(|x| x.span())),
+            ("cold_factor", r.cold_factor.as_ref().map(|x| x.span())),
+            ("bbr", r.bbr.as_ref().map(|x| x.span())),
+            ("scope", r.scope.as_ref().map(|x| x.span())),
+            ("default_share", r.default_share.as_ref().map(|x| x.span())),
+            ("admission", r.admission.as_ref().map(|x| x.span())),
+            ("admission_ratio", r.admission_ratio.as_ref().map(|x| x.span())),
+            ("priority", r.priority.as_ref().map(|x| x.span())),
+            ("book_retransmits", r.book_retransmits.as_ref().map(|x| x.span())),
+        ]);
+    }
+    if let Some((f, Some(s))) = keys.into_iter().find(|(_, s)| s.is_some()) {
+        return Err(cx.err(s, format!("`{f}` has no effect on a rule with action = \"{word}\"")));
     }
     Ok(())
 }

@@ -226,7 +226,10 @@ pub fn one_agent_per_attachment_and_layout_versions_are_checked() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("layout version Some(99)") && err.contains("--replace"), "{err}");
     let agent = Agent::start(&lab, prof.path(), &["--replace"]);
-    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 1, "started over");
+    // Started over, keeping the link: the profile went into fresh maps
+    // before the new program took the link, and again as the agent adopted
+    // them (generations 1 and 2, not the old data plane's count).
+    assert_eq!(attachment(&lab.veth_srv).unwrap()["generation"], 2, "started over");
     agent.stop();
 }
 
@@ -436,4 +439,111 @@ pub fn the_agent_tells_its_service_manager_ready_watchdog_and_stopping() {
     agent.stop();
     recv();
     assert_eq!(said("STOPPING=1"), 1, "STOPPING=1 on the signal: {:?}", got.borrow());
+}
+
+/// Re-pins everything of the pin directory `dir` under layout `version`'s
+/// root, as the flowctl of that version leaves it (its global record says
+/// so too), and removes `dir`. Returns the new directory.
+fn move_pins_to_layout(dir: &str, version: u32) -> String {
+    let (root, rest) = dir.split_once("/ifaces/").unwrap();
+    let base = root.rsplit_once('/').unwrap().0;
+    let to_dir = format!("{base}/v{version}/ifaces/{rest}");
+    std::fs::create_dir_all(&to_dir).unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        let to = format!("{to_dir}/{name}");
+        if name == "link" {
+            let l: aya::programs::links::FdLink =
+                aya::programs::links::PinnedLink::from_pin(&p).unwrap().into();
+            drop(l.pin(&to).unwrap());
+        } else {
+            aya::maps::MapData::from_pin(&p).unwrap().pin(&to).unwrap();
+        }
+        std::fs::remove_file(&p).unwrap();
+    }
+    std::fs::remove_dir(dir).unwrap();
+    let _ = std::fs::remove_dir(format!("{root}/ifaces"));
+    let _ = std::fs::remove_dir(root);
+    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(
+            aya::maps::MapData::from_pin(format!("{to_dir}/{}", flowctl_common::map_names::GLOBAL))
+                .unwrap(),
+        ))
+        .unwrap();
+    let mut g = global.get(&0, 0).unwrap();
+    g.layout_version = version;
+    global.set(0, g, 0).unwrap();
+    to_dir
+}
+
+/// Upgrades and downgrades over a kept data plane. Its pins re-pinned
+/// under a newer layout's root (a downgrade) are refused without
+/// `--replace`, saying how to proceed, while the old program goes on
+/// enforcing; re-pinned under the previous layout's root (an upgrade),
+/// a plain attach takes the same XDP link over. A source the profile
+/// blocks sends throughout: not one of its packets reaches the server's
+/// IP layer, so the interface was never without a program. The old
+/// layout's pins are gone afterwards, and `detach` removes another
+/// version's pins too.
+pub fn an_older_layouts_data_plane_is_taken_over_without_a_gap() {
+    use flowctl_common::LAYOUT_VERSION;
+    let lab = Lab::new("fupgr", 239);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(&format!(
+        "[[rule]]\nname = \"banned\"\nsrc = \"{}/32\"\naction = \"block\"\n",
+        lab.ip_cli
+    ));
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let a = attachment(&lab.veth_srv).unwrap();
+    let mode = a["mode"].as_str().unwrap().to_string();
+    agent.kill9();
+    let ip_in = || flowctl_tests::lab::nstat(&lab.ns_srv, "IpInReceives");
+    let before = ip_in();
+
+    // A newer flowctl's data plane: refused, and it goes on enforcing.
+    let newer = move_pins_to_layout(&pin_dir(&a), LAYOUT_VERSION + 1);
+    assert!(attachment(&lab.veth_srv).is_none(), "another layout is not ours to show");
+    let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("layout v{}", LAYOUT_VERSION + 1))
+            && err.contains("--replace")
+            && err.contains("without a gap"),
+        "{err}"
+    );
+    let (sent, _, _) = blast(&lab, 7000, 500, 0.5, 1000);
+    assert_eq!(ip_in() - before, 0, "the old program still blocks all {sent}");
+
+    // The previous flowctl's: taken over by a plain attach, under traffic.
+    let old = move_pins_to_layout(&newer, LAYOUT_VERSION - 1);
+    let (agent, sent) = std::thread::scope(|s| {
+        let traffic = s.spawn(|| blast(&lab, 7000, 1000, 6.0, 10_000).0);
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        let agent = Agent::start(&lab, prof.path(), &[]);
+        println!("taken over in {:.2} s", t.elapsed().as_secs_f64());
+        (agent, traffic.join().unwrap())
+    });
+    let reached = ip_in() - before;
+    println!("{sent} packets of a blocked source during the takeover: {reached} reached IP");
+    assert_eq!(reached, 0, "a packet passed unchecked: the interface was without a program");
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert_eq!(a["mode"].as_str(), Some(mode.as_str()), "the link's mode is kept");
+    let offered = rule(&lab.veth_srv, "banned")["offered_pkts"].as_u64().unwrap();
+    assert!(offered > 0, "the new program counts");
+    assert!(!std::path::Path::new(&old).exists(), "the old layout's pins are gone");
+
+    // Another version's pins are detached too.
+    agent.kill9();
+    let old = move_pins_to_layout(&pin_dir(&a), LAYOUT_VERSION - 1);
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!std::path::Path::new(&old).exists());
+    assert_eq!(leftovers(&a), Vec::<String>::new(), "nothing of the attachment is left");
+    assert_eq!(roots_left(), Vec::<String>::new(), "nor the roots");
+    let before = ip_in();
+    blast(&lab, 7000, 500, 0.3, 100);
+    assert!(ip_in() > before, "detached: traffic reaches the server");
 }

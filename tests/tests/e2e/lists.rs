@@ -6,7 +6,7 @@
 
 use flowctl_tests::{
     agent::Agent,
-    cli::{attachment, flowctl, rule},
+    cli::{agent_ready, attachment, flowctl, rule},
     lab::Lab,
     tempfile::TempFile,
     traffic::blast_from,
@@ -62,7 +62,14 @@ pub fn a_million_prefix_list_blocks_and_updates_atomically() {
     ));
 
     let t0 = Instant::now();
-    let agent = Agent::start(&lab, prof.path(), &[]);
+    // A debug build parses and writes a million prefixes in about 6 s:
+    // more time than the usual start is given.
+    let agent = Agent::spawn(
+        Agent::attach(&lab, prof.path(), &[]),
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_secs(3),
+        || agent_ready(&lab.veth_srv),
+    );
     println!(
         "attach with a list of 1,000,011 prefixes: ready in {:.2} s",
         t0.elapsed().as_secs_f64()

@@ -59,6 +59,7 @@ fn main() {
         a_million_prefix_list_blocks_and_updates_atomically: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
+        an_older_layouts_data_plane_is_taken_over_without_a_gap: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
         detach_leaves_nothing_behind: [Root],
         the_agent_tells_its_service_manager_ready_watchdog_and_stopping: [Root],
