@@ -38,25 +38,7 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     // No agent: apply to the kept data plane directly, holding the lock so an
     // agent cannot start halfway.
     preflight::agentless_apply(&set, path, iface)?;
-    let lock = match pins::lock_attachment(&id)? {
-        Some(l) => l,
-        // An agent on its way out (or a detach, another apply): wait for it.
-        None => match pins::lock_holder(&id) {
-            Some(h) if phase::is_transient(&h.phase) => {
-                crate::system::log::status(format_args!(
-                    "waiting for the lock of {iface} ({h}) to be let go"
-                ));
-                let Some(l) = pins::wait_for_lock(&id, crate::agent::STOP_WAIT)? else {
-                    bail!("the lock of {iface} ({h}) was not let go in time; nothing was applied");
-                };
-                l
-            }
-            _ => bail!(
-                "an agent holds the lock for {iface} but does not answer on its socket; try again"
-            ),
-        },
-    };
-    lock.note(phase::APPLYING);
+    let _lock = agentless_lock(&id, iface)?;
     let Some(mut state) = AttachState::load(&id)? else {
         bail!(
             "nothing is attached to {iface}: use `flowctl attach {iface} --profile {}`",
@@ -69,6 +51,31 @@ pub fn apply(iface: &str, path: &Path, netns: &Option<String>) -> Result<()> {
     state.record_profile(path)?;
     out!("applied {} rules to the kept data plane on {iface} (no agent running)", set.rules.len());
     Ok(())
+}
+
+/// The attachment's lock for a write without an agent (noted as
+/// applying), waiting for an agent on its way out (or a detach, another
+/// apply) to let it go.
+pub(crate) fn agentless_lock(id: &AttachId, iface: &str) -> Result<crate::system::lock::FileLock> {
+    let lock = match pins::lock_attachment(id)? {
+        Some(l) => l,
+        None => match pins::lock_holder(id) {
+            Some(h) if phase::is_transient(&h.phase) => {
+                crate::system::log::status(format_args!(
+                    "waiting for the lock of {iface} ({h}) to be let go"
+                ));
+                let Some(l) = pins::wait_for_lock(id, crate::agent::STOP_WAIT)? else {
+                    bail!("the lock of {iface} ({h}) was not let go in time; nothing was applied");
+                };
+                l
+            }
+            _ => bail!(
+                "an agent holds the lock for {iface} but does not answer on its socket; try again"
+            ),
+        },
+    };
+    lock.note(phase::APPLYING);
+    Ok(lock)
 }
 
 /// `apply --cgroup`: to the agent holding that cgroup's breakers (a

@@ -23,7 +23,7 @@ use toml::Spanned;
 
 /// Whether a list's file is read.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Files {
+pub enum Files<'a> {
     Read,
     /// Names only: a file list has no prefixes. For readers of an applied
     /// profile's copy (`status`, `top`, `explain`, the metrics), which ask
@@ -33,14 +33,26 @@ pub enum Files {
     /// Names only, for a profile every host of a fleet reads its own list
     /// files for (`flowctl publish`): the paths must be absolute.
     Elsewhere,
+    /// Every file but this list's, which a list update replaces from
+    /// another file (its own may be the one that is broken).
+    ReadExcept(&'a str),
 }
 
 /// Validates the profile's lists, reading their files.
-pub fn lists(cx: &Ctx, raw: &[Spanned<RawList>], files: Files) -> Result<Vec<List>, ProfileError> {
+pub fn lists(
+    cx: &Ctx,
+    raw: &[Spanned<RawList>],
+    files: Files<'_>,
+) -> Result<Vec<List>, ProfileError> {
     let mut out: Vec<List> = Vec::new();
     let mut total = 0usize;
     for r in raw {
-        let l = list(cx, r, files)?;
+        let mode = match files {
+            Files::ReadExcept(n) if r.get_ref().name.get_ref().trim() == n => Files::Unread,
+            Files::ReadExcept(_) => Files::Read,
+            f => f,
+        };
+        let l = list(cx, r, mode)?;
         if out.iter().any(|o| o.prefixes.name == l.prefixes.name) {
             return Err(cx.err(r.span(), format!("duplicate list name `{}`", l.prefixes.name)));
         }
@@ -56,7 +68,7 @@ pub fn lists(cx: &Ctx, raw: &[Spanned<RawList>], files: Files) -> Result<Vec<Lis
     Ok(out)
 }
 
-fn list(cx: &Ctx, raw: &Spanned<RawList>, files: Files) -> Result<List, ProfileError> {
+fn list(cx: &Ctx, raw: &Spanned<RawList>, files: Files<'_>) -> Result<List, ProfileError> {
     let r = raw.get_ref();
     let name = name(
         cx,

@@ -60,6 +60,13 @@ pub fn parse_for_fleet(file: &str, text: &str) -> Result<RuleSet, ProfileError> 
     parse_with(file, text, list::Files::Elsewhere)
 }
 
+/// The applied profile, for `flowctl list update NAME FILE` without an
+/// agent: list `name`'s own file is not read (FILE replaces it, and the
+/// profile's may be the broken one); every other list's is.
+pub fn parse_for_list_update(file: &str, text: &str, name: &str) -> Result<RuleSet, ProfileError> {
+    parse_with(file, text, list::Files::ReadExcept(name))
+}
+
 /// An applied profile's copy in the run-time directory, for readers that
 /// ask the kernel which source matches what: its list files are not read
 /// (a file list has its name and no prefixes).
@@ -80,7 +87,7 @@ pub fn parse(file: &str, text: &str) -> Result<RuleSet, ProfileError> {
     parse_with(file, text, list::Files::Read)
 }
 
-fn parse_with(file: &str, text: &str, files: list::Files) -> Result<RuleSet, ProfileError> {
+fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet, ProfileError> {
     let cx = Ctx { file, text };
     let raw: RawProfile = toml::from_str(text).map_err(|e| {
         let span = e.span().unwrap_or(0..0);

@@ -211,16 +211,7 @@ pub fn one_agent_per_attachment_and_layout_versions_are_checked() {
     agent.kill9();
     // Pretend the pins were written by a future flowctl.
     let a = attachment(&lab.veth_srv).unwrap();
-    let dir = pin_dir(&a);
-    let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> =
-        aya::maps::Array::try_from(aya::maps::Map::Array(
-            aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL))
-                .unwrap(),
-        ))
-        .unwrap();
-    let mut g = global.get(&0, 0).unwrap();
-    g.layout_version = 99;
-    global.set(0, g, 0).unwrap();
+    set_pinned_layout(&pin_dir(&a), 99);
     let out = flowctl(&["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path()]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -465,16 +456,22 @@ fn move_pins_to_layout(dir: &str, version: u32) -> String {
     std::fs::remove_dir(dir).unwrap();
     let _ = std::fs::remove_dir(format!("{root}/ifaces"));
     let _ = std::fs::remove_dir(root);
+    set_pinned_layout(&to_dir, version);
+    to_dir
+}
+
+/// Writes `version` into the global record pinned in `dir`, as the
+/// flowctl of that layout version would have.
+fn set_pinned_layout(dir: &str, version: u32) {
     let mut global: aya::maps::Array<_, flowctl_common::GlobalRecord> =
         aya::maps::Array::try_from(aya::maps::Map::Array(
-            aya::maps::MapData::from_pin(format!("{to_dir}/{}", flowctl_common::map_names::GLOBAL))
+            aya::maps::MapData::from_pin(format!("{dir}/{}", flowctl_common::map_names::GLOBAL))
                 .unwrap(),
         ))
         .unwrap();
     let mut g = global.get(&0, 0).unwrap();
     g.layout_version = version;
     global.set(0, g, 0).unwrap();
-    to_dir
 }
 
 /// Upgrades and downgrades over a kept data plane. Its pins re-pinned

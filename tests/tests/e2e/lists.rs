@@ -5,7 +5,7 @@
 //! bad file refused at its line with nothing changed.
 
 use flowctl_tests::{
-    agent::Agent,
+    agent::{Agent, DetachOnDrop},
     cli::{agent_ready, attachment, flowctl, rule},
     lab::Lab,
     tempfile::TempFile,
@@ -49,6 +49,7 @@ fn seen(lab: &Lab, name: &str) -> (u64, u64) {
 
 pub fn a_million_prefix_list_blocks_and_updates_atomically() {
     let lab = Lab::new("flist", 238);
+    let _detach = DetachOnDrop::new(&lab);
     let (a, b) = (lab.ip_cli.clone(), "10.201.238.3".to_string());
     lab.add_client_address(&b);
     let first = TempFile::new("flowctl-list-", ".txt", &million(1, &[&a]));
@@ -151,5 +152,20 @@ pub fn a_million_prefix_list_blocks_and_updates_atomically() {
     assert_eq!(seen(&lab, "banned"), (banned1.0 + sent_b4, banned1.1), "B still blocked");
     let s = attachment(&lab.veth_srv).unwrap();
     assert_eq!(s["lists"][0]["prefixes"].as_u64(), Some(1));
-    agent.stop();
+
+    // Without an agent (killed; its data plane stays): straight into the
+    // kept data plane, A blocked again and B let through.
+    agent.kill9();
+    let fourth = TempFile::new("flowctl-list-", ".txt", &format!("{a}\n"));
+    let out =
+        flowctl(&["list", "update", &lab.veth_srv, "block", fourth.path(), "--netns", &lab.ns_srv]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("1 prefixes, applied to the kept data plane"), "{text}");
+    let (banned2, rest2) = (seen(&lab, "banned"), seen(&lab, "rest"));
+    let (sent_a5, sent_b5) = both_send(&lab, &a, &b, 0.5);
+    assert_eq!(seen(&lab, "banned"), (banned2.0 + sent_a5, banned2.1));
+    assert_eq!(seen(&lab, "rest"), (rest2.0 + sent_b5, rest2.1 + sent_b5));
+    let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
+    assert!(out.status.success());
 }
