@@ -244,6 +244,10 @@ pub const XDP_PROGRAM: &str = "flowctl_xdp";
 /// 5.18+), for interfaces whose frames span several buffers (jumbo MTUs).
 /// The loader loads one of the two; the kernel verifies only that one.
 pub const XDP_PROGRAM_FRAGS: &str = "flowctl_xdp_frags";
+/// The same XDP program as an extension (`freplace`) of a libxdp
+/// dispatcher's slot, for `attach --multiprog` (single-buffer, as the
+/// dispatchers libxdp builds for single-buffer components are).
+pub const XDP_PROGRAM_MULTIPROG: &str = "flowctl_xdp_multiprog";
 /// The TC egress counter of KLimiter's `egress` baselines.
 pub const EGRESS_PROGRAM: &str = "flowctl_egress";
 /// The TC egress shaper of `[[shaper]]` tables.

@@ -26,13 +26,36 @@ use flowctl_common::{
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_connection(ctx: *mut xdp_md, record: u32, code: u32, reply: u32) -> u32 {
+    connection::<true>(ctx, record, code, reply)
+}
+
+/// `flowctl_connection` for the dispatcher component (`flowctl_xdp_multiprog`):
+/// the RST reply keeps the frame's length (no `bpf_xdp_adjust_tail`), since
+/// the kernel refuses an extension that changes packet data in place of a
+/// dispatcher slot that does not (Linux 6.13, backported to 6.12 and seen
+/// on Debian's 6.12.118: "Extension program changes packet data, while
+/// original does not"). The reply's IP length says where it ends; the
+/// SYN's option bytes after it are padding every stack ignores.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn flowctl_connection_in_place(
+    ctx: *mut xdp_md,
+    record: u32,
+    code: u32,
+    reply: u32,
+) -> u32 {
+    connection::<false>(ctx, record, code, reply)
+}
+
+#[inline(always)]
+fn connection<const CUT: bool>(ctx: *mut xdp_md, record: u32, code: u32, reply: u32) -> u32 {
     let c = XdpContext::new(ctx);
     let Some(meta) = packet() else { return xdp_action::XDP_DROP };
     if meta.proto != 6 {
         return xdp_action::XDP_DROP;
     }
     if reply != 0 {
-        return reset(&c, meta);
+        return reset::<CUT>(&c, meta);
     }
     track(meta, record, code);
     xdp_action::XDP_PASS
@@ -145,14 +168,15 @@ fn open_add(record: u32, epoch: u64, add: bool) {
 /// to go back out of the interface (XDP_TX). Anything it cannot answer
 /// exactly (IP options, IPv6 extension headers) is dropped instead.
 #[inline(always)]
-fn reset(c: &XdpContext, meta: &PacketMeta) -> u32 {
+fn reset<const CUT: bool>(c: &XdpContext, meta: &PacketMeta) -> u32 {
     if parse::rst_reply(c, meta).is_err() {
         return xdp_action::XDP_DROP;
     }
     // Cut the frame after the 20-byte TCP header (the SYN's options go).
     let want = meta.l4_off as i64 + 20;
     let have = (c.data_end() - c.data()) as i64;
-    if have > want
+    if CUT
+        && have > want
         && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(c.ctx, (want - have) as i32) } != 0
     {
         return xdp_action::XDP_DROP;

@@ -17,7 +17,7 @@
 //! | `stages` | admission -> BBR -> quota -> token bucket; beside the decision, a global rule's bucket, a booked SYN's end, a rule's nested limits or warm-up ramp | `flowctl_bbr_refuses`, `flowctl_recall_debt`, `flowctl_remember_debt`, `flowctl_global_decide`, `flowctl_take_report`, `flowctl_book_decide`, `flowctl_nested_decide`, `flowctl_nested_admit`, `flowctl_nested_quota`, `flowctl_limit_try`, `flowctl_limit_take`, `flowctl_limit_give_back`, `flowctl_warm_admit` |
 //! | `accounting` | counters per rule and reason, statistics rings | `flowctl_account` |
 //! | `sampler` | `top --keys` samples | `flowctl_sample_key` |
-//! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection` |
+//! | `conntrack` | BBR connection tracking, the RST reply | `flowctl_connection`, `flowctl_connection_in_place` |
 //! | `decision` | what a decision is, and its packed form | - |
 //! | `maps` | every map and load-time constant of the object | - |
 //! | `events` | rare events for the agent's log (aya-log), pruned at load unless asked for | `flowctl_events` |
@@ -54,7 +54,7 @@ use parse::class;
 #[xdp]
 pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
     let len = (ctx.data_end() - ctx.data()) as u64;
-    entry(&ctx, len)
+    entry::<true>(&ctx, len)
 }
 
 /// The same program for interfaces whose frames may span several buffers
@@ -66,7 +66,21 @@ pub fn flowctl_xdp(ctx: XdpContext) -> u32 {
 #[xdp(frags)]
 pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
     let len = unsafe { aya_ebpf::helpers::bpf_xdp_get_buff_len(ctx.ctx) };
-    entry(&ctx, len)
+    entry::<true>(&ctx, len)
+}
+
+/// The same program as one component of an XDP dispatcher (libxdp's
+/// multi-program protocol, `attach --multiprog`; docs/coexistence.md): loaded
+/// as an extension (`freplace`) of one of the dispatcher's slot functions,
+/// whose signature, `int progN(struct xdp_md *)`, this one matches. What
+/// it returns goes back to the dispatcher, which runs the next component
+/// only on the verdicts this one's run config chains on (`XDP_PASS`).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "freplace/flowctl_xdp_multiprog")]
+pub fn flowctl_xdp_multiprog(ctx: *mut aya_ebpf::bindings::xdp_md) -> u32 {
+    let ctx = XdpContext::new(ctx);
+    let len = (ctx.data_end() - ctx.data()) as u64;
+    entry::<false>(&ctx, len)
 }
 
 /// Global functions, each verified once on its own: the parser (every
@@ -79,8 +93,11 @@ pub fn flowctl_xdp_frags(ctx: XdpContext) -> u32 {
 /// and no frame holds them. Siblings, so their stack frames do not add up
 /// (the combined call-chain stack must stay under 512 bytes; 6.1 counts
 /// global functions in it too).
+///
+/// `RESIZE`: whether the program may change the frame's size (the RST
+/// reply's trim); not as a dispatcher's component (`flowctl_xdp_multiprog`).
 #[inline(always)]
-fn entry(ctx: &XdpContext, len: u64) -> u32 {
+fn entry<const RESIZE: bool>(ctx: &XdpContext, len: u64) -> u32 {
     let parsed = parse::flowctl_parse(ctx.ctx, len);
     let mut v = flowctl_decide(parsed, len);
     if v & packed::GLOBAL != 0 {
@@ -101,12 +118,12 @@ fn entry(ctx: &XdpContext, len: u64) -> u32 {
     if v & packed::BBR_ON != 0 {
         let reply = v & packed::BBR_RESET != 0
             && packed::code(v) == outcome_code(Outcome::Drop(reason::BBR));
-        let r = conntrack::flowctl_connection(
-            ctx.ctx,
-            packed::record(v),
-            packed::code(v),
-            reply as u32,
-        );
+        let connection = if RESIZE {
+            conntrack::flowctl_connection
+        } else {
+            conntrack::flowctl_connection_in_place
+        };
+        let r = connection(ctx.ctx, packed::record(v), packed::code(v), reply as u32);
         if reply {
             return r;
         }

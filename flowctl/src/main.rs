@@ -49,6 +49,11 @@ enum Cmd {
         /// Discard existing pins (and all bucket state) instead of adopting them.
         #[arg(long)]
         replace: bool,
+        /// Run as one component of a libxdp dispatcher, beside xdp-filter and other programs
+        /// libxdp loads, at this run priority (lower runs first; default 50, libxdp's; a
+        /// packet flowctl passes goes on to the next component). docs/coexistence.md
+        #[arg(long, value_name = "RUN_PRIO", num_args = 0..=1, default_missing_value = "50")]
+        multiprog: Option<u32>,
         /// Serve Prometheus metrics at http://ADDR/metrics (default 127.0.0.1:9464), in the
         /// namespace this command runs in (also with --netns); OpenMetrics or the classic text
         /// format, as the scraper's Accept asks.
@@ -296,9 +301,9 @@ fn main() {
     let cli = Cli::parse();
     flowctl::system::log::init(cli.log_format);
     let r = match cli.cmd {
-        Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, metrics, etcd, etcd_cache, etcd_watch_timeout } => {
+        Cmd::Attach { iface, cgroup, profile, mode, netns, keep, replace, multiprog, metrics, etcd, etcd_cache, etcd_watch_timeout } => {
             etcd_config(&profile, iface.as_deref(), netns.as_deref(), etcd, &etcd_cache, etcd_watch_timeout)
-                .and_then(|etcd| agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, metrics, etcd }))
+                .and_then(|etcd| agent::run(agent::AttachArgs { iface, cgroup, profile, mode, netns, keep, replace, multiprog, metrics, etcd }))
         }
         Cmd::Publish { url, profile, etcd } => etcd.access().and_then(|a| cli::publish::publish(&url, &profile, a)),
         Cmd::Detach { iface, netns } => cli::detach::detach(&iface, &netns),

@@ -50,6 +50,8 @@ pub struct AttachArgs {
     pub netns: Option<String>,
     pub keep: bool,
     pub replace: bool,
+    /// `--multiprog`: a libxdp dispatcher's component at this run priority.
+    pub multiprog: Option<u32>,
     /// Serve Prometheus metrics here.
     pub metrics: Option<std::net::SocketAddr>,
     /// `--profile etcd://...`: the profile comes from etcd (`profile` is
@@ -148,10 +150,12 @@ fn run_interface(
         preflight::pins(&id, &set, iface)?;
         None
     };
-    let adopting = id.pin_dir().join("link").exists();
+    let adopting = id.pin_dir().join("link").exists() || dataplane::multiprog::is_component(&id);
+    let multiprog = dataplane::multiprog::choose(&id, iface, args.multiprog, adopting)?;
     let mut held = Attachment::new(id, iface, lock, adopting);
     let takeover = taken_over.clone().map(|mode| Takeover { mode, netns: args.netns.clone() });
-    let mode_used = match load_and_attach(&mut held, &set, args.mode, takeover.as_ref()) {
+    let mode_used = match load_and_attach(&mut held, &set, args.mode, multiprog, takeover.as_ref())
+    {
         Err(e) if e.is::<dataplane::SeveredLink>() => {
             // Pins of an interface that no longer exists (its namespace was
             // deleted and the inode and ifindex reused): nothing to adopt.
@@ -161,7 +165,7 @@ fn run_interface(
             ));
             dataplane::detach(&id)?;
             held.not_adopting();
-            load_and_attach(&mut held, &set, args.mode, None)?
+            load_and_attach(&mut held, &set, args.mode, multiprog, None)?
         }
         other => other?,
     };
@@ -310,9 +314,14 @@ fn load_and_attach(
     held: &mut Attachment,
     set: &crate::profile::RuleSet,
     mode: Mode,
+    multiprog: Option<u32>,
     takeover: Option<&Takeover>,
 ) -> Result<String> {
-    let mut ebpf = dataplane::load(&held.id, &set.settings)?;
+    let variant = match multiprog {
+        Some(_) => dataplane::XdpVariant::Multiprog,
+        None => dataplane::XdpVariant::for_kernel(),
+    };
+    let mut ebpf = dataplane::load_variant(&held.id, &set.settings, variant)?;
     if let Some(t) = takeover {
         // The link still runs the program being replaced: the new one goes
         // on it only with the profile in its maps, or packets would meet
@@ -328,7 +337,10 @@ fn load_and_attach(
         dataplane::apply(&mut Maps::open(&held.id)?, &mut state, set)?;
         state.save()?;
     }
-    let mode = dataplane::attach(&mut ebpf, &held.id, &held.iface, mode)?;
+    let mode = match multiprog {
+        Some(prio) => dataplane::multiprog::join(&mut ebpf, &held.id, &held.iface, mode, prio)?,
+        None => dataplane::attach(&mut ebpf, &held.id, &held.iface, mode)?,
+    };
     held.loaded(ebpf, set.settings.kernel_events)?;
     Ok(mode)
 }

@@ -111,11 +111,14 @@ pub fn replace_keeping_link(id: &AttachId) -> Result<Option<String>> {
     let recorded = super::state::AttachState::load(id).ok().flatten().map(|s| s.mode);
     let dir = id.pin_dir();
     let link_path = dir.join("link");
-    let mut kept = link_path.exists();
+    // A dispatcher component's pin stays too: the next agent swaps its
+    // component for the new one in one replace (`multiprog::join`).
+    let component = dir.join(super::multiprog::COMPONENT_PIN);
+    let mut kept = link_path.exists() || component.exists();
     if dir.exists() {
         for e in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
             let p = e?.path();
-            if p != link_path {
+            if p != link_path && p != component {
                 fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
             }
         }
@@ -212,6 +215,7 @@ pub fn detach(id: &AttachId) -> Result<bool> {
         return Ok(detached);
     }
     unpin_link(&dir.join("link"))?;
+    super::multiprog::leave(id)?;
     fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     // What describes the pins goes with them; the lock stays (see above).
     for f in [run_file::STATE, run_file::PROFILE, run_file::SOCKET, run_file::SYN_TOTALS] {

@@ -9,7 +9,9 @@ use aya::{
     programs::{ProgramError, Xdp},
     Ebpf, EbpfLoader,
 };
-use flowctl_common::{globals, map_names as names, XDP_PROGRAM, XDP_PROGRAM_FRAGS};
+use flowctl_common::{
+    globals, map_names as names, XDP_PROGRAM, XDP_PROGRAM_FRAGS, XDP_PROGRAM_MULTIPROG,
+};
 use std::fs;
 
 /// Which of the object's two XDP entry points to load. They are the same
@@ -20,6 +22,9 @@ use std::fs;
 pub enum XdpVariant {
     Frags,
     Single,
+    /// The extension of a libxdp dispatcher's slot (`multiprog::join`
+    /// loads it, once the dispatcher it extends exists).
+    Multiprog,
 }
 
 impl XdpVariant {
@@ -27,6 +32,7 @@ impl XdpVariant {
         match self {
             XdpVariant::Frags => XDP_PROGRAM_FRAGS,
             XdpVariant::Single => XDP_PROGRAM,
+            XdpVariant::Multiprog => XDP_PROGRAM_MULTIPROG,
         }
     }
 
@@ -90,6 +96,9 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .override_global(aya_log::LEVEL, &kernel_log_level, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
+    if variant == XdpVariant::Multiprog {
+        return Ok(ebpf);
+    }
     let prog: &mut Xdp =
         ebpf.program_mut(variant.program()).context("program missing from object")?.try_into()?;
     if let Err(e) = prog.load() {

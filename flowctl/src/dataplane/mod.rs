@@ -20,7 +20,8 @@
 //!   the adaptive stages fail open.
 //!
 //! The modules: `load` (the object and its XDP variant), `attach` (the
-//! pinned link, detach and their errors), `maps` (the pinned maps opened
+//! pinned link, detach and their errors), `multiprog` (the program as a
+//! libxdp dispatcher's component instead of on its own link), `maps` (the pinned maps opened
 //! by path, typed reads), `apply` (rule sets), `control` (the control
 //! records' write path), `egress` (KLimiter's TC egress counter),
 //! `samples` (the `top --keys` ring), `kernel_log` (the program's kernel
@@ -40,6 +41,7 @@ mod kernel_log;
 mod lease_filter;
 mod load;
 mod maps;
+pub mod multiprog;
 pub mod object;
 pub mod pins;
 mod samples;

@@ -4,6 +4,7 @@
 //! root qdisc the egress shaper needs: reading what is there, installing
 //! `fq` with its horizon, and removing it again.
 
+use super::rtnl::{attr, Socket, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
 use std::io;
 
 const RTM_NEWQDISC: u16 = 36;
@@ -20,25 +21,10 @@ const TCA_FQ_HORIZON: u16 = 14;
 const TCA_FQ_HORIZON_DROP: u16 = 15;
 const RTM_NEWTFILTER: u16 = 44;
 const RTM_GETTFILTER: u16 = 46;
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_ACK: u16 = 4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const TCA_KIND: u16 = 1;
 const TC_H_CLSACT: u32 = 0xffff_fff1;
 const TC_H_MIN_INGRESS: u32 = 0xfff2;
 const TC_H_MIN_EGRESS: u32 = 0xfff3;
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct NlMsgHdr {
-    len: u32,
-    ty: u16,
-    flags: u16,
-    seq: u32,
-    pid: u32,
-}
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -52,118 +38,10 @@ struct TcMsg {
     info: u32,
 }
 
-struct Socket(std::os::fd::OwnedFd);
-
-impl Socket {
-    fn open() -> io::Result<Self> {
-        use std::os::fd::FromRawFd;
-        let fd = unsafe {
-            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn send(&self, ty: u16, flags: u16, tc: TcMsg, kind: Option<&[u8]>) -> io::Result<()> {
-        let attrs = kind.map(|k| attr(TCA_KIND, k)).unwrap_or_default();
-        self.send_attrs(ty, flags, tc, &attrs)
-    }
-
-    fn send_attrs(&self, ty: u16, flags: u16, tc: TcMsg, attrs: &[u8]) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let mut msg = Vec::new();
-        let hdr = NlMsgHdr { ty, flags, seq: 1, ..Default::default() };
-        msg.extend_from_slice(bytes(&hdr));
-        msg.extend_from_slice(bytes(&tc));
-        msg.extend_from_slice(attrs);
-        let len = msg.len() as u32;
-        msg[..4].copy_from_slice(&len.to_ne_bytes());
-        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        addr.nl_family = libc::AF_NETLINK as u16;
-        let rc = unsafe {
-            libc::sendto(
-                self.0.as_raw_fd(),
-                msg.as_ptr() as *const libc::c_void,
-                msg.len(),
-                0,
-                &addr as *const libc::sockaddr_nl as *const libc::sockaddr,
-                size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Reads replies until the ack (or, for a dump, NLMSG_DONE); returns
-    /// how many messages of type `count` came.
-    fn replies(&self, count: u16) -> io::Result<usize> {
-        let mut n = 0;
-        self.each_reply(count, |_| n += 1)?;
-        Ok(n)
-    }
-
-    /// Reads replies until the ack (or NLMSG_DONE), handing the payload
-    /// (after the netlink header) of each message of type `ty` to `f`.
-    fn each_reply(&self, ty: u16, mut f: impl FnMut(&[u8])) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = unsafe {
-                libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0)
-            };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let mut off = 0usize;
-            let n = n as usize;
-            while off + size_of::<NlMsgHdr>() <= n {
-                let hdr: NlMsgHdr =
-                    unsafe { std::ptr::read_unaligned(buf[off..].as_ptr() as *const NlMsgHdr) };
-                if (hdr.len as usize) < size_of::<NlMsgHdr>() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "short netlink message",
-                    ));
-                }
-                match hdr.ty {
-                    NLMSG_DONE => return Ok(()),
-                    NLMSG_ERROR => {
-                        let at = off + size_of::<NlMsgHdr>();
-                        let err = i32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-                        return if err == 0 {
-                            Ok(())
-                        } else {
-                            Err(io::Error::from_raw_os_error(-err))
-                        };
-                    }
-                    t if t == ty => {
-                        let end = (off + hdr.len as usize).min(n);
-                        f(&buf[off + size_of::<NlMsgHdr>()..end]);
-                    }
-                    _ => {}
-                }
-                off += (hdr.len as usize).next_multiple_of(4);
-            }
-        }
-    }
-}
-
-/// One netlink attribute: length, type, payload, padded to 4 bytes.
-fn attr(ty: u16, payload: &[u8]) -> Vec<u8> {
-    let mut a = Vec::with_capacity(4 + payload.len() + 3);
-    a.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
-    a.extend_from_slice(&ty.to_ne_bytes());
-    a.extend_from_slice(payload);
-    a.resize(a.len().next_multiple_of(4), 0);
-    a
-}
-
-fn bytes<T>(v: &T) -> &[u8] {
-    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }
+/// A tc request: `tcmsg` and, when given, the kind attribute.
+fn send(s: &Socket, ty: u16, flags: u16, tc: TcMsg, kind: Option<&[u8]>) -> io::Result<()> {
+    let attrs = kind.map(|k| attr(TCA_KIND, k)).unwrap_or_default();
+    s.request(ty, flags, &tc, &attrs)
 }
 
 /// Removes the `clsact` qdisc of `ifindex` (and with it every filter on it).
@@ -175,7 +53,7 @@ pub fn del_clsact(ifindex: u32) -> io::Result<()> {
         parent: TC_H_CLSACT,
         ..Default::default()
     };
-    s.send(RTM_DELQDISC, NLM_F_REQUEST | NLM_F_ACK, tc, Some(b"clsact\0"))?;
+    send(&s, RTM_DELQDISC, NLM_F_REQUEST | NLM_F_ACK, tc, Some(b"clsact\0"))?;
     s.replies(0).map(|_| ())
 }
 
@@ -190,7 +68,7 @@ pub fn clsact_filters(ifindex: u32) -> io::Result<usize> {
             parent: (TC_H_CLSACT & 0xffff_0000) | minor,
             ..Default::default()
         };
-        s.send(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, tc, None)?;
+        send(&s, RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, tc, None)?;
         total += s.replies(RTM_NEWTFILTER)?;
     }
     Ok(total)
@@ -219,7 +97,7 @@ impl RootQdisc {
 pub fn root_qdisc(ifindex: u32) -> io::Result<Option<RootQdisc>> {
     let s = Socket::open()?;
     let tc = TcMsg { ifindex: ifindex as i32, ..Default::default() };
-    s.send(RTM_GETQDISC, NLM_F_REQUEST | NLM_F_DUMP, tc, None)?;
+    send(&s, RTM_GETQDISC, NLM_F_REQUEST | NLM_F_DUMP, tc, None)?;
     let mut root = None;
     s.each_reply(RTM_NEWQDISC, |m| {
         if m.len() < size_of::<TcMsg>() {
@@ -265,12 +143,7 @@ pub fn add_root_fq(ifindex: u32, horizon_us: u32, flow_plimit: u32) -> io::Resul
     opts.extend(attr(TCA_FQ_HORIZON_DROP, &[1u8]));
     let mut attrs = attr(TCA_KIND, b"fq\0");
     attrs.extend(attr(TCA_OPTIONS, &opts));
-    s.send_attrs(
-        RTM_NEWQDISC,
-        NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
-        tc,
-        &attrs,
-    )?;
+    s.request(RTM_NEWQDISC, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE, &tc, &attrs)?;
     s.replies(0).map(|_| ())
 }
 
@@ -279,6 +152,6 @@ pub fn add_root_fq(ifindex: u32, horizon_us: u32, flow_plimit: u32) -> io::Resul
 pub fn del_root_qdisc(ifindex: u32) -> io::Result<()> {
     let s = Socket::open()?;
     let tc = TcMsg { ifindex: ifindex as i32, parent: TC_H_ROOT, ..Default::default() };
-    s.send(RTM_DELQDISC, NLM_F_REQUEST | NLM_F_ACK, tc, None)?;
+    send(&s, RTM_DELQDISC, NLM_F_REQUEST | NLM_F_ACK, tc, None)?;
     s.replies(0).map(|_| ())
 }

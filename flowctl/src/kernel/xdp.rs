@@ -1,0 +1,132 @@
+//! The XDP requests over rtnetlink that aya 0.14 does not make: which
+//! program an interface runs (and in which mode), and setting one in place
+//! of an expected other (`XDP_FLAGS_REPLACE`), which is how libxdp swaps
+//! one dispatcher for the next without a moment of no program
+//! (include/uapi/linux/if_link.h, `IFLA_XDP_*`).
+
+use super::rtnl::{attr, each_attr, Socket, NLM_F_ACK, NLM_F_REQUEST};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
+const RTM_SETLINK: u16 = 19;
+const IFLA_XDP: u16 = 43;
+const NLA_F_NESTED: u16 = 0x8000;
+const IFLA_XDP_FD: u16 = 1;
+const IFLA_XDP_ATTACHED: u16 = 2;
+const IFLA_XDP_FLAGS: u16 = 3;
+const IFLA_XDP_PROG_ID: u16 = 4;
+const IFLA_XDP_EXPECTED_FD: u16 = 8;
+const XDP_ATTACHED_DRV: u8 = 1;
+const XDP_ATTACHED_SKB: u8 = 2;
+const XDP_ATTACHED_HW: u8 = 3;
+const XDP_ATTACHED_MULTI: u8 = 4;
+pub const XDP_FLAGS_SKB_MODE: u32 = 1 << 1;
+pub const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+const XDP_FLAGS_REPLACE: u32 = 1 << 4;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct IfInfoMsg {
+    family: u8,
+    pad: u8,
+    ty: u16,
+    index: i32,
+    flags: u32,
+    change: u32,
+}
+
+/// The mode a program runs in on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpMode {
+    Native,
+    Generic,
+    Offloaded,
+    /// Programs in more than one mode at once.
+    Several,
+}
+
+impl XdpMode {
+    /// The attach flag that addresses this mode's program.
+    pub fn flags(self) -> u32 {
+        match self {
+            XdpMode::Generic => XDP_FLAGS_SKB_MODE,
+            _ => XDP_FLAGS_DRV_MODE,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            XdpMode::Native => "native",
+            XdpMode::Generic => "generic",
+            XdpMode::Offloaded => "offloaded",
+            XdpMode::Several => "several modes",
+        }
+    }
+}
+
+/// The program `ifindex` runs and its mode; `None` when it runs none.
+pub fn attached(ifindex: u32) -> io::Result<Option<(u32, XdpMode)>> {
+    let s = Socket::open()?;
+    let head = IfInfoMsg { index: ifindex as i32, ..Default::default() };
+    // With an ack to end the replies (a plain get has no NLMSG_DONE).
+    s.request(RTM_GETLINK, NLM_F_REQUEST | NLM_F_ACK, &head, &[])?;
+    let mut found = None;
+    s.each_reply(RTM_NEWLINK, |m| {
+        let Some(attrs) = m.get(size_of::<IfInfoMsg>()..) else { return };
+        each_attr(attrs, |ty, payload| {
+            if ty != IFLA_XDP {
+                return;
+            }
+            let (mut mode, mut id) = (0u8, 0u32);
+            each_attr(payload, |t, v| match t {
+                IFLA_XDP_ATTACHED if !v.is_empty() => mode = v[0],
+                IFLA_XDP_PROG_ID if v.len() >= 4 => {
+                    id = u32::from_ne_bytes(v[..4].try_into().expect("4 bytes"))
+                }
+                _ => {}
+            });
+            let mode = match mode {
+                XDP_ATTACHED_DRV => XdpMode::Native,
+                XDP_ATTACHED_SKB => XdpMode::Generic,
+                XDP_ATTACHED_HW => XdpMode::Offloaded,
+                XDP_ATTACHED_MULTI => XdpMode::Several,
+                _ => return,
+            };
+            found = Some((id, mode));
+        });
+    })?;
+    Ok(found)
+}
+
+/// Sets `prog` (None: removes the program) on `ifindex` in the mode of
+/// `flags`, if the interface still runs `expected` (None: if it runs no
+/// program). EEXIST or EBUSY: someone else's program is there now.
+pub fn replace(
+    ifindex: u32,
+    prog: Option<BorrowedFd<'_>>,
+    expected: Option<BorrowedFd<'_>>,
+    flags: u32,
+) -> io::Result<()> {
+    const XDP_FLAGS_UPDATE_IF_NOEXIST: u32 = 1;
+    let s = Socket::open()?;
+    let head = IfInfoMsg { index: ifindex as i32, ..Default::default() };
+    let fd: i32 = prog.map(|p| p.as_raw_fd()).unwrap_or(-1);
+    let mut nest = attr(IFLA_XDP_FD, &fd.to_ne_bytes());
+    let flags = match expected {
+        Some(old) => {
+            nest.extend(attr(IFLA_XDP_EXPECTED_FD, &old.as_raw_fd().to_ne_bytes()));
+            flags | XDP_FLAGS_REPLACE
+        }
+        None => flags | XDP_FLAGS_UPDATE_IF_NOEXIST,
+    };
+    nest.extend(attr(IFLA_XDP_FLAGS, &flags.to_ne_bytes()));
+    s.request(
+        RTM_SETLINK,
+        NLM_F_REQUEST | NLM_F_ACK,
+        &head,
+        &attr(IFLA_XDP | NLA_F_NESTED, &nest),
+    )?;
+    s.replies(0).map(|_| ())
+}
