@@ -43,6 +43,9 @@ pub enum Need {
     Qdisc(&'static str),
     /// A kernel *without* that qdisc: the refusal a profile needing it gets.
     NoQdisc(&'static str),
+    /// A kernel that loads extension (`freplace`) programs, which libxdp's
+    /// dispatcher needs (this project's host kernel refuses them: EPERM).
+    Freplace,
     /// An environment variable naming an existing file (`FLOWCTL_DEB`: the
     /// package under test, which `cargo xtask test` builds and sets).
     EnvFile(&'static str),
@@ -147,6 +150,9 @@ impl Host {
                     self.release
                 )
             }),
+            Need::Freplace => freplace_refused().map(|why| {
+                format!("needs a kernel that loads extension (freplace) programs ({} refuses them: {why})", self.release)
+            }),
             Need::EnvFile(var) => match std::env::var_os(var) {
                 Some(p) if std::path::Path::new(&p).is_file() => None,
                 Some(p) => Some(format!("needs {var} to name a file (no file at {p:?})")),
@@ -160,6 +166,36 @@ impl Host {
         let why: Vec<String> = needs.iter().filter_map(|n| self.unmet(*n)).collect();
         (!why.is_empty()).then(|| why.join("; "))
     }
+}
+
+/// Why this kernel refuses an extension program (None: it loads one): the
+/// bench object's `bench_pass_ext` loaded against its `bench_pass`.
+fn freplace_refused() -> Option<String> {
+    static ONCE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| load_an_extension().err()).clone()
+}
+
+fn load_an_extension() -> Result<(), String> {
+    use aya::programs::{Extension, ProgramError, Xdp};
+    let mut ebpf = aya::EbpfLoader::new()
+        .load(flowctl_bench::bench_object())
+        .map_err(|e| format!("loading the bench object: {e}"))?;
+    let target: &mut Xdp = ebpf
+        .program_mut("bench_pass")
+        .ok_or("no bench_pass")?
+        .try_into()
+        .map_err(|e| format!("{e}"))?;
+    target.load().map_err(|e| format!("loading bench_pass: {e}"))?;
+    let fd = target.fd().and_then(|f| Ok(f.try_clone()?)).map_err(|e| e.to_string())?;
+    let ext: &mut Extension = ebpf
+        .program_mut("bench_pass_ext")
+        .ok_or("no bench_pass_ext")?
+        .try_into()
+        .map_err(|e| format!("{e}"))?;
+    ext.load(fd, "bench_pass").map_err(|e| match e {
+        ProgramError::LoadError { io_error, .. } => io_error.to_string(),
+        e => e.to_string(),
+    })
 }
 
 /// The environment variable the kernel matrix exports in its VMs (xtask).

@@ -43,6 +43,10 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "lintian",
     "zsh",
     "fish",
+    // xdp-filter and xdp-loader, and libxdp's dispatcher object, which
+    // `attach --multiprog` loads (docs/coexistence.md) and the
+    // co-existence test runs beside flowctl.
+    "xdp-tools",
 ];
 /// The kernel matrix's Debian packages: QEMU for the VMs, and a statically
 /// linked busybox ("a statically linked busybox could not be found" without).

@@ -54,6 +54,10 @@ pub const E2E_SUBSET: &[E2e] = &[
     // same hooks, and its predicted refusal shares need request volumes a
     // Python client under TCG does not reliably make.
     E2e { name: "breaker_state_opens_on_timeouts_probes_and_closes", xdp: false },
+    // attach --multiprog: flowctl and xdp-filter in one libxdp dispatcher
+    // (extension programs, which the host kernel refuses: the VMs are where
+    // it runs), through libxdp's rebuilds, a restart and detach.
+    E2e { name: "flowctl_and_xdp_filter_share_an_interface", xdp: true },
 ];
 
 /// End-to-end tests the VMs run under `--full` only. The shaper needs fq,

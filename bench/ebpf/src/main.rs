@@ -43,6 +43,15 @@ pub fn bench_pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// An extension (`freplace`) of `bench_pass`: the tests' probe of whether
+/// this kernel loads extension programs, which libxdp's dispatcher and
+/// `attach --multiprog` need (some kernels refuse them outright).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "freplace/bench_pass_ext")]
+pub fn bench_pass_ext(_ctx: *mut aya_ebpf::bindings::xdp_md) -> u32 {
+    xdp_action::XDP_PASS
+}
+
 #[xdp]
 pub fn bench_drop(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_DROP

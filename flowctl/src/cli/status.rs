@@ -85,6 +85,10 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             "lists": state.as_ref().map(|s| s.lists.clone()).unwrap_or_default(),
             // [[shaper]] tables: what they paced (the agent runs them).
             "shapers": shapers,
+            // attach --multiprog: the libxdp dispatcher's components in run
+            // order, flowctl's marked (null: flowctl runs on its own link,
+            // or the interface is in a namespace this command is not in).
+            "dispatcher": dispatcher_json(&id, state.as_ref().and_then(|s| s.netns.as_deref())),
             // SYNs (new TCP connections) since attach, every record's.
             "syn_totals": syns.as_ref().map(|t| {
                 let total = t.total();
@@ -193,6 +197,21 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                 }
             );
         }
+        if let Some(chain) = a["dispatcher"].as_array() {
+            let parts: Vec<String> = chain
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{}{} (prio {}, id {})",
+                        c["name"].as_str().unwrap_or("?"),
+                        if c["flowctl"] == true { " [flowctl]" } else { "" },
+                        c["run_prio"],
+                        c["prog_id"]
+                    )
+                })
+                .collect();
+            out!("  XDP dispatcher (libxdp): {}", parts.join(" -> "));
+        }
         if let Some(line) = syn_line(&a["syn_totals"]) {
             out!("  {line}");
         }
@@ -205,6 +224,28 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
 
 /// The attachment's `[[shaper]]` tables (from its active profile) with
 /// what the kernel counted for each since the agent installed them.
+/// The interface's dispatcher chain, asked over rtnetlink from the
+/// interface's own namespace (a thread enters it when it is not this one).
+fn dispatcher_json(id: &pins::AttachId, netns: Option<&str>) -> Option<serde_json::Value> {
+    use crate::system::netns;
+    if !dataplane::multiprog::is_component(id) {
+        return None;
+    }
+    let chain = if netns::current_netns_ino().ok() == Some(id.netns_ino) {
+        dataplane::multiprog::chain(id).ok()
+    } else {
+        let (ns, id) = (netns?.to_string(), *id);
+        std::thread::spawn(move || {
+            netns::enter_netns(&ns).ok()?;
+            dataplane::multiprog::chain(&id).ok()
+        })
+        .join()
+        .ok()
+        .flatten()
+    };
+    chain.map(|c| serde_json::json!(c))
+}
+
 fn shapers_json(id: &pins::AttachId, m: &Maps) -> Vec<serde_json::Value> {
     let path = id.run_dir().join(pins::run_file::PROFILE);
     let Ok(set) = crate::profile::load_recorded(&path) else { return Vec::new() };

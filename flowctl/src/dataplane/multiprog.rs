@@ -306,6 +306,22 @@ fn dispatcher_fd(ebpf: &Ebpf) -> Result<(ProgramFd, u32)> {
     Ok((prog.fd()?.try_clone()?, prog.info()?.id()))
 }
 
+/// A refused extension load, with what to do about it: a kernel that
+/// refuses extension programs outright (EPERM before the verifier runs, as
+/// this project's host kernel does for libxdp's own check) cannot run a
+/// dispatcher at all.
+fn extension_error(e: aya::programs::ProgramError) -> anyhow::Error {
+    if let aya::programs::ProgramError::LoadError { io_error, .. } = &e {
+        if io_error.raw_os_error() == Some(libc::EPERM) {
+            return anyhow!(
+                "this kernel ({}) refuses extension (freplace) programs (EPERM), which a libxdp dispatcher's components are; libxdp falls back to a single program here too. Attach without --multiprog (flowctl then needs the interface to itself)",
+                crate::kernel::features::get().release
+            );
+        }
+    }
+    super::load::load_error(e)
+}
+
 /// The function of the dispatcher a component replaces: with one
 /// component, the whole dispatcher (its body is then that program, no
 /// loop), else its slot, as libxdp links them.
@@ -407,7 +423,7 @@ pub fn join(
                         .program_mut(XDP_PROGRAM_MULTIPROG)
                         .context("the object has no multiprog program")?
                         .try_into()?;
-                    ext.load(target.try_clone()?, &func).map_err(super::load::load_error)?;
+                    ext.load(target.try_clone()?, &func).map_err(extension_error)?;
                     let link = ext.attach()?;
                     let link: FdLink = ext.take_link(link)?.into();
                     pin_component(&dir, i, link, ext)?;
@@ -551,4 +567,27 @@ pub fn choose(
         );
     }
     Ok(asked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_config_has_libxdps_layout() {
+        // struct xdp_dispatcher_config: four bytes, then three arrays of
+        // ten u32 (the dispatcher object's `conf` is 124 bytes).
+        assert_eq!(size_of::<DispatcherConfig>(), 124);
+        assert_eq!(std::mem::offset_of!(DispatcherConfig, chain_call_actions), 4);
+        assert_eq!(std::mem::offset_of!(DispatcherConfig, run_prios), 44);
+        assert_eq!(std::mem::offset_of!(DispatcherConfig, program_flags), 84);
+    }
+
+    #[test]
+    fn flowctl_chains_on_pass_and_empty_slots() {
+        assert_eq!(action_names(CHAIN_ON_PASS), ["XDP_PASS"]);
+        assert_eq!(CHAIN_ON_PASS >> 31, 1, "an empty slot's verdict chains");
+        assert_eq!(slot_function(1, 0), "xdp_dispatcher");
+        assert_eq!(slot_function(2, 1), "prog1");
+    }
 }

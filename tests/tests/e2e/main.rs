@@ -8,6 +8,7 @@
 
 mod bbr;
 mod breakers;
+mod coexistence;
 mod fleet_limits;
 mod fleet_profiles;
 mod fleet_quotas;
@@ -21,6 +22,7 @@ mod shaping;
 
 use bbr::*;
 use breakers::*;
+use coexistence::*;
 use fleet_limits::*;
 use fleet_profiles::*;
 use fleet_quotas::*;
@@ -58,6 +60,7 @@ fn main() {
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
         a_million_prefix_list_blocks_and_updates_atomically: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
+        flowctl_and_xdp_filter_share_an_interface: [Root, Freplace, Command("xdp-filter"), Command("nsenter")],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         an_older_layouts_data_plane_is_taken_over_without_a_gap: [Root],
         a_new_agent_waits_for_a_stopping_one: [Root],
