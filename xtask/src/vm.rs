@@ -390,9 +390,12 @@ mod tests {
         let e2e = |full: bool| {
             plan(&bins, full).unwrap().into_iter().find(|s| s.name == "e2e").unwrap().args
         };
-        let shaper = E2E_FULL_VM[0].name.to_string();
-        assert!(!e2e(false).contains(&shaper));
-        assert!(e2e(true).contains(&shaper));
-        assert!(E2E_SUBSET.iter().all(|t| e2e(true).contains(&t.name.to_string())));
+        for t in E2E_FULL_VM {
+            assert!(!e2e(false).contains(&t.name.to_string()));
+            assert!(e2e(true).contains(&t.name.to_string()));
+        }
+        for full in [false, true] {
+            assert!(E2E_SUBSET.iter().all(|t| e2e(full).contains(&t.name.to_string())));
+        }
     }
 }

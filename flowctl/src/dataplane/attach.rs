@@ -99,6 +99,10 @@ fn unpin_link(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// What a takeover of another layout's data plane (or `--replace`) starts
+/// afresh, said in the status line: the new program's maps are new.
+pub const RESET_ON_TAKEOVER: &str = "every bucket and remembered debt, quota window, warm-up ramp (its rules start cold), BBR's tracked connections, SYN booking, counter and statistics ring start afresh, and global rules' leases are asked for again";
+
 /// `attach --replace`: everything of the attachment goes except its XDP
 /// link, ours or one another flowctl version pinned (an upgrade over a
 /// kept data plane). The old program stays on the link, enforcing with its
@@ -134,7 +138,7 @@ pub fn replace_keeping_link(id: &AttachId) -> Result<Option<String>> {
             })?);
             kept = true;
             crate::system::log::status(format_args!(
-                "taking over the data plane of flowctl layout v{version} (pins at {}): its program enforces until this one replaces it on the same link; buckets, counters and statistics start afresh",
+                "taking over the data plane of flowctl layout v{version} (pins at {}): its program enforces until this one replaces it on the same link; {RESET_ON_TAKEOVER}",
                 old.display()
             ));
         } else {
