@@ -37,12 +37,16 @@ pub fn blast_from(
         let gap = Duration::from_secs_f64(1.0 / pps as f64);
         let first = Instant::now();
         let mut last = first;
-        let mut n = 0;
-        while n < max && first.elapsed().as_secs_f64() < secs {
-            let _ = s.send_to(b"flowctl-e2e", &dst);
+        let (mut n, mut attempts) = (0, 0u64);
+        while attempts < max && first.elapsed().as_secs_f64() < secs {
+            // Only what the socket took counts as sent; the pacing goes
+            // by attempts.
+            attempts += 1;
+            if s.send_to(b"flowctl-e2e", &dst).is_ok() {
+                n += 1;
+            }
             last = Instant::now();
-            n += 1;
-            let next = first + gap * n as u32;
+            let next = first + gap * attempts as u32;
             if let Some(d) = next.checked_duration_since(Instant::now()) {
                 std::thread::sleep(d);
             }

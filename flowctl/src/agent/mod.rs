@@ -144,6 +144,13 @@ fn run_interface(
     // without an agent.
     let upgrade = !id.pin_dir().exists()
         && pins::other_layout_dirs(&id).iter().any(|(v, _)| *v < flowctl_common::LAYOUT_VERSION);
+    // Whether this start runs as a libxdp dispatcher's component, decided
+    // before --replace or a takeover removes anything: a kept link (this
+    // layout's or another's) cannot become a component in place.
+    let kept = id.pin_dir().join("link").exists()
+        || dataplane::multiprog::is_component(&id)
+        || pins::other_layout_dirs(&id).iter().any(|(_, d)| d.join("link").exists());
+    let multiprog = dataplane::multiprog::choose(&id, iface, args.multiprog, kept)?;
     let taken_over = if args.replace || upgrade {
         dataplane::replace_keeping_link(&id)?
     } else {
@@ -151,7 +158,6 @@ fn run_interface(
         None
     };
     let adopting = id.pin_dir().join("link").exists() || dataplane::multiprog::is_component(&id);
-    let multiprog = dataplane::multiprog::choose(&id, iface, args.multiprog, adopting)?;
     let mut held = Attachment::new(id, iface, lock, adopting);
     let takeover = taken_over.clone().map(|mode| Takeover { mode, netns: args.netns.clone() });
     let mode_used = match load_and_attach(&mut held, &set, args.mode, multiprog, takeover.as_ref())

@@ -211,6 +211,9 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                 })
                 .collect();
             out!("  XDP dispatcher (libxdp): {}", parts.join(" -> "));
+            if !chain.iter().any(|c| c["flowctl"] == true) {
+                out!("  WARNING: flowctl's component is not in this dispatcher: the rules are not enforced (detach and attach again)");
+            }
         }
         if let Some(line) = syn_line(&a["syn_totals"]) {
             out!("  {line}");

@@ -117,12 +117,12 @@ pub fn replace_keeping_link(id: &AttachId) -> Result<Option<String>> {
     let link_path = dir.join("link");
     // A dispatcher component's pin stays too: the next agent swaps its
     // component for the new one in one replace (`multiprog::join`).
-    let component = dir.join(super::multiprog::COMPONENT_PIN);
-    let mut kept = link_path.exists() || component.exists();
+    let mut kept = link_path.exists() || super::multiprog::is_component(id);
     if dir.exists() {
         for e in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
             let p = e?.path();
-            if p != link_path && p != component {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if p != link_path && !name.starts_with(super::multiprog::COMPONENT_PIN) {
                 fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
             }
         }

@@ -26,7 +26,7 @@ use aya::{
     programs::{links::FdLink, Extension, ProgramFd, Xdp},
     Ebpf, EbpfLoader,
 };
-use flowctl_common::XDP_PROGRAM_MULTIPROG;
+use flowctl_common::{map_names, XDP_PROGRAM_MULTIPROG};
 use std::{
     fs,
     os::fd::{AsFd, AsRawFd},
@@ -52,8 +52,24 @@ pub const DEFAULT_RUN_PRIO: u32 = 50;
 /// always chains on.
 const CHAIN_ON_PASS: u32 = 1 << 2 | 1 << 31;
 /// The pin, in flowctl's own pin directory, of flowctl's component program:
-/// how a later agent or `detach` knows which slot is flowctl's.
+/// how a later agent or `detach` knows the data plane is a component.
+/// Which slot is flowctl's is told by the maps its program uses (this
+/// attachment's pinned maps), so a crash between the swap and this pin's
+/// update cannot make flowctl's own slot look like someone else's.
 pub const COMPONENT_PIN: &str = "multiprog";
+/// The new component program's pin while its dispatcher is swapped in
+/// (renamed over `COMPONENT_PIN` once it runs; bpffs refuses names with a
+/// dot).
+const COMPONENT_PIN_NEW: &str = "multiprog-new";
+/// How often a swap that lost a race with libxdp (which locks only around
+/// its pins, not its own swap, and retries as often) is planned again.
+const SWAP_TRIES: u32 = 10;
+/// The kernel's name of flowctl's component (program names are cut at 15
+/// bytes), which orders it among components of equal priority as libxdp
+/// orders them: by priority, then name.
+fn component_name() -> &'static str {
+    &XDP_PROGRAM_MULTIPROG[..XDP_PROGRAM_MULTIPROG.len().min(15)]
+}
 
 /// The dispatcher's read-only config (`struct xdp_dispatcher_config`), the
 /// value of its `.rodata` map.
@@ -152,7 +168,7 @@ fn current(ifindex: u32) -> Result<Current> {
         .with_context(|| format!("reading the config of dispatcher {id}"))?;
     if config.magic != DISPATCHER_MAGIC || config.dispatcher_version != DISPATCHER_VERSION {
         bail!(
-            "the XDP dispatcher on this interface (program {id}) has version {} (magic {}); flowctl joins version {DISPATCHER_VERSION} only (libxdp 1.3 and later)",
+            "the XDP dispatcher on this interface (program {id}) has version {} (magic {}); flowctl joins version {DISPATCHER_VERSION} only (libxdp 1.3 to 1.5)",
             config.dispatcher_version,
             config.magic
         );
@@ -194,19 +210,58 @@ fn pinned_prog_id(path: &Path) -> Option<u32> {
     aya::programs::ProgramInfo::from_pin(path).ok().map(|i| i.id())
 }
 
-/// flowctl's component program on `id`'s interface, by its pin.
-fn own_component_id(id: &AttachId) -> Option<u32> {
-    pinned_prog_id(&id.pin_dir().join(COMPONENT_PIN))
+/// What tells flowctl's component of an attachment: its program uses the
+/// attachment's pinned global record, or is the one pinned as flowctl's
+/// (after `--replace` the old component's maps are no longer pinned).
+struct Own {
+    map: Option<u32>,
+    progs: Vec<u32>,
+}
+
+impl Own {
+    fn of(id: &AttachId) -> Self {
+        let map = MapData::from_pin(id.pin_dir().join(map_names::GLOBAL))
+            .ok()
+            .and_then(|m| m.info().ok().map(|i| i.id()));
+        let progs = [COMPONENT_PIN, COMPONENT_PIN_NEW]
+            .iter()
+            .filter_map(|f| pinned_prog_id(&id.pin_dir().join(f)))
+            .collect();
+        Self { map, progs }
+    }
+
+    /// Whether the pinned component program `prog` is flowctl's.
+    fn is(&self, prog: &Path) -> bool {
+        let Ok(info) = aya::programs::ProgramInfo::from_pin(prog) else { return false };
+        self.progs.contains(&info.id())
+            || self
+                .map
+                .is_some_and(|m| info.map_ids().ok().flatten().is_some_and(|ids| ids.contains(&m)))
+    }
+}
+
+/// Whether the interface is gone (its namespace or device deleted).
+fn interface_gone(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.raw_os_error() == Some(libc::ENODEV))
+    })
+}
+
+/// Whether a swap failed because the interface's program changed since it
+/// was read (libxdp swapped meanwhile): plan again.
+fn lost_race(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EEXIST) | Some(libc::EBUSY))
 }
 
 /// The components of the interface's dispatcher, in run order; empty when
 /// no dispatcher runs there.
 pub fn chain(id: &AttachId) -> Result<Vec<Component>> {
     let Current::Dispatcher(d) = current(id.ifindex)? else { return Ok(Vec::new()) };
-    let own = own_component_id(id);
+    let own = Own::of(id);
     Ok((0..d.config.num_progs_enabled as usize)
         .map(|slot| {
-            let prog_id = pinned_prog_id(&prog_pin(&d.pin_dir, slot)).unwrap_or(0);
+            let pin = prog_pin(&d.pin_dir, slot);
+            let prog_id = pinned_prog_id(&pin).unwrap_or(0);
             let name = program_info(prog_id)
                 .ok()
                 .and_then(|i| i.name_as_str().map(str::to_string))
@@ -217,7 +272,7 @@ pub fn chain(id: &AttachId) -> Result<Vec<Component>> {
                 name,
                 run_prio: d.config.run_prios[slot],
                 chain_on: action_names(d.config.chain_call_actions[slot]),
-                flowctl: Some(prog_id) == own && prog_id != 0,
+                flowctl: own.is(&pin),
             }
         })
         .collect())
@@ -225,21 +280,28 @@ pub fn chain(id: &AttachId) -> Result<Vec<Component>> {
 
 /// Whether flowctl's data plane on `id` runs as a dispatcher component.
 pub fn is_component(id: &AttachId) -> bool {
-    id.pin_dir().join(COMPONENT_PIN).exists()
+    let dir = id.pin_dir();
+    dir.join(COMPONENT_PIN).exists() || dir.join(COMPONENT_PIN_NEW).exists()
 }
 
 /// A component of the new dispatcher: one already there (its pins), or
 /// flowctl's.
 enum Slot {
-    Kept { prog: PathBuf, run_prio: u32, chain: u32, flags: u32 },
+    Kept { prog: PathBuf, name: String, run_prio: u32, chain: u32, flags: u32 },
     Flowctl { run_prio: u32 },
 }
 
 impl Slot {
-    fn run_prio(&self) -> u32 {
+    /// libxdp's run order: priority, then the program's name.
+    fn order(&self) -> (u32, &str) {
         match self {
-            Slot::Kept { run_prio, .. } | Slot::Flowctl { run_prio } => *run_prio,
+            Slot::Kept { run_prio, name, .. } => (*run_prio, name),
+            Slot::Flowctl { run_prio } => (*run_prio, component_name()),
         }
+    }
+
+    fn run_prio(&self) -> u32 {
+        self.order().0
     }
 }
 
@@ -290,7 +352,7 @@ fn load_dispatcher(slots: &[Slot]) -> Result<Ebpf> {
     let mut ebpf = EbpfLoader::new()
         .override_global("conf", &config, true)
         .load(&object)
-        .map_err(|e| anyhow!("loading libxdp's dispatcher object: {e}"))?;
+        .map_err(|e| anyhow!("loading libxdp's dispatcher object: {e} (flowctl writes the version-{DISPATCHER_VERSION} config of libxdp 1.3 to 1.5; a newer libxdp's dispatcher takes another)"))?;
     let prog: &mut Xdp = ebpf
         .program_mut(DISPATCHER_PROGRAM)
         .context("no xdp_dispatcher program in libxdp's dispatcher object")?
@@ -356,58 +418,62 @@ fn remove_pins(dir: &Path) {
     let _ = fs::remove_dir(dir);
 }
 
-/// Puts flowctl's component (the object's extension program, loaded here)
-/// into the interface's dispatcher, or a new one, in place of flowctl's
-/// earlier component if there is one; returns the mode the dispatcher
-/// runs in. A single XDP program that is not a dispatcher is never
-/// replaced.
-pub fn join(
-    ebpf: &mut Ebpf,
-    id: &AttachId,
-    iface: &str,
-    mode: super::Mode,
-    run_prio: u32,
-) -> Result<String> {
-    let _lock = LibxdpLock::take()?;
-    let own = own_component_id(id);
-    let cur = current(id.ifindex)?;
-    let mut slots = Vec::new();
-    let (old, mode_flags) = match &cur {
-        Current::Other { id: pid, name } => bail!(
-            "{iface} runs XDP program {pid} ({name}), which is not a libxdp dispatcher; flowctl --multiprog joins only a dispatcher. Load that program through libxdp (`xdp-loader load {iface} FILE`) or remove it (`ip link set dev {iface} xdp off`)"
-        ),
-        Current::Nothing => (None, None),
-        Current::Dispatcher(d) => {
-            for slot in 0..d.config.num_progs_enabled as usize {
-                let prog = prog_pin(&d.pin_dir, slot);
-                if own.is_some() && pinned_prog_id(&prog) == own {
-                    continue;
-                }
-                if !prog.exists() {
-                    bail!("the dispatcher on {iface} has no pin for its slot {slot} ({}): it was not loaded by libxdp's protocol, so flowctl will not rebuild it", prog.display());
-                }
-                slots.push(Slot::Kept {
-                    prog,
-                    run_prio: d.config.run_prios[slot],
-                    chain: d.config.chain_call_actions[slot],
-                    flags: d.config.program_flags[slot],
-                });
+impl Dispatcher {
+    /// Its components as slots of the next dispatcher, except flowctl's
+    /// (`own`); and whether flowctl's was among them.
+    fn kept_slots(&self, own: &Own, iface: &str) -> Result<(Vec<Slot>, bool)> {
+        let (mut slots, mut found) = (Vec::new(), false);
+        for slot in 0..self.config.num_progs_enabled as usize {
+            let prog = prog_pin(&self.pin_dir, slot);
+            if !prog.exists() {
+                bail!("the dispatcher on {iface} has no pin for its slot {slot} ({}): it was not loaded by libxdp's protocol, so flowctl will not rebuild it", prog.display());
             }
-            (Some(d), Some(d.mode.flags()))
+            if own.is(&prog) {
+                found = true;
+                continue;
+            }
+            let name = aya::programs::ProgramInfo::from_pin(&prog)
+                .ok()
+                .and_then(|i| i.name_as_str().map(str::to_string))
+                .unwrap_or_default();
+            slots.push(Slot::Kept {
+                prog,
+                name,
+                run_prio: self.config.run_prios[slot],
+                chain: self.config.chain_call_actions[slot],
+                flags: self.config.program_flags[slot],
+            });
         }
-    };
-    // After the components of the same priority already there, as libxdp
-    // orders equal priorities by load order.
-    let at = slots.iter().position(|s| s.run_prio() > run_prio).unwrap_or(slots.len());
-    slots.insert(at, Slot::Flowctl { run_prio });
-    if slots.len() > MAX_COMPONENTS {
-        bail!("the dispatcher on {iface} has all its {MAX_COMPONENTS} slots taken");
+        Ok((slots, found))
     }
-    let dispatcher = load_dispatcher(&slots)?;
-    let (target, new_id) = dispatcher_fd(&dispatcher)?;
-    let dir = dispatch_dir(id.ifindex, new_id);
+
+    /// A descriptor of the running dispatcher: the expected program of the
+    /// swap that replaces it.
+    fn fd(&self) -> Result<ProgramFd> {
+        Ok(program_info(self.prog_id)?.fd()?)
+    }
+}
+
+/// A dispatcher loaded with its components linked and pinned, not yet on
+/// the interface.
+struct Built {
+    /// Owns the dispatcher until the interface holds it.
+    _object: Ebpf,
+    fd: ProgramFd,
+    dir: PathBuf,
+}
+
+/// Loads a dispatcher for `slots`, links every component to its slot (a
+/// kept one by its pin; flowctl's, the object's extension program, loaded
+/// against the first dispatcher it is built for and re-linked after) and
+/// pins them. On failure its pins are gone.
+fn build(ifindex: u32, slots: &[Slot], flowctl: Option<&mut Ebpf>) -> Result<Built> {
+    let object = load_dispatcher(slots)?;
+    let (target, new_id) = dispatcher_fd(&object)?;
+    let dir = dispatch_dir(ifindex, new_id);
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let built = (|| -> Result<()> {
+    let mut flowctl = flowctl;
+    let linked = (|| -> Result<()> {
         for (i, s) in slots.iter().enumerate() {
             let func = slot_function(slots.len(), i);
             match s {
@@ -419,12 +485,18 @@ pub fn join(
                     pin_component(&dir, i, link, &mut ext)?;
                 }
                 Slot::Flowctl { .. } => {
-                    let ext: &mut Extension = ebpf
+                    let ext: &mut Extension = flowctl
+                        .as_deref_mut()
+                        .context("no flowctl program to link")?
                         .program_mut(XDP_PROGRAM_MULTIPROG)
                         .context("the object has no multiprog program")?
                         .try_into()?;
-                    ext.load(target.try_clone()?, &func).map_err(extension_error)?;
-                    let link = ext.attach()?;
+                    let link = if ext.fd().is_ok() {
+                        ext.attach_to_program(&target, &func)?
+                    } else {
+                        ext.load(target.try_clone()?, &func).map_err(extension_error)?;
+                        ext.attach()?
+                    };
                     let link: FdLink = ext.take_link(link)?.into();
                     pin_component(&dir, i, link, ext)?;
                 }
@@ -432,118 +504,212 @@ pub fn join(
         }
         Ok(())
     })();
-    if let Err(e) = built {
-        remove_pins(&dir);
-        return Err(e);
-    }
-    let old_fd = match old {
-        Some(d) => Some(program_info(d.prog_id)?.fd()?),
-        None => None,
-    };
-    let swap = |flags: u32| {
-        netlink::replace(
-            id.ifindex,
-            Some(target.as_fd()),
-            old_fd.as_ref().map(|f| f.as_fd()),
-            flags,
-        )
-    };
-    let used = match (mode_flags, mode) {
-        (Some(f), _) => swap(f).map(|_| f),
-        (None, super::Mode::Skb) => {
-            swap(netlink::XDP_FLAGS_SKB_MODE).map(|_| netlink::XDP_FLAGS_SKB_MODE)
-        }
-        (None, super::Mode::Native) => {
-            swap(netlink::XDP_FLAGS_DRV_MODE).map(|_| netlink::XDP_FLAGS_DRV_MODE)
-        }
-        (None, super::Mode::Auto) => swap(netlink::XDP_FLAGS_DRV_MODE)
-            .map(|_| netlink::XDP_FLAGS_DRV_MODE)
-            .or_else(|_| swap(netlink::XDP_FLAGS_SKB_MODE).map(|_| netlink::XDP_FLAGS_SKB_MODE)),
-    };
-    let used = match used {
-        Ok(f) => f,
+    match linked {
+        Ok(()) => Ok(Built { _object: object, fd: target, dir }),
         Err(e) => {
             remove_pins(&dir);
-            return Err(anyhow!("putting the new XDP dispatcher on {iface}: {e} (the interface's program changed meanwhile, or the mode is not available)"));
+            Err(e)
         }
-    };
-    if let Some(d) = old {
-        remove_pins(&d.pin_dir);
     }
-    // Which slot is flowctl's, for the next agent and `detach`.
-    let own_pin = id.pin_dir().join(COMPONENT_PIN);
-    let _ = fs::remove_file(&own_pin);
-    let ext: &mut Extension =
-        ebpf.program_mut(XDP_PROGRAM_MULTIPROG).context("multiprog program")?.try_into()?;
-    ext.pin(&own_pin).with_context(|| format!("pinning {}", own_pin.display()))?;
-    Ok(if used == netlink::XDP_FLAGS_SKB_MODE { "generic" } else { "native" }.into())
+}
+
+/// The attach flags of `mode` for a new dispatcher (None: native, else
+/// generic).
+fn mode_flags(mode: super::Mode) -> Option<u32> {
+    match mode {
+        super::Mode::Skb => Some(netlink::XDP_FLAGS_SKB_MODE),
+        super::Mode::Native => Some(netlink::XDP_FLAGS_DRV_MODE),
+        super::Mode::Auto => None,
+    }
+}
+
+/// Puts flowctl's component (the object's extension program, loaded here)
+/// into the interface's dispatcher, or a new one, in place of flowctl's
+/// earlier component if there is one; returns the mode the dispatcher
+/// runs in. A single XDP program that is not a dispatcher is never
+/// replaced. A swap that loses a race with libxdp is planned again.
+pub fn join(
+    ebpf: &mut Ebpf,
+    id: &AttachId,
+    iface: &str,
+    mode: super::Mode,
+    run_prio: u32,
+) -> Result<String> {
+    let _lock = LibxdpLock::take()?;
+    let own = Own::of(id);
+    let dir = id.pin_dir();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (old, mut slots) = match current(id.ifindex)? {
+            Current::Other { id: pid, name } => bail!(
+                "{iface} runs XDP program {pid} ({name}), which is not a libxdp dispatcher; flowctl --multiprog joins only a dispatcher. Load that program through libxdp (`xdp-loader load {iface} FILE`) or remove it (`ip link set dev {iface} xdp off`)"
+            ),
+            Current::Nothing => (None, Vec::new()),
+            Current::Dispatcher(d) => {
+                if let Some(want) = mode_flags(mode) {
+                    if want != d.mode.flags() {
+                        bail!(
+                            "the XDP dispatcher on {iface} runs in {} mode; its components share it, so attach with --mode {} (or auto)",
+                            d.mode.name(),
+                            if d.mode == XdpMode::Generic { "skb" } else { "native" }
+                        );
+                    }
+                }
+                let (slots, _) = d.kept_slots(&own, iface)?;
+                (Some(d), slots)
+            }
+        };
+        let ours = Slot::Flowctl { run_prio };
+        let at = slots.iter().position(|s| s.order() > ours.order()).unwrap_or(slots.len());
+        slots.insert(at, ours);
+        if slots.len() > MAX_COMPONENTS {
+            bail!("the dispatcher on {iface} has all its {MAX_COMPONENTS} slots taken");
+        }
+        let old_fd = old.as_ref().map(Dispatcher::fd).transpose()?;
+        let built = build(id.ifindex, &slots, Some(&mut *ebpf))?;
+        // The new program is pinned as flowctl's before it runs, so a crash
+        // after the swap still finds the data plane a component.
+        let new_pin = dir.join(COMPONENT_PIN_NEW);
+        let _ = fs::remove_file(&new_pin);
+        let ext: &mut Extension =
+            ebpf.program_mut(XDP_PROGRAM_MULTIPROG).context("multiprog program")?.try_into()?;
+        if let Err(e) = ext.pin(&new_pin) {
+            remove_pins(&built.dir);
+            return Err(anyhow!("pinning {}: {e}", new_pin.display()));
+        }
+        let swap = |flags: u32| {
+            netlink::replace(
+                id.ifindex,
+                Some(built.fd.as_fd()),
+                old_fd.as_ref().map(|f| f.as_fd()),
+                flags,
+            )
+            .map(|_| flags)
+        };
+        let used = match (&old, mode_flags(mode)) {
+            (Some(d), _) => swap(d.mode.flags()),
+            (None, Some(f)) => swap(f),
+            (None, None) => swap(netlink::XDP_FLAGS_DRV_MODE).or_else(|e| {
+                if lost_race(&e) {
+                    return Err(e);
+                }
+                tracing::warn!("native XDP is not available on {iface} ({e}); the dispatcher goes on in generic (skb) mode, which is slower");
+                crate::system::log::warning(format_args!("native XDP is not available on {iface}; using generic (skb) mode, which is slower"));
+                swap(netlink::XDP_FLAGS_SKB_MODE)
+            }),
+        };
+        match used {
+            Ok(f) => {
+                if let Some(d) = old {
+                    remove_pins(&d.pin_dir);
+                }
+                fs::rename(&new_pin, dir.join(COMPONENT_PIN)).with_context(|| {
+                    format!("renaming {} over {COMPONENT_PIN}", new_pin.display())
+                })?;
+                return Ok(
+                    if f == netlink::XDP_FLAGS_SKB_MODE { "generic" } else { "native" }.into()
+                );
+            }
+            Err(e) => {
+                remove_pins(&built.dir);
+                let _ = fs::remove_file(&new_pin);
+                if lost_race(&e) && tries < SWAP_TRIES {
+                    std::thread::sleep(std::time::Duration::from_millis(20 * tries as u64));
+                    continue;
+                }
+                return Err(anyhow!("putting the new XDP dispatcher on {iface}: {e} (the interface's program kept changing, or the mode is not available)"));
+            }
+        }
+    }
+}
+
+/// Removes flowctl's component pins (its marker and a pending new one).
+fn remove_own_pins(id: &AttachId) {
+    for f in [COMPONENT_PIN, COMPONENT_PIN_NEW] {
+        let _ = fs::remove_file(id.pin_dir().join(f));
+    }
+}
+
+/// The pins libxdp's protocol left for a dispatcher of `ifindex` that holds
+/// flowctl's component, once the interface is gone (nothing runs them).
+fn remove_stale_dispatch_dirs(ifindex: u32, own: &Own) {
+    let prefix = format!("dispatch-{ifindex}-");
+    let Ok(entries) = fs::read_dir(LIBXDP_DIR) else { return };
+    for e in entries.flatten() {
+        let dir = e.path();
+        if !e.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        if (0..MAX_COMPONENTS).any(|slot| own.is(&prog_pin(&dir, slot))) {
+            remove_pins(&dir);
+        }
+    }
 }
 
 /// Takes flowctl's component out of the interface's dispatcher (a new one
 /// without it, or no program when it was the only one) and removes its
-/// pin. False when flowctl had no component there.
+/// pins. False when flowctl had no component there. An error (other than
+/// the interface being gone) keeps the pins, so `detach` can be retried.
 pub fn leave(id: &AttachId) -> Result<bool> {
-    let own_pin = id.pin_dir().join(COMPONENT_PIN);
-    let Some(own) = pinned_prog_id(&own_pin) else {
-        let _ = fs::remove_file(&own_pin);
+    if !is_component(id) {
         return Ok(false);
-    };
+    }
+    let own = Own::of(id);
     let _lock = LibxdpLock::take()?;
-    let Current::Dispatcher(d) = current(id.ifindex).unwrap_or(Current::Nothing) else {
-        let _ = fs::remove_file(&own_pin);
-        return Ok(false);
-    };
-    let mut slots = Vec::new();
-    let mut found = false;
-    for slot in 0..d.config.num_progs_enabled as usize {
-        let prog = prog_pin(&d.pin_dir, slot);
-        if pinned_prog_id(&prog) == Some(own) {
-            found = true;
-            continue;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let d = match current(id.ifindex) {
+            Ok(Current::Dispatcher(d)) => d,
+            Ok(_) => {
+                remove_own_pins(id);
+                return Ok(false);
+            }
+            Err(e) if interface_gone(&e) => {
+                remove_stale_dispatch_dirs(id.ifindex, &own);
+                remove_own_pins(id);
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
+        let (slots, found) = d.kept_slots(&own, "the interface")?;
+        if !found {
+            remove_own_pins(id);
+            return Ok(false);
         }
-        slots.push(Slot::Kept {
-            prog,
-            run_prio: d.config.run_prios[slot],
-            chain: d.config.chain_call_actions[slot],
-            flags: d.config.program_flags[slot],
-        });
-    }
-    let old_fd = program_info(d.prog_id)?.fd()?;
-    if !found {
-        let _ = fs::remove_file(&own_pin);
-        return Ok(false);
-    }
-    if slots.is_empty() {
-        netlink::replace(id.ifindex, None, Some(old_fd.as_fd()), d.mode.flags())
-            .context("removing the XDP dispatcher")?;
-        remove_pins(&d.pin_dir);
-        let _ = fs::remove_file(&own_pin);
-        return Ok(true);
-    }
-    let dispatcher = load_dispatcher(&slots)?;
-    let (target, new_id) = dispatcher_fd(&dispatcher)?;
-    let dir = dispatch_dir(id.ifindex, new_id);
-    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let built = (|| -> Result<()> {
-        for (i, s) in slots.iter().enumerate() {
-            let Slot::Kept { prog, .. } = s else { continue };
-            let mut ext =
-                Extension::from_pin(prog).with_context(|| format!("opening {}", prog.display()))?;
-            let link = ext.attach_to_program(&target, &slot_function(slots.len(), i))?;
-            let link: FdLink = ext.take_link(link)?.into();
-            pin_component(&dir, i, link, &mut ext)?;
+        let old_fd = d.fd()?;
+        let swapped = if slots.is_empty() {
+            netlink::replace(id.ifindex, None, Some(old_fd.as_fd()), d.mode.flags()).map(|_| None)
+        } else {
+            let built = build(id.ifindex, &slots, None)?;
+            match netlink::replace(
+                id.ifindex,
+                Some(built.fd.as_fd()),
+                Some(old_fd.as_fd()),
+                d.mode.flags(),
+            ) {
+                Ok(()) => Ok(Some(built)),
+                Err(e) => {
+                    remove_pins(&built.dir);
+                    Err(e)
+                }
+            }
+        };
+        match swapped {
+            Ok(_) => {
+                remove_pins(&d.pin_dir);
+                remove_own_pins(id);
+                return Ok(true);
+            }
+            Err(e) if lost_race(&e) && tries < SWAP_TRIES => {
+                std::thread::sleep(std::time::Duration::from_millis(20 * tries as u64));
+            }
+            Err(e) => {
+                return Err(anyhow!("taking flowctl out of the interface's XDP dispatcher: {e}"))
+            }
         }
-        netlink::replace(id.ifindex, Some(target.as_fd()), Some(old_fd.as_fd()), d.mode.flags())
-            .context("putting the dispatcher without flowctl on the interface")?;
-        Ok(())
-    })();
-    if let Err(e) = built {
-        remove_pins(&dir);
-        return Err(e);
     }
-    remove_pins(&d.pin_dir);
-    let _ = fs::remove_file(&own_pin);
-    Ok(true)
 }
 
 /// Whether this start runs flowctl as a dispatcher component, and at which

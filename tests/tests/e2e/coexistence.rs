@@ -50,10 +50,19 @@ impl UdpCounter {
         Self { stop, count, thread: Some(thread) }
     }
 
-    /// Received so far, once what is in flight has arrived.
+    /// Received so far, once what is in flight has arrived: the count
+    /// unchanged over 300 ms (at most 5 s: a guest under TCG lags).
     fn settled(&self) -> u64 {
-        std::thread::sleep(Duration::from_millis(300));
-        self.count.load(Ordering::Relaxed)
+        let mut last = self.count.load(Ordering::Relaxed);
+        for _ in 0..16 {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.count.load(Ordering::Relaxed);
+            if now == last {
+                break;
+            }
+            last = now;
+        }
+        last
     }
 }
 
@@ -90,8 +99,10 @@ struct XdpFilter<'a> {
 impl<'a> XdpFilter<'a> {
     fn load(lab: &'a Lab) -> Self {
         xdp_tool(lab, &["xdp-filter", "load", &lab.veth_srv, "--mode", "native"]);
+        // The guard first: a failed port rule still unloads.
+        let filter = Self { lab, loaded: true };
         xdp_tool(lab, &["xdp-filter", "port", "7001", "--proto", "udp"]);
-        Self { lab, loaded: true }
+        filter
     }
 
     fn unload(&mut self) {

@@ -26,6 +26,12 @@ fn rate_between(s: &[(f64, u64)], from: f64, to: f64) -> f64 {
     (n1 - n0) as f64 / (t1 - t0)
 }
 
+/// The `dropped` count of `tc -s qdisc show`'s root qdisc.
+fn fq_dropped(stats: &str) -> Option<u64> {
+    let after = stats.split("dropped ").nth(1)?;
+    after.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
 fn shaper_json(iface: &str, name: &str) -> serde_json::Value {
     let a = attachment(iface).expect("attached");
     a["shapers"].as_array().unwrap().iter().find(|s| s["shaper"] == name).cloned().expect("shaper")
@@ -56,7 +62,7 @@ pub fn shaper_paces_tcp_and_udp_senders() {
         cli = lab.ip_cli
     ));
     let root = |ns: &str, dev: &str| {
-        flowctl_tests::lab::sh_ns(ns, &["tc", "qdisc", "show", "dev", dev, "root"])
+        flowctl_tests::lab::sh_ns(ns, &["tc", "-s", "qdisc", "show", "dev", dev, "root"])
     };
     let before = root(&lab.ns_srv, &lab.veth_srv);
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -148,8 +154,19 @@ pub fn shaper_paces_tcp_and_udp_senders() {
         (app / goodput - 1.0).abs() <= 0.05,
         "the sender writes at the shaped rate: {app:.0} against {goodput:.0}"
     );
-    assert_eq!(retrans, 0, "no loss: TCP retransmitted {retrans} segments");
+    // No loss: the shaper dropped nothing past its horizon and fq dropped
+    // nothing. TCP's own retransmissions must be none too, except in a VM
+    // under TCG, where a starved guest fires retransmission timers (and
+    // tail-loss probes) with nothing lost: seen in CI on 6.12, 2 of about
+    // 2,800 segments with fq and the shaper at 0 drops. Reported there.
     assert_eq!(tcp["horizon_drops"].as_u64(), Some(0), "{tcp}");
+    let fq = root(&lab.ns_srv, &lab.veth_srv);
+    assert_eq!(fq_dropped(&fq), Some(0), "fq dropped nothing: {fq}");
+    if flowctl_tests::need::in_vm() {
+        println!("tcp: {retrans} segments retransmitted with no drop by the shaper or fq (TCG)");
+    } else {
+        assert_eq!(retrans, 0, "no loss: TCP retransmitted {retrans} segments");
+    }
 
     // UDP: 6 s of 200-byte datagrams as fast as the socket takes them.
     let got: Samples = Arc::default();
