@@ -241,3 +241,59 @@ pub fn try_metrics_get(addr: &str, path: &str, accept: Option<&str>) -> std::io:
     s.read_to_string(&mut out)?;
     Ok(out)
 }
+
+/// Counts the UDP datagrams that reach `port` on the lab's protected side,
+/// until dropped.
+pub struct UdpCounter {
+    n: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl UdpCounter {
+    pub fn start(lab: &Lab, port: u16) -> Self {
+        let addr = format!("{}:{port}", lab.ip_srv);
+        let sock = Lab::in_ns(&lab.ns_srv, move || UdpSocket::bind(addr).unwrap());
+        sock.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let (n, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let (n2, stop2) = (n.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !stop2.load(Ordering::Relaxed) {
+                if sock.recv(&mut buf).is_ok() {
+                    n2.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        Self { n, stop, thread: Some(thread) }
+    }
+
+    /// Received so far.
+    pub fn count(&self) -> u64 {
+        self.n.load(Ordering::Relaxed)
+    }
+
+    /// Received so far, once what is in flight has arrived: the count
+    /// unchanged over 300 ms (at most 5 s: a guest under TCG lags).
+    pub fn settled(&self) -> u64 {
+        let mut last = self.count();
+        for _ in 0..16 {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.count();
+            if now == last {
+                break;
+            }
+            last = now;
+        }
+        last
+    }
+}
+
+impl Drop for UdpCounter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

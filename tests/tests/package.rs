@@ -11,18 +11,16 @@
 //! under test (`cargo xtask package --binary PATH` by hand). Without it, or
 //! without root or a tool, a test is reported ignored, never passed.
 
-use flowctl_tests::{lab::Lab, tempfile::TempFile, traffic::UdpStreams};
+use flowctl_tests::{
+    lab::Lab,
+    tempfile::TempFile,
+    traffic::{UdpCounter, UdpStreams},
+};
 use serde_json::Value;
 use std::{
     collections::BTreeMap,
-    net::UdpSocket,
     path::PathBuf,
     process::{Child, Command, Output, Stdio},
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
-    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -353,50 +351,6 @@ fn unit_command(root: &Root, line: &str, iface: &str, netns: &str, env: &[String
         cmd.env(k, v);
     }
     cmd
-}
-
-/// Counts the UDP datagrams that reach `port` on the lab's protected side,
-/// until dropped.
-struct UdpCounter {
-    n: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl UdpCounter {
-    fn start(lab: &Lab, port: u16) -> Self {
-        let (n, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
-        let (ns, addr) = (lab.ns_srv.clone(), format!("{}:{port}", lab.ip_srv));
-        let (n2, stop2) = (n.clone(), stop.clone());
-        let (tx, rx) = std::sync::mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            flowctl::system::netns::enter_netns(&ns).unwrap();
-            let s = UdpSocket::bind(&addr).unwrap();
-            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-            tx.send(()).unwrap();
-            let mut buf = [0u8; 2048];
-            while !stop2.load(Ordering::Relaxed) {
-                if s.recv(&mut buf).is_ok() {
-                    n2.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
-        rx.recv().unwrap();
-        Self { n, stop, thread: Some(thread) }
-    }
-
-    fn count(&self) -> u64 {
-        self.n.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for UdpCounter {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// The agent of ExecStart, as systemd would hold it: stopped with the

@@ -23,7 +23,7 @@ use crate::kernel::xdp::{self as netlink, XdpMode};
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{Array, Map, MapData},
-    programs::{links::FdLink, Extension, ProgramFd, Xdp},
+    programs::{links::FdLink, Extension, ProgramFd, ProgramInfo, Xdp},
     Ebpf, EbpfLoader,
 };
 use flowctl_common::{map_names, XDP_PROGRAM_MULTIPROG};
@@ -144,7 +144,7 @@ fn link_pin(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("prog{slot}-link"))
 }
 
-fn program_info(id: u32) -> Result<aya::programs::ProgramInfo> {
+fn program_info(id: u32) -> Result<ProgramInfo> {
     for p in aya::programs::loaded_programs() {
         let p = p.context("listing the kernel's BPF programs")?;
         if p.id() == id {
@@ -182,7 +182,7 @@ fn current(ifindex: u32) -> Result<Current> {
 }
 
 /// The dispatcher's config: the value of its one `.rodata` map.
-fn dispatcher_config(info: &aya::programs::ProgramInfo) -> Result<DispatcherConfig> {
+fn dispatcher_config(info: &ProgramInfo) -> Result<DispatcherConfig> {
     let ids = info.map_ids()?.unwrap_or_default();
     for id in ids {
         let Ok(data) = MapData::from_id(id) else { continue };
@@ -205,9 +205,13 @@ fn action_names(bits: u32) -> Vec<String> {
         .collect()
 }
 
-/// The program id behind a pinned program.
-fn pinned_prog_id(path: &Path) -> Option<u32> {
-    aya::programs::ProgramInfo::from_pin(path).ok().map(|i| i.id())
+/// The kernel's record of a pinned program (its id, name and maps).
+fn pinned_info(path: &Path) -> Option<ProgramInfo> {
+    ProgramInfo::from_pin(path).ok()
+}
+
+fn name_of(info: &ProgramInfo) -> Option<String> {
+    info.name_as_str().map(str::to_string)
 }
 
 /// What tells flowctl's component of an attachment: its program uses the
@@ -225,14 +229,13 @@ impl Own {
             .and_then(|m| m.info().ok().map(|i| i.id()));
         let progs = [COMPONENT_PIN, COMPONENT_PIN_NEW]
             .iter()
-            .filter_map(|f| pinned_prog_id(&id.pin_dir().join(f)))
+            .filter_map(|f| pinned_info(&id.pin_dir().join(f)).map(|i| i.id()))
             .collect();
         Self { map, progs }
     }
 
-    /// Whether the pinned component program `prog` is flowctl's.
-    fn is(&self, prog: &Path) -> bool {
-        let Ok(info) = aya::programs::ProgramInfo::from_pin(prog) else { return false };
+    /// Whether the component program `info` is flowctl's.
+    fn is(&self, info: &ProgramInfo) -> bool {
         self.progs.contains(&info.id())
             || self
                 .map
@@ -260,19 +263,16 @@ pub fn chain(id: &AttachId) -> Result<Vec<Component>> {
     let own = Own::of(id);
     Ok((0..d.config.num_progs_enabled as usize)
         .map(|slot| {
-            let pin = prog_pin(&d.pin_dir, slot);
-            let prog_id = pinned_prog_id(&pin).unwrap_or(0);
-            let name = program_info(prog_id)
-                .ok()
-                .and_then(|i| i.name_as_str().map(str::to_string))
-                .unwrap_or_else(|| "?".into());
+            let info = pinned_info(&prog_pin(&d.pin_dir, slot));
+            let prog_id = info.as_ref().map_or(0, |i| i.id());
+            let name = info.as_ref().and_then(name_of).unwrap_or_else(|| "?".into());
             Component {
                 slot,
                 prog_id,
                 name,
                 run_prio: d.config.run_prios[slot],
                 chain_on: action_names(d.config.chain_call_actions[slot]),
-                flowctl: own.is(&pin),
+                flowctl: info.as_ref().is_some_and(|i| own.is(i)),
             }
         })
         .collect())
@@ -428,14 +428,12 @@ impl Dispatcher {
             if !prog.exists() {
                 bail!("the dispatcher on {iface} has no pin for its slot {slot} ({}): it was not loaded by libxdp's protocol, so flowctl will not rebuild it", prog.display());
             }
-            if own.is(&prog) {
+            let info = pinned_info(&prog);
+            if info.as_ref().is_some_and(|i| own.is(i)) {
                 found = true;
                 continue;
             }
-            let name = aya::programs::ProgramInfo::from_pin(&prog)
-                .ok()
-                .and_then(|i| i.name_as_str().map(str::to_string))
-                .unwrap_or_default();
+            let name = info.as_ref().and_then(name_of).unwrap_or_default();
             slots.push(Slot::Kept {
                 prog,
                 name,
@@ -641,7 +639,9 @@ fn remove_stale_dispatch_dirs(ifindex: u32, own: &Own) {
         if !e.file_name().to_string_lossy().starts_with(&prefix) {
             continue;
         }
-        if (0..MAX_COMPONENTS).any(|slot| own.is(&prog_pin(&dir, slot))) {
+        if (0..MAX_COMPONENTS)
+            .any(|slot| pinned_info(&prog_pin(&dir, slot)).is_some_and(|i| own.is(&i)))
+        {
             remove_pins(&dir);
         }
     }

@@ -4,7 +4,7 @@
 //! root qdisc the egress shaper needs: reading what is there, installing
 //! `fq` with its horizon, and removing it again.
 
-use super::rtnl::{attr, Socket, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
+use super::rtnl::{attr, each_attr, Socket, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
 use std::io;
 
 const RTM_NEWQDISC: u16 = 36;
@@ -107,23 +107,15 @@ pub fn root_qdisc(ifindex: u32) -> io::Result<Option<RootQdisc>> {
         if t.ifindex as u32 != ifindex || t.parent != TC_H_ROOT {
             return;
         }
-        let mut off = size_of::<TcMsg>();
-        while off + 4 <= m.len() {
-            let len = u16::from_ne_bytes([m[off], m[off + 1]]) as usize;
-            let ty = u16::from_ne_bytes([m[off + 2], m[off + 3]]);
-            if len < 4 || off + len > m.len() {
-                break;
-            }
+        each_attr(&m[size_of::<TcMsg>()..], |ty, payload| {
             if ty == TCA_KIND {
-                let kind = &m[off + 4..off + len];
-                let kind = kind.split(|&b| b == 0).next().unwrap_or_default();
+                let kind = payload.split(|&b| b == 0).next().unwrap_or_default();
                 root = Some(RootQdisc {
                     kind: String::from_utf8_lossy(kind).into_owned(),
                     handle: t.handle,
                 });
             }
-            off += len.next_multiple_of(4);
-        }
+        });
     })?;
     Ok(root)
 }

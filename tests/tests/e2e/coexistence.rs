@@ -12,68 +12,9 @@ use flowctl_tests::{
     cli::attachment,
     lab::Lab,
     tempfile::TempFile,
-    traffic::blast,
+    traffic::{blast, UdpCounter},
 };
-use std::{
-    net::UdpSocket,
-    process::Command,
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
-    thread::JoinHandle,
-    time::Duration,
-};
-
-/// UDP datagrams received on one port of the lab's protected side.
-struct UdpCounter {
-    stop: Arc<AtomicBool>,
-    count: Arc<AtomicU64>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl UdpCounter {
-    fn start(lab: &Lab, port: u16) -> Self {
-        let addr = format!("{}:{port}", lab.ip_srv);
-        let sock = Lab::in_ns(&lab.ns_srv, move || UdpSocket::bind(addr).unwrap());
-        sock.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        let (stop, count) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let (s, c) = (stop.clone(), count.clone());
-        let thread = std::thread::spawn(move || {
-            let mut buf = [0u8; 2048];
-            while !s.load(Ordering::Relaxed) {
-                if sock.recv(&mut buf).is_ok() {
-                    c.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
-        Self { stop, count, thread: Some(thread) }
-    }
-
-    /// Received so far, once what is in flight has arrived: the count
-    /// unchanged over 300 ms (at most 5 s: a guest under TCG lags).
-    fn settled(&self) -> u64 {
-        let mut last = self.count.load(Ordering::Relaxed);
-        for _ in 0..16 {
-            std::thread::sleep(Duration::from_millis(300));
-            let now = self.count.load(Ordering::Relaxed);
-            if now == last {
-                break;
-            }
-            last = now;
-        }
-        last
-    }
-}
-
-impl Drop for UdpCounter {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
+use std::process::Command;
 
 /// xdp-tools' commands in the lab's protected namespace, sharing this
 /// process's bpffs (`ip netns exec` would mount a fresh /sys without it).
