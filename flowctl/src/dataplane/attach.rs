@@ -4,6 +4,7 @@
 
 use super::{
     load::loaded_xdp,
+    mode::Mode,
     pins::{run_file, AttachId},
 };
 use anyhow::{anyhow, Context, Result};
@@ -19,16 +20,6 @@ use std::fs;
 #[derive(Debug, thiserror::Error)]
 #[error("the pinned XDP link is severed: its interface is gone")]
 pub struct SeveredLink;
-
-/// How `attach` should treat the interface's XDP mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// Native (driver) mode, falling back to generic with a warning.
-    Auto,
-    Native,
-    /// Generic (skb) mode.
-    Skb,
-}
 
 /// Attaches (or, when `link` is pinned already, re-points the pinned link at
 /// the freshly loaded program) and returns the mode in use.

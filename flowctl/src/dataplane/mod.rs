@@ -21,7 +21,8 @@
 //!
 //! The modules: `load` (the object and its XDP variant), `attach` (the
 //! pinned link, detach and their errors), `multiprog` (the program as a
-//! libxdp dispatcher's component instead of on its own link), `maps` (the pinned maps opened
+//! libxdp dispatcher's component instead of on its own link), `mode` (the
+//! XDP mode both ask for), `maps` (the pinned maps opened
 //! by path, typed reads), `apply` (rule sets), `control` (the control
 //! records' write path), `egress` (KLimiter's TC egress counter),
 //! `samples` (the `top --keys` ring), `kernel_log` (the program's kernel
@@ -41,6 +42,7 @@ mod kernel_log;
 mod lease_filter;
 mod load;
 mod maps;
+mod mode;
 pub mod multiprog;
 pub mod object;
 pub mod pins;
@@ -48,11 +50,12 @@ mod samples;
 pub mod state;
 
 pub use apply::{apply, plan_states};
-pub use attach::{attach, detach, replace_keeping_link, Mode, SeveredLink};
+pub use attach::{attach, detach, replace_keeping_link, SeveredLink};
 pub use egress::{set_egress, set_shapers, write_shapers, Egress};
 pub use global_keys::GlobalKeys;
 pub use inspect::{count_entries, map_memlock, pinned_layout, pinned_max_entries, pinned_memlock};
 pub use kernel_log::KernelLog;
 pub use load::{load, load_error, load_variant, loaded_xdp, XdpVariant};
 pub use maps::{heartbeat, Maps};
+pub use mode::Mode;
 pub use samples::KeySamples;

@@ -18,7 +18,7 @@
 //! meet the old chain or the new one, never none, and flowctl's own
 //! component is replaced the same way when an agent restarts.
 
-use super::pins::AttachId;
+use super::{mode::Mode, pins::AttachId};
 use crate::kernel::xdp::{self as netlink, XdpMode};
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
@@ -513,11 +513,11 @@ fn build(ifindex: u32, slots: &[Slot], flowctl: Option<&mut Ebpf>) -> Result<Bui
 
 /// The attach flags of `mode` for a new dispatcher (None: native, else
 /// generic).
-fn mode_flags(mode: super::Mode) -> Option<u32> {
+fn mode_flags(mode: Mode) -> Option<u32> {
     match mode {
-        super::Mode::Skb => Some(netlink::XDP_FLAGS_SKB_MODE),
-        super::Mode::Native => Some(netlink::XDP_FLAGS_DRV_MODE),
-        super::Mode::Auto => None,
+        Mode::Skb => Some(netlink::XDP_FLAGS_SKB_MODE),
+        Mode::Native => Some(netlink::XDP_FLAGS_DRV_MODE),
+        Mode::Auto => None,
     }
 }
 
@@ -530,7 +530,7 @@ pub fn join(
     ebpf: &mut Ebpf,
     id: &AttachId,
     iface: &str,
-    mode: super::Mode,
+    mode: Mode,
     run_prio: u32,
 ) -> Result<String> {
     let _lock = LibxdpLock::take()?;
