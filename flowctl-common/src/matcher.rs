@@ -1,10 +1,11 @@
 //! First-match rule selection over bitmaps.
 //!
-//! The agent compiles a profile into three lookups that each return a
-//! [`RuleBitmap`]: by L4 protocol, by destination port, and by source prefix
+//! The agent compiles a profile into lookups that each return a
+//! [`RuleBitmap`]: by L4 protocol, by destination port, by source prefix
 //! (an LPM trie whose entry for a prefix holds every rule whose CIDR contains
-//! it). A rule matches when it is in all three; the first rule in profile order
-//! is the lowest set bit of their intersection. The cost is four word ANDs
+//! it) and, when some rule names one, by destination prefix (the same trie).
+//! A rule matches when it is in all of them; the first rule in profile order
+//! is the lowest set bit of their intersection. The cost is a few word ANDs
 //! whatever the number of rules. The kernel and `flowctl explain` both call
 //! [`first_match`].
 
@@ -40,12 +41,36 @@ pub fn lowest_bit(mut x: u64) -> u32 {
     n
 }
 
-/// The first rule (lowest index) in all three sets.
+/// The rules whose address constraints a packet meets: those of its
+/// source's class and of its destination's class. A profile without
+/// destination rules passes the source's set twice ([`AddrSets::source`]):
+/// ANDing a set with itself changes nothing, and the kernel then neither
+/// looks the destination up nor copies a bitmap onto its small stack.
+#[derive(Clone, Copy)]
+pub struct AddrSets<'a> {
+    pub src: &'a RuleBitmap,
+    pub dst: &'a RuleBitmap,
+}
+
+impl<'a> AddrSets<'a> {
+    /// Only the source constrains (no rule of the profile names a destination).
+    #[inline(always)]
+    pub fn source(src: &'a RuleBitmap) -> Self {
+        Self { src, dst: src }
+    }
+
+    #[inline(always)]
+    fn word(&self, i: usize) -> u64 {
+        self.src.words[i] & self.dst.words[i]
+    }
+}
+
+/// The first rule (lowest index) in all the sets.
 #[inline(always)]
-pub fn first_match(src: &RuleBitmap, proto: &RuleBitmap, port: &RuleBitmap) -> Option<u32> {
+pub fn first_match(addrs: AddrSets, proto: &RuleBitmap, port: &RuleBitmap) -> Option<u32> {
     let mut i = 0;
     while i < BITMAP_WORDS {
-        let w = src.words[i] & proto.words[i] & port.words[i];
+        let w = addrs.word(i) & proto.words[i] & port.words[i];
         if w != 0 {
             return Some(i as u32 * 64 + lowest_bit(w));
         }
@@ -54,13 +79,13 @@ pub fn first_match(src: &RuleBitmap, proto: &RuleBitmap, port: &RuleBitmap) -> O
     None
 }
 
-/// True when any rule is in both sets (used for the fragment policy: a
+/// True when any rule is in all the sets (used for the fragment policy: a
 /// non-first fragment that some port-constrained rule might have matched).
 #[inline(always)]
-pub fn intersects(a: &RuleBitmap, b: &RuleBitmap) -> bool {
+pub fn intersects(addrs: AddrSets, proto: &RuleBitmap) -> bool {
     let mut i = 0;
     while i < BITMAP_WORDS {
-        if a.words[i] & b.words[i] != 0 {
+        if addrs.word(i) & proto.words[i] != 0 {
             return true;
         }
         i += 1;
@@ -77,7 +102,7 @@ pub fn intersects(a: &RuleBitmap, b: &RuleBitmap) -> bool {
 /// apply; an enforcing one is taken, since it might.
 #[inline(always)]
 pub fn first_unparsed(
-    src: &RuleBitmap,
+    addrs: AddrSets,
     proto: Option<&RuleBitmap>,
     no_port: &RuleBitmap,
     any_proto: &RuleBitmap,
@@ -86,8 +111,8 @@ pub fn first_unparsed(
     let mut i = 0;
     while i < BITMAP_WORDS {
         let w = match proto {
-            Some(p) => src.words[i] & p.words[i] & (no_port.words[i] | enforcing.words[i]),
-            None => src.words[i] & ((any_proto.words[i] & no_port.words[i]) | enforcing.words[i]),
+            Some(p) => addrs.word(i) & p.words[i] & (no_port.words[i] | enforcing.words[i]),
+            None => addrs.word(i) & ((any_proto.words[i] & no_port.words[i]) | enforcing.words[i]),
         };
         if w != 0 {
             return Some(i as u32 * 64 + lowest_bit(w));
@@ -112,10 +137,14 @@ mod tests {
 
     proptest! {
         #[test]
-        fn first_match_is_lowest_common(a: [u64; 4], b: [u64; 4], c: [u64; 4]) {
-            let (a, b, c) = (RuleBitmap { words: a }, RuleBitmap { words: b }, RuleBitmap { words: c });
+        fn first_match_is_lowest_common(a: [u64; 4], d: [u64; 4], b: [u64; 4], c: [u64; 4]) {
+            let [a, d, b, c] = [a, d, b, c].map(|words| RuleBitmap { words });
+            let expect = (0..256).find(|&i| a.contains(i) && d.contains(i) && b.contains(i) && c.contains(i));
+            let got = first_match(AddrSets { src: &a, dst: &d }, &b, &c);
+            prop_assert_eq!(got.map(|x| x as usize), expect);
+            // Without destinations the source set alone constrains.
             let expect = (0..256).find(|&i| a.contains(i) && b.contains(i) && c.contains(i));
-            prop_assert_eq!(first_match(&a, &b, &c).map(|x| x as usize), expect);
+            prop_assert_eq!(first_match(AddrSets::source(&a), &b, &c).map(|x| x as usize), expect);
         }
 
         /// The unparsed rule, rule by rule as docs/classification.md says:
@@ -132,7 +161,7 @@ mod tests {
                 let certain = no_port.contains(i) && (known || any_proto.contains(i));
                 candidate && (certain || enforcing.contains(i))
             });
-            let got = first_unparsed(&src, known.then_some(&proto), &no_port, &any_proto, &enforcing);
+            let got = first_unparsed(AddrSets::source(&src), known.then_some(&proto), &no_port, &any_proto, &enforcing);
             prop_assert_eq!(got.map(|x| x as usize), expect);
         }
     }

@@ -3,8 +3,9 @@
 //! [`first_match`](crate::matcher::first_match) the kernel uses.
 
 use crate::{
-    matcher::first_match, rule_set, RuleBitmap, TrieData, MAX_SRC_CLASSES, PORT_INDICES, PORT_NONE,
-    PROTO_INDICES, RULE_SETS, TRIE_TAG_BITS,
+    matcher::{first_match, AddrSets},
+    rule_set, RuleBitmap, TrieData, MAX_SRC_CLASSES, PORT_INDICES, PORT_NONE, PROTO_INDICES,
+    RULE_SETS, TRIE_TAG_BITS,
 };
 use std::{net::IpAddr, sync::Arc};
 
@@ -124,6 +125,8 @@ impl std::fmt::Display for Source {
 pub struct MatchSpec {
     pub proto: Option<u8>,
     pub src: Option<Source>,
+    /// Where the packet goes: a prefix or a list, as `src`.
+    pub dst: Option<Source>,
     /// Inclusive destination port range.
     pub ports: Option<(u16, u16)>,
     /// The rule limits (action `drop`): it is taken for packets it might
@@ -147,11 +150,17 @@ pub struct Tables {
     pub slot: u8,
     pub proto: Vec<RuleBitmap>,
     pub port: Vec<RuleBitmap>,
-    /// Sorted by family, address, then length (an entry's covering entries
-    /// come before it).
+    /// The source entries, then the destination entries when
+    /// `has_dst`, each sorted by family, address, then length (an entry's
+    /// covering entries come before it): sorted by key data as a whole.
     pub trie: Vec<TrieEntry>,
-    /// Distinct source bitmaps (at most `MAX_SRC_CLASSES`).
+    /// Distinct source and destination bitmaps (at most `MAX_SRC_CLASSES`
+    /// together).
     pub classes: Vec<RuleBitmap>,
+    /// Some rule names a destination: the kernel looks the destination up
+    /// too (`GlobalRecord::dst_slots`). Without one it does not, and the
+    /// trie holds no destination entries.
+    pub has_dst: bool,
     /// `FLOWCTL_RULE_SETS` of this slot: rules by property, for packets
     /// whose ports are unknown ([`crate::matcher::first_unparsed`]).
     pub sets: [RuleBitmap; RULE_SETS],
@@ -160,24 +169,50 @@ pub struct Tables {
 /// Why a set of rules does not fit the kernel's source tables.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CompileError {
-    #[error("the rules' sources make {0} distinct source classes, more than the kernel's {MAX_SRC_CLASSES}: lists that overlap each other and the rules' prefixes in many different ways; merge lists or rules")]
+    #[error("the rules' sources and destinations make {0} distinct address classes, more than the kernel's {MAX_SRC_CLASSES}: lists that overlap each other and the rules' prefixes in many different ways; merge lists or rules")]
     TooManyClasses(usize),
 }
 
-/// The trie key data of `addr` in `slot`.
+/// Which address of a packet a trie entry is for: its source or its
+/// destination (bit 2 of the tag byte, `TrieData`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Src,
+    Dst,
+}
+
+/// The trie key data of source `addr` in `slot`.
 pub fn trie_data(slot: u8, addr: &IpAddr) -> TrieData {
+    trie_data_for(Direction::Src, slot, addr)
+}
+
+/// The trie key data of `addr` as the packet's source or destination in
+/// `slot`.
+pub fn trie_data_for(dir: Direction, slot: u8, addr: &IpAddr) -> TrieData {
     let mut d: TrieData = [0; 17];
+    let tag = trie_tag(dir, slot);
     match addr {
         IpAddr::V4(a) => {
-            d[0] = slot << 1;
+            d[0] = tag;
             d[1..5].copy_from_slice(&a.octets());
         }
         IpAddr::V6(a) => {
-            d[0] = (slot << 1) | 1;
+            d[0] = tag | 1;
             d[1..17].copy_from_slice(&a.octets());
         }
     }
     d
+}
+
+/// The tag byte of an IPv4 key (IPv6 sets bit 0): the slot in bit 1, the
+/// destination in bit 2.
+pub const fn trie_tag(dir: Direction, slot: u8) -> u8 {
+    (slot & 1) << 1 | (matches!(dir, Direction::Dst) as u8) << 2
+}
+
+/// The slot a trie key's tag byte belongs to.
+pub const fn trie_slot(tag: u8) -> u8 {
+    (tag >> 1) & 1
 }
 
 /// A prefix as a sortable key: family, address bits (IPv4 in the top 32),
@@ -245,33 +280,55 @@ pub fn compile_keeping(
             None => port.iter_mut().for_each(|b| b.set(i)),
         }
     }
-    let (trie, classes) = source_classes(specs, slot, previous)?;
-    Ok(Tables { slot, proto, port, trie, classes, sets })
+    let has_dst = specs.iter().any(|s| s.dst.is_some());
+    let mut entries = prefix_entries(specs, |s| &s.src);
+    let src_entries = entries.len();
+    if has_dst {
+        entries.extend(prefix_entries(specs, |s| &s.dst));
+    }
+    let classes = number_classes(entries.iter().map(|(_, b)| *b), previous)?;
+    let class_of: std::collections::HashMap<RuleBitmap, u32> =
+        classes.iter().enumerate().rev().map(|(i, b)| (*b, i as u32)).collect();
+    let trie = entries
+        .iter()
+        .enumerate()
+        .map(|(i, (key, bits))| {
+            let c = key.cidr();
+            let dir = if i < src_entries { Direction::Src } else { Direction::Dst };
+            TrieEntry {
+                prefix_len: TRIE_TAG_BITS + c.len as u32,
+                data: trie_data_for(dir, slot, &c.addr),
+                class: class_of[bits],
+            }
+        })
+        .collect();
+    Ok(Tables { slot, proto, port, trie, classes, sets, has_dst })
 }
 
-/// The trie and its classes. Every prefix any rule or list names is a
+/// The trie entries of one direction (`side` picks the rules' source or
+/// destination), with their bitmaps. Every prefix any rule or list names is a
 /// candidate entry, plus both default routes so every address finds one;
 /// an entry's bitmap holds the rules whose source covers it. For the
 /// longest entry P that contains an address A, "rules whose source
 /// contains A" equals "rules whose source covers P": any prefix of a
-/// source that contains A is a candidate itself and no longer than P.
+/// source that contains A is a candidate itself and no longer than P. (The
+/// same holds of destinations: "source" reads "the side" throughout.)
 ///
 /// One sorted pass computes this: each candidate's bitmap is its nearest
 /// covering candidate's plus the rules that name the candidate itself. A
 /// candidate whose bitmap equals its nearest covering entry's is left out
 /// (the lookup then finds that entry, with the same answer), so a list
 /// that repeats itself or nests costs no entries.
-fn source_classes(
+fn prefix_entries(
     specs: &[MatchSpec],
-    slot: u8,
-    previous: &[RuleBitmap],
-) -> Result<(Vec<TrieEntry>, Vec<RuleBitmap>), CompileError> {
+    side: impl Fn(&MatchSpec) -> &Option<Source>,
+) -> Vec<(PrefixKey, RuleBitmap)> {
     let mut any = RuleBitmap::EMPTY;
     let mut named: Vec<(PrefixKey, RuleBitmap)> = Vec::new();
     // Rules naming the same list share one pass over it.
     let mut lists: Vec<(&PrefixList, RuleBitmap)> = Vec::new();
     for (i, s) in specs.iter().enumerate() {
-        match &s.src {
+        match side(s) {
             None => any.set(i),
             Some(Source::Prefix(c)) => {
                 let mut b = RuleBitmap::EMPTY;
@@ -319,21 +376,7 @@ fn source_classes(
         chain.push((key, bits));
         entries.push((key, bits));
     }
-    let classes = number_classes(entries.iter().map(|(_, b)| *b), previous)?;
-    let class_of: std::collections::HashMap<RuleBitmap, u32> =
-        classes.iter().enumerate().rev().map(|(i, b)| (*b, i as u32)).collect();
-    let trie = entries
-        .iter()
-        .map(|(key, bits)| {
-            let c = key.cidr();
-            TrieEntry {
-                prefix_len: TRIE_TAG_BITS + c.len as u32,
-                data: trie_data(slot, &c.addr),
-                class: class_of[bits],
-            }
-        })
-        .collect();
-    Ok((trie, classes))
+    entries
 }
 
 /// The class table for `bitmaps`: each distinct bitmap once, at its index
@@ -375,7 +418,22 @@ fn number_classes(
 impl Tables {
     /// The source bitmap the kernel's LPM lookup would return for `addr`.
     pub fn src_bits(&self, addr: &IpAddr) -> RuleBitmap {
-        let want = trie_data(self.slot, addr);
+        self.bits(Direction::Src, addr)
+    }
+
+    /// The rules that `addr` as the packet's destination allows: every
+    /// rule when no rule names a destination (the kernel then looks
+    /// nothing up).
+    pub fn dst_bits(&self, addr: &IpAddr) -> RuleBitmap {
+        if self.has_dst {
+            self.bits(Direction::Dst, addr)
+        } else {
+            RuleBitmap::FULL
+        }
+    }
+
+    fn bits(&self, dir: Direction, addr: &IpAddr) -> RuleBitmap {
+        let want = trie_data_for(dir, self.slot, addr);
         let mut best: Option<&TrieEntry> = None;
         for e in &self.trie {
             let plen = e.prefix_len as usize;
@@ -395,9 +453,17 @@ impl Tables {
 
     /// The rule the kernel picks for a packet; `dport = None` for packets
     /// without ports (ICMP, other protocols, non-first fragments).
-    pub fn classify(&self, src: &IpAddr, proto: u8, dport: Option<u16>) -> Option<u32> {
+    pub fn classify(
+        &self,
+        src: &IpAddr,
+        dst: &IpAddr,
+        proto: u8,
+        dport: Option<u16>,
+    ) -> Option<u32> {
         let port = dport.map(u32::from).unwrap_or(PORT_NONE);
-        first_match(&self.src_bits(src), &self.proto[proto as usize], &self.port[port as usize])
+        let (src, dst) = (self.src_bits(src), self.dst_bits(dst));
+        let addrs = AddrSets { src: &src, dst: &dst };
+        first_match(addrs, &self.proto[proto as usize], &self.port[port as usize])
     }
 }
 
@@ -412,12 +478,19 @@ mod tests {
     }
 
     /// The obvious linear first-match the tables must agree with.
-    fn linear(specs: &[MatchSpec], src: &IpAddr, proto: u8, dport: Option<u16>) -> Option<u32> {
+    fn linear(
+        specs: &[MatchSpec],
+        src: &IpAddr,
+        dst: &IpAddr,
+        proto: u8,
+        dport: Option<u16>,
+    ) -> Option<u32> {
         specs
             .iter()
             .position(|s| {
                 s.proto.is_none_or(|p| p == proto)
                     && s.src.as_ref().is_none_or(|c| c.contains(src))
+                    && s.dst.as_ref().is_none_or(|c| c.contains(dst))
                     && match (s.ports, dport) {
                         (None, _) => true,
                         (Some((lo, hi)), Some(p)) => lo <= p && p <= hi,
@@ -427,25 +500,39 @@ mod tests {
             .map(|i| i as u32)
     }
 
+    /// A destination for tables without destination rules (any will do).
+    fn any_dst() -> IpAddr {
+        "198.51.100.1".parse().unwrap()
+    }
+
     #[test]
     fn first_match_in_profile_order() {
         let specs = vec![
             MatchSpec {
                 proto: Some(6),
                 src: Some(Source::Prefix(cidr("10.1.0.0/16"))),
+                dst: None,
                 ports: Some((22, 22)),
                 enforcing: true,
             },
             MatchSpec {
                 proto: None,
                 src: Some(Source::Prefix(cidr("10.0.0.0/8"))),
+                dst: None,
                 ports: None,
                 enforcing: true,
             },
-            MatchSpec { proto: Some(17), src: None, ports: Some((53, 53)), enforcing: true },
+            MatchSpec {
+                proto: Some(17),
+                src: None,
+                dst: None,
+                ports: Some((53, 53)),
+                enforcing: true,
+            },
             MatchSpec {
                 proto: None,
                 src: Some(Source::Prefix(cidr("2001:db8::/32"))),
+                dst: None,
                 ports: Some((80, 90)),
                 enforcing: true,
             },
@@ -453,14 +540,14 @@ mod tests {
         let t = compile(&specs, 1).unwrap();
         assert!(t.classes.len() <= t.trie.len());
         let a = |s: &str| s.parse::<IpAddr>().unwrap();
-        assert_eq!(t.classify(&a("10.1.2.3"), 6, Some(22)), Some(0));
-        assert_eq!(t.classify(&a("10.1.2.3"), 6, Some(23)), Some(1));
-        assert_eq!(t.classify(&a("10.1.2.3"), 17, Some(53)), Some(1));
-        assert_eq!(t.classify(&a("192.0.2.1"), 17, Some(53)), Some(2));
-        assert_eq!(t.classify(&a("192.0.2.1"), 6, Some(53)), None);
-        assert_eq!(t.classify(&a("2001:db8::1"), 6, Some(85)), Some(3));
-        assert_eq!(t.classify(&a("2001:db8::1"), 6, None), None);
-        assert_eq!(t.classify(&a("2001:db9::1"), 6, Some(85)), None);
+        assert_eq!(t.classify(&a("10.1.2.3"), &any_dst(), 6, Some(22)), Some(0));
+        assert_eq!(t.classify(&a("10.1.2.3"), &any_dst(), 6, Some(23)), Some(1));
+        assert_eq!(t.classify(&a("10.1.2.3"), &any_dst(), 17, Some(53)), Some(1));
+        assert_eq!(t.classify(&a("192.0.2.1"), &any_dst(), 17, Some(53)), Some(2));
+        assert_eq!(t.classify(&a("192.0.2.1"), &any_dst(), 6, Some(53)), None);
+        assert_eq!(t.classify(&a("2001:db8::1"), &any_dst(), 6, Some(85)), Some(3));
+        assert_eq!(t.classify(&a("2001:db8::1"), &any_dst(), 6, None), None);
+        assert_eq!(t.classify(&a("2001:db9::1"), &any_dst(), 6, Some(85)), None);
     }
 
     fn arb_cidr() -> impl Strategy<Value = Cidr> {
@@ -488,33 +575,95 @@ mod tests {
             })
     }
 
-    fn arb_spec() -> impl Strategy<Value = (MatchSpec, Option<usize>)> {
+    /// A spec, and which list (if any) names its source and its
+    /// destination.
+    type ArbSpec = (MatchSpec, Option<usize>, Option<usize>);
+
+    fn arb_spec() -> impl Strategy<Value = ArbSpec> {
         (
             proptest::option::of(prop_oneof![Just(6u8), Just(17u8), Just(1u8)]),
             proptest::option::of(arb_cidr()),
+            proptest::option::weighted(0.3, arb_cidr()),
             proptest::option::of((0u16..200, 0u16..50).prop_map(|(a, w)| (a, a + w))),
             proptest::option::of(0usize..2),
+            proptest::option::weighted(0.2, 0usize..2),
         )
-            .prop_map(|(proto, src, ports, list)| {
-                let spec =
-                    MatchSpec { proto, src: src.map(Source::Prefix), ports, enforcing: true };
-                (spec, list)
+            .prop_map(|(proto, src, dst, ports, src_list, dst_list)| {
+                let spec = MatchSpec {
+                    proto,
+                    src: src.map(Source::Prefix),
+                    dst: dst.map(Source::Prefix),
+                    ports,
+                    enforcing: true,
+                };
+                (spec, src_list, dst_list)
             })
     }
 
-    fn with_lists(
-        specs: Vec<(MatchSpec, Option<usize>)>,
-        lists: &[PrefixList; 2],
-    ) -> Vec<MatchSpec> {
+    fn with_lists(specs: Vec<ArbSpec>, lists: &[PrefixList; 2]) -> Vec<MatchSpec> {
         specs
             .into_iter()
-            .map(|(mut s, l)| {
-                if let Some(l) = l {
+            .map(|(mut s, src, dst)| {
+                if let Some(l) = src {
                     s.src = Some(Source::List(lists[l].clone()));
+                }
+                if let Some(l) = dst {
+                    s.dst = Some(Source::List(lists[l].clone()));
                 }
                 s
             })
             .collect()
+    }
+
+    #[test]
+    fn destinations_match_with_sources_and_cost_nothing_when_unused() {
+        let list = PrefixList {
+            name: "vips".into(),
+            prefixes: ["203.0.113.0/28", "2001:db8:f::/64"].map(cidr).into(),
+        };
+        let specs = vec![
+            MatchSpec {
+                proto: Some(6),
+                src: Some(Source::Prefix(cidr("10.0.0.0/8"))),
+                dst: Some(Source::List(list.clone())),
+                ports: None,
+                enforcing: true,
+            },
+            MatchSpec {
+                proto: None,
+                src: None,
+                dst: Some(Source::Prefix(cidr("203.0.113.8/29"))),
+                ports: None,
+                enforcing: true,
+            },
+            MatchSpec { proto: None, src: None, dst: None, ports: Some((53, 53)), enforcing: true },
+        ];
+        let t = compile(&specs, 1).unwrap();
+        assert!(t.has_dst);
+        let a = |s: &str| s.parse::<IpAddr>().unwrap();
+        for (src, dst, proto, port, rule) in [
+            ("10.1.1.1", "203.0.113.9", 6, Some(80), Some(0)),
+            ("10.1.1.1", "203.0.113.9", 17, Some(80), Some(1)),
+            ("192.0.2.1", "203.0.113.9", 6, Some(80), Some(1)),
+            ("192.0.2.1", "203.0.113.1", 6, Some(80), None),
+            ("192.0.2.1", "203.0.113.1", 17, Some(53), Some(2)),
+            ("10.1.1.1", "198.51.100.1", 6, Some(53), Some(2)),
+            ("10.1.1.1", "198.51.100.1", 6, Some(80), None),
+            ("2001:db8::1", "2001:db8:f::9", 6, Some(80), None),
+        ] {
+            assert_eq!(t.classify(&a(src), &a(dst), proto, port), rule, "{src} -> {dst}");
+        }
+        // Each side's entries carry their side's tag; sorted as a whole.
+        let sides: Vec<u8> = t.trie.iter().map(|e| e.data[0] >> 2).collect();
+        assert!(sides.windows(2).all(|w| w[0] <= w[1]));
+        assert!(t.trie.iter().all(|e| trie_slot(e.data[0]) == 1));
+        // Without destinations: no destination entries, every rule allowed.
+        let plain: Vec<MatchSpec> =
+            specs.iter().map(|s| MatchSpec { dst: None, ..s.clone() }).collect();
+        let p = compile(&plain, 0).unwrap();
+        assert!(!p.has_dst);
+        assert!(p.trie.iter().all(|e| e.data[0] >> 2 == 0));
+        assert_eq!(p.dst_bits(&a("203.0.113.9")), RuleBitmap::FULL);
     }
 
     #[test]
@@ -535,10 +684,11 @@ mod tests {
             MatchSpec {
                 proto: None,
                 src: Some(Source::List(list.clone())),
+                dst: None,
                 ports: None,
                 enforcing: true,
             },
-            MatchSpec { proto: None, src: None, ports: None, enforcing: true },
+            MatchSpec { proto: None, src: None, dst: None, ports: None, enforcing: true },
         ];
         let t = compile(&specs, 0).unwrap();
         // The two default routes, the /24 (its /32 and duplicate add nothing),
@@ -554,7 +704,7 @@ mod tests {
             ("2001:db8::5", 0),
             ("2001:db9::", 1),
         ] {
-            assert_eq!(t.classify(&a(addr), 6, Some(80)), Some(rule), "{addr}");
+            assert_eq!(t.classify(&a(addr), &any_dst(), 6, Some(80)), Some(rule), "{addr}");
         }
     }
 
@@ -575,6 +725,7 @@ mod tests {
                         name: format!("l{bit}"),
                         prefixes: prefixes.into(),
                     })),
+                    dst: None,
                     ports: None,
                     enforcing: true,
                 }
@@ -588,15 +739,31 @@ mod tests {
         fn tables_agree_with_linear_scan(
             specs in proptest::collection::vec(arb_spec(), 1..40),
             lists in arb_lists(),
-            probes in proptest::collection::vec((arb_cidr(), prop_oneof![Just(6u8), Just(17u8), Just(1u8), Just(47u8)], proptest::option::of(0u16..260)), 1..40),
+            probes in proptest::collection::vec((arb_cidr(), arb_cidr(), prop_oneof![Just(6u8), Just(17u8), Just(1u8), Just(47u8)], proptest::option::of(0u16..260)), 1..40),
         ) {
             let specs = with_lists(specs, &lists);
             let t = compile(&specs, 0).unwrap();
-            // Probes inside the lists' prefixes too, where lists decide.
-            let inside = lists.iter().flat_map(|l| l.prefixes.iter().map(|c| (*c, 6u8, Some(80u16))));
-            let probes_again: Vec<_> = probes.clone().into_iter().chain(inside.clone()).collect();
-            for (c, proto, port) in probes.into_iter().chain(inside) {
-                prop_assert_eq!(t.classify(&c.addr, proto, port), linear(&specs, &c.addr, proto, port));
+            // Probes inside the lists' prefixes too, on either side, where
+            // lists decide.
+            let v4: Cidr = cidr("10.1.2.3/32");
+            let v6: Cidr = cidr("2001::5/128");
+            let other = |c: &Cidr| if c.addr.is_ipv4() { v4 } else { v6 };
+            let inside: Vec<_> = lists
+                .iter()
+                .flat_map(|l| l.prefixes.iter())
+                .flat_map(|c| [(*c, other(c), 6u8, Some(80u16)), (other(c), *c, 6u8, Some(80u16))])
+                .collect();
+            // A packet's two addresses are of one family.
+            let probes: Vec<_> = probes
+                .into_iter()
+                .chain(inside)
+                .filter(|(s, d, _, _)| s.addr.is_ipv4() == d.addr.is_ipv4())
+                .collect();
+            for (s, d, proto, port) in &probes {
+                prop_assert_eq!(
+                    t.classify(&s.addr, &d.addr, *proto, *port),
+                    linear(&specs, &s.addr, &d.addr, *proto, *port)
+                );
             }
             // Numbered against another numbering: the same answers, and
             // every bitmap both have keeps its old index.
@@ -604,8 +771,11 @@ mod tests {
             previous.reverse();
             previous.push(RuleBitmap::EMPTY);
             let k = compile_keeping(&specs, 0, &previous).unwrap();
-            for (c, proto, port) in probes_again.iter() {
-                prop_assert_eq!(k.classify(&c.addr, *proto, *port), t.classify(&c.addr, *proto, *port));
+            for (s, d, proto, port) in &probes {
+                prop_assert_eq!(
+                    k.classify(&s.addr, &d.addr, *proto, *port),
+                    t.classify(&s.addr, &d.addr, *proto, *port)
+                );
             }
             for (i, b) in k.classes.iter().enumerate() {
                 if let Some(p) = previous.iter().position(|x| x == b) {

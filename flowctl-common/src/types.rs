@@ -92,6 +92,7 @@ pub struct RuleBitmap {
 
 impl RuleBitmap {
     pub const EMPTY: Self = Self { words: [0; BITMAP_WORDS] };
+    pub const FULL: Self = Self { words: [u64::MAX; BITMAP_WORDS] };
 
     pub fn set(&mut self, rule: usize) {
         if rule < MAX_RULES {
@@ -196,7 +197,10 @@ pub struct GlobalRecord {
     /// Send about one in this many matched packets' keys to the sampling
     /// ring for `top --keys` (0: off). Set by the agent while someone asks.
     pub key_sample_every: u32,
-    pub _pad: u32,
+    /// Bit s set: the rules of slot s name destinations, so the kernel
+    /// looks the packet's destination up in the trie too (bit 2 of its tag
+    /// byte). Written before the flip to s; the slot's other tables too.
+    pub dst_slots: u32,
 }
 
 /// Per-rule control record written by the agent's control loops (admission
@@ -645,8 +649,9 @@ pub struct KeySample {
     pub key: BucketKey,
 }
 
-/// LPM trie key data: `[slot << 1 | is_v6, address bytes in network order...]`.
-/// The prefix length counts the 8 tag bits.
+/// LPM trie key data: `[is_dst << 2 | slot << 1 | is_v6, address bytes in
+/// network order...]` (`tables::trie_data_for`). The prefix length counts
+/// the 8 tag bits.
 pub type TrieData = [u8; 17];
 pub const TRIE_TAG_BITS: u32 = 8;
 

@@ -3,7 +3,8 @@
 //! comes from the per-source cache when it was computed for the live
 //! profile's generation, else from the LPM trie (and is cached); the class,
 //! protocol and port bitmaps ANDed give the candidates, whatever the rule
-//! count.
+//! count. When the live slot's rules name destinations, the destination's
+//! class (the same trie, not cached) is ANDed in too.
 
 use crate::{
     accounting::counters,
@@ -15,9 +16,11 @@ use crate::{
 };
 use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
 use flowctl_common::{
-    frag, matcher, reason, rule_set, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap,
-    RuleConfig, SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
-    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
+    frag,
+    matcher::{self, AddrSets},
+    reason, rule_set, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
+    SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS,
+    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
 };
 
 /// What classification found for a packet.
@@ -44,10 +47,23 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
         None => core::ptr::null_mut(),
     };
     let cached = !entry_ptr.is_null() && unsafe { (*entry_ptr).generation } == generation;
-    let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta) };
+    let class = if cached { unsafe { (*entry_ptr).class } } else { trie_class(slot, meta, false) };
     let Some(src_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + class) else {
         // NO_CLASS (no profile applied yet): nothing matches.
         return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+    };
+    // 1b. The destination's class, only when a rule of the slot names one:
+    // a profile without destinations pays one bit test. The two sets are
+    // ANDed word by word in the matcher, not copied (the stack is small).
+    let addr_bits = if (global.dst_slots >> slot) & 1 != 0 {
+        let dst_class = trie_class(slot, meta, true);
+        let Some(dst_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + dst_class)
+        else {
+            return Match::Unmatched(Decision::unmatched(Outcome::Pass));
+        };
+        AddrSets { src: src_bits, dst: dst_bits }
+    } else {
+        AddrSets::source(src_bits)
     };
 
     let proto_idx = slot * PROTO_INDICES as u32 + meta.proto as u32;
@@ -66,14 +82,14 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
         return Match::Unmatched(Decision::unmatched(Outcome::Pass));
     };
     let matched = if meta.unparsed == unparsed::NO {
-        matcher::first_match(src_bits, proto_bits, port_bits)
+        matcher::first_match(addr_bits, proto_bits, port_bits)
     } else {
-        unparsed_match(slot, meta, src_bits, proto_bits, port_bits)
+        unparsed_match(slot, meta, addr_bits, proto_bits, port_bits)
     };
     let Some(rule_idx) = matched else {
         // A non-first fragment that a port rule might have matched gets the
         // fragment verdict; anything else without a rule passes.
-        if meta.frag == frag::LATER && matcher::intersects(src_bits, proto_bits) {
+        if meta.frag == frag::LATER && matcher::intersects(addr_bits, proto_bits) {
             if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
                 c.fragment_pkts += 1;
             }
@@ -119,7 +135,7 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
 fn unparsed_match(
     slot: u32,
     meta: &PacketMeta,
-    src: &RuleBitmap,
+    addrs: AddrSets,
     proto: &RuleBitmap,
     no_port: &RuleBitmap,
 ) -> Option<u32> {
@@ -130,18 +146,20 @@ fn unparsed_match(
     let enforcing = FLOWCTL_RULE_SETS.get(base + rule_set::ENFORCING as u32)?;
     let any_proto = FLOWCTL_RULE_SETS.get(base + rule_set::ANY_PROTO as u32)?;
     let proto = if meta.unparsed == unparsed::PORTS { Some(proto) } else { None };
-    matcher::first_unparsed(src, proto, no_port, any_proto, enforcing)
+    matcher::first_unparsed(addrs, proto, no_port, any_proto, enforcing)
 }
 
-/// The source's class from the LPM trie of `slot`.
+/// The source's (or with `dst`, the destination's) class from the LPM
+/// trie of `slot` (key layout: `flowctl_common::tables::trie_data_for`).
 #[inline(always)]
-fn trie_class(slot: u32, meta: &PacketMeta) -> u32 {
+fn trie_class(slot: u32, meta: &PacketMeta, dst: bool) -> u32 {
     let mut data: TrieData = [0; 17];
-    data[0] = ((slot as u8) << 1) | (meta.family == 6) as u8;
+    data[0] = ((dst as u8) << 2) | ((slot as u8) << 1) | (meta.family == 6) as u8;
+    let addr = if dst { &meta.dst } else { &meta.src };
     let words = if meta.family == 6 { 4 } else { 1 };
     let mut i = 0;
     while i < words {
-        let b = meta.src[i].to_be_bytes();
+        let b = addr[i].to_be_bytes();
         data[1 + i * 4] = b[0];
         data[2 + i * 4] = b[1];
         data[3 + i * 4] = b[2];

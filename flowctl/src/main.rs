@@ -188,12 +188,16 @@ enum Cmd {
     },
     /// Which rule, key and limit apply to a packet, from the kernel's tables.
     ///
-    /// Example: flowctl explain eth0 tcp 192.0.2.7 443
+    /// Example: flowctl explain eth0 tcp 192.0.2.7 443 --dst 198.51.100.1
     Explain {
         iface: String,
         proto: String,
         src: String,
         dport: Option<u16>,
+        /// The packet's destination address: needed when a rule of the
+        /// active profile matches on `dst`.
+        #[arg(long)]
+        dst: Option<String>,
         #[arg(long)]
         netns: Option<String>,
     },
@@ -346,7 +350,9 @@ fn main() {
                 }
             })
         }
-        Cmd::Explain { iface, proto, src, dport, netns } => cli::explain::explain(&iface, &proto, &src, dport, &netns),
+        Cmd::Explain { iface, proto, src, dport, dst, netns } => {
+            cli::explain::explain(&iface, &proto, &src, dport, dst.as_deref(), &netns)
+        }
         Cmd::List(ListCmd::Update { iface, name, file, netns }) => cli::list::update(&iface, &name, file.as_deref(), &netns),
         Cmd::Generate(Generate::Man { dir }) => cli::generate::man(Cli::command(), &dir).map(|files| files.iter().for_each(|f| println!("{}", f.display()))),
         Cmd::Generate(Generate::Completions { shell, dir }) => cli::generate::completions(Cli::command(), shell, &dir).map(|f| println!("{}", f.display())),

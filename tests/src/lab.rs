@@ -140,6 +140,11 @@ source = {{ kind = \"egress\", iface = \"{}\", dst = \"{}/32\", dport = 9000, pr
         sh(&["ip", "-n", &self.ns_cli, "addr", "add", &format!("{ip}/24"), "dev", &self.veth_cli]);
     }
 
+    /// Gives the protected side another address of the lab's /24.
+    pub fn add_server_address(&self, ip: &str) {
+        sh(&["ip", "-n", &self.ns_srv, "addr", "add", &format!("{ip}/24"), "dev", &self.veth_srv]);
+    }
+
     /// Runs `f` on a thread that has entered namespace `ns`.
     pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
         let ns = ns.to_string();

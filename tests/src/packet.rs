@@ -114,13 +114,18 @@ pub fn ext_fragment(offset_units: u16, more: bool) -> (u8, Vec<u8>) {
 
 pub struct V6 {
     pub src: [u8; 16],
+    /// fd00::1 unless set.
+    pub dst: [u8; 16],
     pub ext: Vec<(u8, Vec<u8>)>,
     pub vlans: Vec<u16>,
 }
 
 impl V6 {
     pub fn new(src: [u8; 16]) -> Self {
-        Self { src, ext: Vec::new(), vlans: Vec::new() }
+        let mut dst = [0u8; 16];
+        dst[0] = 0xfd;
+        dst[15] = 1;
+        Self { src, dst, ext: Vec::new(), vlans: Vec::new() }
     }
 
     pub fn build(&self, l4: L4, payload: usize) -> Vec<u8> {
@@ -145,10 +150,7 @@ impl V6 {
         f.push(first);
         f.push(64);
         f.extend_from_slice(&self.src);
-        let mut dst = [0u8; 16];
-        dst[0] = 0xfd;
-        dst[15] = 1;
-        f.extend_from_slice(&dst);
+        f.extend_from_slice(&self.dst);
         f.extend_from_slice(&exts);
         f.extend_from_slice(body);
         f

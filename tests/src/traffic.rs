@@ -31,7 +31,21 @@ pub fn blast_from(
     secs: f64,
     max: u64,
 ) -> (u64, Instant, Instant) {
-    let (src, dst) = (src.to_string(), format!("{}:{dport}", lab.ip_srv));
+    blast_between(lab, src, &lab.ip_srv, dport, pps, secs, max)
+}
+
+/// `blast` from `src` to `dst`, any addresses of the client and the
+/// protected namespace.
+pub fn blast_between(
+    lab: &Lab,
+    src: &str,
+    dst: &str,
+    dport: u16,
+    pps: u64,
+    secs: f64,
+    max: u64,
+) -> (u64, Instant, Instant) {
+    let (src, dst) = (src.to_string(), format!("{dst}:{dport}"));
     Lab::in_ns(&lab.ns_cli, move || {
         let s = UdpSocket::bind(format!("{src}:0")).unwrap();
         let gap = Duration::from_secs_f64(1.0 / pps as f64);
@@ -118,7 +132,12 @@ pub struct TcpServer {
 
 impl TcpServer {
     pub fn start(lab: &Lab, port: u16) -> Self {
-        let addr = format!("{}:{port}", lab.ip_srv);
+        Self::start_at(lab, &lab.ip_srv, port)
+    }
+
+    /// Counts what arrives at `ip` (an address of the protected side).
+    pub fn start_at(lab: &Lab, ip: &str, port: u16) -> Self {
+        let addr = format!("{ip}:{port}");
         let listener = Lab::in_ns(&lab.ns_srv, move || TcpListener::bind(addr).unwrap());
         listener.set_nonblocking(true).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
@@ -252,7 +271,12 @@ pub struct UdpCounter {
 
 impl UdpCounter {
     pub fn start(lab: &Lab, port: u16) -> Self {
-        let addr = format!("{}:{port}", lab.ip_srv);
+        Self::start_at(lab, &lab.ip_srv, port)
+    }
+
+    /// Counts what arrives at `ip` (an address of the protected side).
+    pub fn start_at(lab: &Lab, ip: &str, port: u16) -> Self {
+        let addr = format!("{ip}:{port}");
         let sock = Lab::in_ns(&lab.ns_srv, move || UdpSocket::bind(addr).unwrap());
         sock.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         let (n, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));

@@ -535,6 +535,54 @@ fn lists_classify_sources_and_block_rules_drop_everything() {
     assert_eq!(p.counters("vip").passed_pkts, 6);
 }
 
+/// Rules that match on `dst`, by prefix and by list: the verdict follows
+/// the destination for one and the same (cached) source, IPv4 and IPv6; a
+/// profile without destinations clears the slot's flag, and one with them
+/// sets it again in the other slot.
+fn destinations_match_by_prefix_and_list() {
+    let with_dst = |block: &str| {
+        profile(&format!(
+            "[[list]]\nname = \"block\"\nentries = [{block}]\n\
+[[rule]]\nname = \"to-banned\"\ndst = \"@block\"\naction = \"block\"\n\
+[[rule]]\nname = \"dns\"\nsrc = \"10.40.0.0/16\"\ndst = \"10.50.0.1\"\nproto = \"udp\"\ndport = 53\n\
+rate = \"1/min\"\nburst = 1\nkey = \"src\"\n"
+        ))
+    };
+    let mut p = TestPlane::new(&with_dst("\"10.30.0.0/16\", \"2001:db8:30::/48\""));
+    let to = |dst: [u8; 4], port: u16| {
+        let mut v = V4::new([10, 40, 0, 1]);
+        v.dst = dst;
+        v.build(L4::Udp { sport: 1000, dport: port }, 0)
+    };
+    let to6 = |last: u8| {
+        let mut v = V6::new([0x20, 0x01, 0x0d, 0xb8, 0, 0x40, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        v.dst = [0x20, 0x01, 0x0d, 0xb8, 0, last, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5];
+        v.build(L4::Icmp, 0)
+    };
+    assert_eq!(p.run(&to([10, 50, 0, 1], 53)), XDP_PASS, "the dns rule's burst");
+    for _ in 0..3 {
+        assert_eq!(p.run(&to([10, 30, 1, 1], 53)), XDP_DROP, "a listed destination");
+        assert_eq!(p.run(&to([10, 50, 0, 1], 53)), XDP_DROP, "the dns rule's bucket is empty");
+        assert_eq!(p.run(&to([10, 50, 0, 2], 53)), XDP_PASS, "another destination: no rule");
+        assert_eq!(p.run(&to([10, 50, 0, 1], 54)), XDP_PASS, "another port: no rule");
+        assert_eq!(p.run(&to6(0x30)), XDP_DROP, "a listed IPv6 destination");
+        assert_eq!(p.run(&to6(0x31)), XDP_PASS);
+    }
+    assert_eq!(p.counters("to-banned").dropped_pkts[reason::RATE], 6);
+    assert_eq!(p.counters("dns").offered_pkts, 4);
+    assert_eq!(p.unmatched().offered_pkts, 9);
+    // Without destination rules the flag goes: every destination passes.
+    p.apply(&profile("[[rule]]\nname = \"other\"\nsrc = \"10.99.0.0/16\"\naction = \"block\"\n"));
+    assert_eq!(p.run(&to([10, 30, 1, 1], 53)), XDP_PASS);
+    assert_eq!(p.run(&to6(0x30)), XDP_PASS);
+    // Back, with another list, into the other slot.
+    p.apply(&with_dst("\"10.50.0.0/24\""));
+    assert_eq!(p.run(&to([10, 30, 1, 1], 53)), XDP_PASS);
+    assert_eq!(p.run(&to([10, 50, 0, 2], 53)), XDP_DROP, "the new list");
+    assert_eq!(p.run(&to([10, 50, 0, 1], 53)), XDP_DROP, "the list's rule comes first");
+    assert_eq!(p.run(&to6(0x30)), XDP_PASS);
+}
+
 /// Every key kind builds buckets as documented.
 fn key_kinds_split_buckets() {
     let cases = [
@@ -1766,6 +1814,7 @@ fn main() {
         fragment_policy_v4_and_v6: [Root],
         apply_keeps_state_and_reclassifies_cached_sources: [Root],
         lists_classify_sources_and_block_rules_drop_everything: [Root],
+        destinations_match_by_prefix_and_list: [Root],
         key_kinds_split_buckets: [Root],
         exact_under_concurrency: [Root],
         verifier_rejection_carries_the_log_tail: [Root],

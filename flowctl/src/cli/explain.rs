@@ -18,6 +18,7 @@ pub fn explain(
     proto: &str,
     src: &str,
     dport: Option<u16>,
+    dst: Option<&str>,
     netns: &Option<String>,
 ) -> Result<()> {
     enter(netns)?;
@@ -33,9 +34,15 @@ pub fn explain(
         p => p.parse().with_context(|| format!("unknown protocol `{p}`"))?,
     };
     let src: IpAddr = src.parse().with_context(|| format!("`{src}` is not an IP address"))?;
+    let dst: Option<IpAddr> = dst
+        .map(|d| d.parse().with_context(|| format!("`{d}` is not an IP address")))
+        .transpose()?;
+    if dst.is_some_and(|d| d.is_ipv4() != src.is_ipv4()) {
+        anyhow::bail!("--dst and the source are of different IP versions");
+    }
     let port = if proto_n == 6 || proto_n == 17 { dport } else { None };
     let maps = Maps::open(&id)?;
-    match maps.classify(&src, proto_n, port)? {
+    match maps.classify(&src, dst.as_ref(), proto_n, port)? {
         None => out!("no rule matches: the packet passes unlimited"),
         Some(i) => {
             let r = set

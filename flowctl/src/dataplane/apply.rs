@@ -165,6 +165,16 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     write_slot(&mut maps.classes, slot, MAX_SRC_CLASSES, &t.classes)?;
     maps.classes_written[slot as usize] = Some(t.classes.clone());
     write_trie(maps, slot as u8, t.trie)?;
+    // Whether the slot's packets need a destination lookup: set before
+    // the flip (nothing reads this slot's bit until then), on the record
+    // as it is now.
+    let mut pre = maps.global()?;
+    let bit = 1u32 << slot;
+    let dst_slots = if t.has_dst { pre.dst_slots | bit } else { pre.dst_slots & !bit };
+    if dst_slots != pre.dst_slots {
+        pre.dst_slots = dst_slots;
+        maps.global.set(0, pre, 0)?;
+    }
     let ncpu = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
     let now = monotonic_ns();
     for (i, (r, s)) in set.rules.iter().zip(&planned).enumerate() {
@@ -246,7 +256,7 @@ fn write_trie(maps: &mut Maps, slot: u8, entries: Vec<tables::TrieEntry>) -> Res
                 let mut stale: HashSet<(u32, TrieData)> = HashSet::new();
                 for k in maps.trie.keys() {
                     let k = k.context("reading the source trie back")?;
-                    if k.data()[0] >> 1 == slot {
+                    if tables::trie_slot(k.data()[0]) == slot {
                         stale.insert((k.prefix_len(), k.data()));
                     }
                 }

@@ -5,7 +5,7 @@
 
 use super::pins::AttachId;
 use crate::{profile::StatsSettings, system::clock::monotonic_ns};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use aya::maps::{lpm_trie::Key, Array, LpmTrie, Map, MapData, PerCpuArray};
 use flowctl_common::{
     map_names as names,
@@ -263,19 +263,41 @@ impl Maps {
     pub fn classify(
         &self,
         src: &std::net::IpAddr,
+        dst: Option<&std::net::IpAddr>,
         proto: u8,
         dport: Option<u16>,
     ) -> Result<Option<u32>> {
-        let slot = (self.global()?.active_slot & 1) as u8;
-        let key = Key::new(8 + 128, tables::trie_data(slot, src));
-        let src_bits = match self.trie.get(&key, 0) {
-            Ok(class) => self.classes.get(&(slot as u32 * MAX_SRC_CLASSES as u32 + class), 0)?,
-            Err(_) => RuleBitmap::EMPTY,
+        let g = self.global()?;
+        let slot = (g.active_slot & 1) as u8;
+        let src_bits = self.class_of(tables::Direction::Src, slot, src)?;
+        let dst_bits = if (g.dst_slots >> slot) & 1 != 0 {
+            let Some(dst) = dst else {
+                bail!("the active profile has rules that match on `dst`: give the packet's destination with --dst");
+            };
+            self.class_of(tables::Direction::Dst, slot, dst)?
+        } else {
+            src_bits
         };
+        let addrs = flowctl_common::matcher::AddrSets { src: &src_bits, dst: &dst_bits };
         let pb = self.proto.get(&(slot as u32 * PROTO_INDICES as u32 + proto as u32), 0)?;
         let port = dport.map(u32::from).unwrap_or(PORT_NONE);
         let portb = self.port.get(&(slot as u32 * PORT_INDICES as u32 + port), 0)?;
-        Ok(flowctl_common::matcher::first_match(&src_bits, &pb, &portb))
+        Ok(flowctl_common::matcher::first_match(addrs, &pb, &portb))
+    }
+
+    /// The rule bitmap of `addr` on one side, as the kernel's trie lookup
+    /// finds it.
+    fn class_of(
+        &self,
+        dir: tables::Direction,
+        slot: u8,
+        addr: &std::net::IpAddr,
+    ) -> Result<RuleBitmap> {
+        let key = Key::new(8 + 128, tables::trie_data_for(dir, slot, addr));
+        Ok(match self.trie.get(&key, 0) {
+            Ok(class) => self.classes.get(&(slot as u32 * MAX_SRC_CLASSES as u32 + class), 0)?,
+            Err(_) => RuleBitmap::EMPTY,
+        })
     }
 }
 

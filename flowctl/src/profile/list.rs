@@ -1,5 +1,5 @@
 //! The `[[list]]` section: named sets of prefixes a rule matches with
-//! `src = "@name"`, written inline (`entries = [...]`) or read from a file
+//! `src = "@name"` or `dst = "@name"`, written inline (`entries = [...]`) or read from a file
 //! of one address or prefix per line (what a fail2ban or CrowdSec action
 //! writes). A bad line is an error at that file's line, and the profile is
 //! rejected whole. docs/lists.md is the reference.
@@ -7,7 +7,7 @@
 use super::{
     error::{line_col_of, Ctx, ProfileError},
     memory::human_bytes,
-    model::{List, RuleSet},
+    model::{List, Rule, RuleSet},
     primitives::{name, parse_cidr},
     raw::RawList,
 };
@@ -130,25 +130,22 @@ pub fn replace(set: &RuleSet, name: &str, file: Option<&Path>) -> Result<RuleSet
         (None, None) => return Err(ListError::Inline(name.to_string())),
     };
     let prefixes: Arc<[Cidr]> = read_file(&path, &format!("list `{name}`"))?.into();
-    let total: usize = set
-        .lists
-        .iter()
-        .enumerate()
-        .map(|(j, l)| if j == i { prefixes.len() } else { l.prefixes.prefixes.len() })
-        .sum();
-    if total > MAX_LIST_PREFIXES {
-        return Err(ListError::TooMany(total));
-    }
     let new = PrefixList { name: name.to_string(), prefixes };
     let mut next = set.clone();
     next.lists[i].prefixes = new.clone();
     next.lists[i].from = Some(path);
     for r in &mut next.rules {
-        if matches!(&r.spec.src, Some(Source::List(l)) if l.name == name) {
-            r.spec.src = Some(Source::List(new.clone()));
+        for side in [&mut r.spec.src, &mut r.spec.dst] {
+            if matches!(side, Some(Source::List(l)) if l.name == name) {
+                *side = Some(Source::List(new.clone()));
+            }
         }
     }
-    next.settings.list_prefixes = total as u64;
+    let total = trie_share(&next.lists, &next.rules);
+    if total > MAX_LIST_PREFIXES as u64 {
+        return Err(ListError::TooMany(total));
+    }
+    next.settings.list_prefixes = total;
     let specs: Vec<_> = next.rules.iter().map(|r| r.spec.clone()).collect();
     compile(&specs, 0)?;
     let need = next.settings.kernel_memory_bytes();
@@ -161,6 +158,33 @@ pub fn replace(set: &RuleSet, name: &str, file: Option<&Path>) -> Result<RuleSet
     Ok(next)
 }
 
+/// The trie entries per slot that the profile's lists and destinations
+/// take beyond the rules' own source prefixes and the sources' two
+/// default routes (`SRC_TRIE_ENTRIES` keeps `MAX_LIST_PREFIXES` per slot
+/// for them): each list's prefixes once per side (`src`, `dst`) rules
+/// name it on, and once when none does (it is held to be updated); with
+/// any destination, the rules' own destination prefixes and that side's
+/// two default routes.
+pub fn trie_share(lists: &[List], rules: &[Rule]) -> u64 {
+    let names = |side: fn(&Rule) -> &Option<Source>, name: &str| {
+        rules.iter().any(|r| matches!(side(r), Some(Source::List(l)) if l.name == name)) as u64
+    };
+    let listed: u64 = lists
+        .iter()
+        .map(|l| {
+            let n = &l.prefixes.name;
+            let sides = names(|r| &r.spec.src, n) + names(|r| &r.spec.dst, n);
+            l.prefixes.prefixes.len() as u64 * sides.max(1)
+        })
+        .sum();
+    let destinations = if rules.iter().any(|r| r.spec.dst.is_some()) {
+        2 + rules.iter().filter(|r| matches!(r.spec.dst, Some(Source::Prefix(_)))).count() as u64
+    } else {
+        0
+    };
+    listed + destinations
+}
+
 /// Why a list update was refused (nothing was applied).
 #[derive(Debug, thiserror::Error)]
 pub enum ListError {
@@ -170,8 +194,8 @@ pub enum ListError {
     Inline(String),
     #[error("{0}")]
     Bad(#[from] ProfileError),
-    #[error("the lists would hold {0} prefixes together, more than {MAX_LIST_PREFIXES}")]
-    TooMany(usize),
+    #[error("the lists would hold {0} prefixes together (a list named as both `src` and `dst` counts twice), more than {MAX_LIST_PREFIXES}")]
+    TooMany(u64),
     #[error(transparent)]
     Classes(#[from] CompileError),
     #[error("the tables would need {0} of kernel memory, over the profile's memory_budget of {1}")]
@@ -365,6 +389,62 @@ rate = "100/s"
             assert_eq!(e.line, line, "{text}: {e}");
             assert!(e.to_string().contains(needle), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn destinations_by_prefix_and_by_list() {
+        let text = r#"
+[[list]]
+name = "block"
+entries = ["192.0.2.0/24", "2001:db8::/48"]
+
+[[list]]
+name = "partners"
+entries = ["198.51.100.0/24"]
+
+[[rule]]
+name = "from-banned"
+src = "@block"
+action = "block"
+
+[[rule]]
+name = "to-banned"
+proto = "tcp"
+dst = "@block"
+dport = 443
+action = "block"
+
+[[rule]]
+name = "partners-to-api"
+src = "@partners"
+dst = "203.0.113.0/24"
+rate = "100/s"
+"#;
+        let s = parse("p.toml", text).unwrap();
+        assert_eq!(s.rules[1].match_text(), "tcp from any to @block port 443");
+        assert_eq!(s.rules[2].match_text(), "any from @partners to 203.0.113.0/24 port any");
+        // `block` is named on both sides (2 x 2), `partners` on one (1), and
+        // with destinations their two default routes and the one dst prefix.
+        assert_eq!(s.settings.list_prefixes, 4 + 1 + 2 + 1);
+        let t = compile(&s.rules.iter().map(|r| r.spec.clone()).collect::<Vec<_>>(), 0).unwrap();
+        let a = |x: &str| x.parse::<std::net::IpAddr>().unwrap();
+        let at = |src, dst, port| t.classify(&a(src), &a(dst), 6, Some(port));
+        assert_eq!(at("192.0.2.9", "10.0.0.1", 80), Some(0));
+        assert_eq!(at("10.0.0.1", "192.0.2.9", 443), Some(1));
+        assert_eq!(at("10.0.0.1", "192.0.2.9", 80), None);
+        assert_eq!(at("198.51.100.4", "203.0.113.9", 80), Some(2));
+        assert_eq!(at("198.51.100.4", "203.0.114.9", 80), None);
+
+        // A destination of the other IP version than the source never
+        // matches: refused at the `dst` line.
+        let e = crate::profile::tests::err(
+            "[[rule]]\nname = \"r\"\nsrc = \"10.0.0.0/8\"\ndst = \"2001:db8::/32\"\n",
+        );
+        assert_eq!(e.line, 4, "{e}");
+        assert!(e.msg.contains("different IP versions"), "{e}");
+        let e = crate::profile::tests::err("[[rule]]\nname = \"r\"\ndst = \"@nope\"\n");
+        assert_eq!(e.line, 3, "{e}");
+        assert!(e.msg.contains("no [[list]] named `nope`"), "{e}");
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub use model::{
 };
 
 use error::{Ctx, Span};
-use flowctl_common::{MAX_EGRESS_TARGETS, MAX_RULES};
+use flowctl_common::{MAX_EGRESS_TARGETS, MAX_LIST_PREFIXES, MAX_RULES};
 use model::{Baseline, Breaker, LevelSource};
 use raw::RawProfile;
 use std::path::Path;
@@ -111,10 +111,6 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
         return Err(cx.err(span, why));
     }
     let lists = list::lists(&cx, &raw.list, files)?;
-    let settings = Settings {
-        list_prefixes: lists.iter().map(|l| l.prefixes.prefixes.len() as u64).sum(),
-        ..settings
-    };
     let mut rules: Vec<Rule> = Vec::new();
     for r in &raw.rule {
         let rule = rule::rule(&cx, r, &lists)?;
@@ -123,7 +119,16 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
         }
         bbr_fits_ring(&cx, &rule, &settings)?;
         rules.push(rule);
+        // A list named on both sides takes the trie twice.
+        let share = list::trie_share(&lists, &rules);
+        if share > MAX_LIST_PREFIXES as u64 {
+            return Err(cx.err(
+                r.span(),
+                format!("the lists take {share} trie entries with this rule's (a list named as both `src` and `dst` counts twice), more than {MAX_LIST_PREFIXES}: use the list on one side, or aggregate its prefixes"),
+            ));
+        }
     }
+    let settings = Settings { list_prefixes: list::trie_share(&lists, &rules), ..settings };
     let klimiter = match &raw.klimiter {
         Some(k) => klimiter::settings(&cx, k.get_ref())?,
         None => Default::default(),
@@ -164,7 +169,7 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
     Ok(RuleSet { settings, rules, klimiter, baselines, breakers, shapers, fleet, lists })
 }
 
-/// The rules' sources must fit the kernel's classes (lists that overlap
+/// The rules' sources and destinations must fit the kernel's classes (lists that overlap
 /// in many ways may not): compiled here as `apply` will, so `check`
 /// refuses what `apply` could not write. Pointed at the first rule that
 /// names a list.
@@ -175,7 +180,10 @@ fn sources_fit(cx: &Ctx, raw: &RawProfile, rules: &[Rule]) -> Result<(), Profile
     };
     let at = rules
         .iter()
-        .position(|r| matches!(r.spec.src, Some(flowctl_common::tables::Source::List(_))))
+        .position(|r| {
+            use flowctl_common::tables::Source::List;
+            matches!(r.spec.src, Some(List(_))) || matches!(r.spec.dst, Some(List(_)))
+        })
         .map_or(0..0, |i| raw.rule[i].span());
     Err(cx.err(at, e.to_string()))
 }

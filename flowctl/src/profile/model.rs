@@ -26,7 +26,7 @@ pub struct RuleSet {
     pub shapers: Vec<super::shaper::Shaper>,
     /// The store global rules share (required when there is one).
     pub fleet: Option<Fleet>,
-    /// `[[list]]`: prefixes rules name with `src = "@name"`.
+    /// `[[list]]`: prefixes rules name with `src = "@name"` or `dst = "@name"`.
     pub lists: Vec<List>,
 }
 
@@ -398,7 +398,10 @@ impl Rule {
             Some((a, b)) if a == b => a.to_string(),
             Some((a, b)) => format!("{a}-{b}"),
         };
-        format!("{proto} from {src} to port {ports}")
+        match &self.spec.dst {
+            None => format!("{proto} from {src} to port {ports}"),
+            Some(d) => format!("{proto} from {src} to {d} port {ports}"),
+        }
     }
 }
 

@@ -104,6 +104,7 @@ pub struct RawRule {
     pub name: Spanned<String>,
     pub proto: Option<Spanned<String>>,
     pub src: Option<Spanned<String>>,
+    pub dst: Option<Spanned<String>>,
     pub dport: Option<Spanned<RawPorts>>,
     pub action: Option<Spanned<String>>,
     pub unit: Option<Spanned<String>>,

@@ -306,8 +306,8 @@ fn scope(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<GlobalScope>, Prof
     Ok(Some(GlobalScope { share }))
 }
 
-/// What a packet must be to match: `proto`, `src` and `dport` (which needs
-/// a protocol with ports, when a protocol is named). Whether the rule
+/// What a packet must be to match: `proto`, `src`, `dst` and `dport` (which
+/// needs a protocol with ports, when a protocol is named). Whether the rule
 /// enforces is its action's (`enforcing` is left false).
 fn match_spec(cx: &Ctx, r: &RawRule, lists: &[List]) -> Result<MatchSpec, ProfileError> {
     let proto = match &r.proto {
@@ -315,6 +315,15 @@ fn match_spec(cx: &Ctx, r: &RawRule, lists: &[List]) -> Result<MatchSpec, Profil
         Some(p) => protocol(cx, p)?,
     };
     let src = r.src.as_ref().map(|s| source(cx, s, lists)).transpose()?;
+    let dst = r.dst.as_ref().map(|s| source(cx, s, lists)).transpose()?;
+    if let (Some(Source::Prefix(s)), Some(Source::Prefix(d)), Some(at)) = (&src, &dst, &r.dst) {
+        if s.addr.is_ipv4() != d.addr.is_ipv4() {
+            return Err(cx.err(
+                at.span(),
+                format!("`dst` {d} and `src` {s} are of different IP versions: the rule could never match"),
+            ));
+        }
+    }
     let ports = match &r.dport {
         None => None,
         Some(p) => {
@@ -328,10 +337,10 @@ fn match_spec(cx: &Ctx, r: &RawRule, lists: &[List]) -> Result<MatchSpec, Profil
             Some(range)
         }
     };
-    Ok(MatchSpec { proto, src, ports, enforcing: false })
+    Ok(MatchSpec { proto, src, dst, ports, enforcing: false })
 }
 
-/// `src`: a prefix, or `@name` of a `[[list]]`.
+/// `src` or `dst`: a prefix, or `@name` of a `[[list]]`.
 fn source(cx: &Ctx, s: &Spanned<String>, lists: &[List]) -> Result<Source, ProfileError> {
     let Some(wanted) = s.get_ref().trim().strip_prefix('@') else {
         return Ok(Source::Prefix(cidr(cx, s)?));

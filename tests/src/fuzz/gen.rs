@@ -74,6 +74,10 @@ const V4_PREFIXES: &[&str] =
     &["10.0.0.0/8", "10.1.2.0/24", "192.168.7.7/32", "0.0.0.0/0", "172.16.0.0/12", "10.1.0.0/16"];
 const V6_PREFIXES: &[&str] =
     &["fd00::/8", "fd00:1::/32", "2001:db8::1/128", "::/0", "2001:db8::/48", "fd00:1:2::/64"];
+/// Destination prefixes rules may name: around the frames' usual
+/// destination (10.99.0.1, fd99::1), so both sides of each are hit.
+const DST_V4_PREFIXES: &[&str] = &["10.99.0.0/16", "10.99.0.1/32", "0.0.0.0/0", "10.98.0.0/15"];
+const DST_V6_PREFIXES: &[&str] = &["fd99::/16", "fd99::1/128", "::/0", "fd98::/15"];
 const PORTS: &[&str] = &[
     "53",
     "80",
@@ -115,10 +119,23 @@ pub fn profile(rng: &mut Rng) -> String {
                 t += &format!("dport = {}\n", rng.pick(PORTS));
             }
         }
-        match rng.weighted(&[40, 30, 30]) {
-            0 => {}
-            1 => t += &format!("src = \"{}\"\n", rng.pick(V4_PREFIXES)),
-            _ => t += &format!("src = \"{}\"\n", rng.pick(V6_PREFIXES)),
+        let family = match rng.weighted(&[40, 30, 30]) {
+            0 => None,
+            1 => {
+                t += &format!("src = \"{}\"\n", rng.pick(V4_PREFIXES));
+                Some(4)
+            }
+            _ => {
+                t += &format!("src = \"{}\"\n", rng.pick(V6_PREFIXES));
+                Some(6)
+            }
+        };
+        // A destination on a quarter of the rules, of the source's family
+        // (the profile refuses a rule that could never match).
+        if rng.chance(0.25) {
+            let v6 = family.map_or_else(|| rng.chance(0.5), |f| f == 6);
+            let pick = if v6 { DST_V6_PREFIXES } else { DST_V4_PREFIXES };
+            t += &format!("dst = \"{}\"\n", rng.pick(pick));
         }
         // Every key kind: unparsed packets and later fragments are keyed
         // without their ports.
@@ -134,8 +151,8 @@ pub fn profile(rng: &mut Rng) -> String {
 
 /// What frames aim at: the profile's prefixes and ports (and neighbours).
 pub struct Targets {
-    v4: Vec<(u32, u8)>,
-    v6: Vec<(u128, u8)>,
+    src: Prefixes,
+    dst: Prefixes,
     ports: Vec<u16>,
     protos: Vec<u8>,
     /// Longest frame to make: [`MAX_FRAME`] for the single-buffer program;
@@ -145,22 +162,11 @@ pub struct Targets {
 
 impl Targets {
     pub fn of(p: &RefProfile) -> Self {
-        let (mut v4, mut v6, mut ports, mut protos) =
-            (vec![], vec![], vec![53u16, 80, 443], vec![]);
+        let (mut src, mut dst) = (Prefixes::default(), Prefixes::default());
+        let (mut ports, mut protos) = (vec![53u16, 80, 443], vec![]);
         for r in &p.rules {
-            let prefixes: &[Cidr] = match &r.src {
-                None => &[],
-                Some(Source::Prefix(c)) => std::slice::from_ref(c),
-                // Aim at a list's first prefixes (a long list would crowd
-                // out every other target).
-                Some(Source::List(l)) => &l.prefixes[..l.prefixes.len().min(16)],
-            };
-            for c in prefixes {
-                match c.addr {
-                    IpAddr::V4(a) => v4.push((u32::from(a), c.len)),
-                    IpAddr::V6(a) => v6.push((u128::from(a), c.len)),
-                }
-            }
+            src.add(&r.src);
+            dst.add(&r.dst);
             if let Some((lo, hi)) = r.ports {
                 ports.extend([lo, hi, lo.wrapping_sub(1), hi.wrapping_add(1), lo + (hi - lo) / 2]);
             }
@@ -168,7 +174,32 @@ impl Targets {
                 protos.push(pr);
             }
         }
-        Self { v4, v6, ports, protos, max_frame: MAX_FRAME }
+        Self { src, dst, ports, protos, max_frame: MAX_FRAME }
+    }
+}
+
+/// The prefixes of one side that frames aim at.
+#[derive(Default)]
+struct Prefixes {
+    v4: Vec<(u32, u8)>,
+    v6: Vec<(u128, u8)>,
+}
+
+impl Prefixes {
+    fn add(&mut self, side: &Option<Source>) {
+        let prefixes: &[Cidr] = match side {
+            None => &[],
+            Some(Source::Prefix(c)) => std::slice::from_ref(c),
+            // Aim at a list's first prefixes (a long list would crowd
+            // out every other target).
+            Some(Source::List(l)) => &l.prefixes[..l.prefixes.len().min(16)],
+        };
+        for c in prefixes {
+            match c.addr {
+                IpAddr::V4(a) => self.v4.push((u32::from(a), c.len)),
+                IpAddr::V6(a) => self.v6.push((u128::from(a), c.len)),
+            }
+        }
     }
 
     fn v4(&self, rng: &mut Rng) -> [u8; 4] {
@@ -198,7 +229,9 @@ impl Targets {
         let r = (rng.next_u64() as u128) << 64 | rng.next_u64() as u128;
         (r & !(0xff << 120) | (0xfd << 120)).to_be_bytes()
     }
+}
 
+impl Targets {
     fn port(&self, rng: &mut Rng) -> u16 {
         if rng.chance(0.75) {
             rng.pick(&self.ports)
@@ -361,8 +394,10 @@ fn ipv4(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
     h[4..6].copy_from_slice(&rng.u16().to_be_bytes());
     h[8] = 64;
     h[9] = proto;
-    h[12..16].copy_from_slice(&t.v4(rng));
-    h[16..20].copy_from_slice(&[10, 99, 0, 1]);
+    h[12..16].copy_from_slice(&t.src.v4(rng));
+    // The destination: the usual one, unless rules name destinations.
+    let dst = if t.dst.v4.is_empty() { [10, 99, 0, 1] } else { t.dst.v4(rng) };
+    h[16..20].copy_from_slice(&dst);
     for _ in 20..hlen {
         h.push({
             let x = rng.u8();
@@ -411,8 +446,13 @@ fn ipv6(rng: &mut Rng, t: &Targets, room: usize) -> Vec<u8> {
     let version = if rng.chance(0.97) { 6 } else { rng.range(0, 15) as u8 };
     h[0] = version << 4;
     h[7] = 64;
-    h[8..24].copy_from_slice(&t.v6(rng));
-    h[24..40].copy_from_slice(&[0xfd, 0x99, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    h[8..24].copy_from_slice(&t.src.v6(rng));
+    let dst = if t.dst.v6.is_empty() {
+        [0xfd, 0x99, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    } else {
+        t.dst.v6(rng)
+    };
+    h[24..40].copy_from_slice(&dst);
     let n = match rng.weighted(&[28, 25, 15, 12, 8, 12]) {
         0 => 0,
         1 => rng.range(1, 3) as usize,

@@ -37,18 +37,28 @@ pub struct RefRule {
     pub proto: Option<u8>,
     /// A prefix or a list (`@name`): the address is in one of its prefixes.
     pub src: Option<Source>,
+    /// The same, for the destination.
+    pub dst: Option<Source>,
     pub ports: Option<(u16, u16)>,
     /// `action = "drop"` (the profile's word for limit): refused packets are dropped.
     pub enforcing: bool,
 }
 
 impl RefRule {
-    fn src_matches(&self, src: &IpAddr) -> bool {
-        self.src.as_ref().is_none_or(|c| c.contains(src))
+    fn addrs_match(&self, a: &Addrs) -> bool {
+        self.src.as_ref().is_none_or(|c| c.contains(&a.src))
+            && self.dst.as_ref().is_none_or(|c| c.contains(&a.dst))
     }
     fn proto_matches(&self, proto: u8) -> bool {
         self.proto.is_none_or(|p| p == proto)
     }
+}
+
+/// A packet's two addresses.
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs {
+    pub src: IpAddr,
+    pub dst: IpAddr,
 }
 
 /// A profile as the reference sees it: rules in order and the two verdicts.
@@ -69,6 +79,7 @@ impl RefProfile {
                 name: r.name.clone(),
                 proto: r.spec.proto,
                 src: r.spec.src.clone(),
+                dst: r.spec.dst.clone(),
                 ports: r.spec.ports,
                 enforcing: r.action == action::DROP,
             })
@@ -271,7 +282,10 @@ fn ipv4(f: &[u8], l3: usize, p: &RefProfile) -> Class {
     let frag = be16(f, l3 + 6);
     let (mf, offset) = (frag & 0x2000 != 0, frag & 0x1fff);
     let proto = f[l3 + 9];
-    let src = IpAddr::V4(Ipv4Addr::new(f[l3 + 12], f[l3 + 13], f[l3 + 14], f[l3 + 15]));
+    let src = Addrs {
+        src: IpAddr::V4(Ipv4Addr::new(f[l3 + 12], f[l3 + 13], f[l3 + 14], f[l3 + 15])),
+        dst: IpAddr::V4(Ipv4Addr::new(f[l3 + 16], f[l3 + 17], f[l3 + 18], f[l3 + 19])),
+    };
     let l4 = l3 + ihl;
     if offset != 0 {
         if proto == P_TCP && (offset == 1 || offset == 2) {
@@ -289,7 +303,7 @@ fn ipv4(f: &[u8], l3: usize, p: &RefProfile) -> Class {
 fn l4_class(
     f: &[u8],
     p: &RefProfile,
-    src: IpAddr,
+    src: Addrs,
     proto: u8,
     at: usize,
     end: usize,
@@ -331,7 +345,9 @@ fn ipv6(f: &[u8], l3: usize, p: &RefProfile) -> Class {
     }
     let mut a = [0u8; 16];
     a.copy_from_slice(&f[l3 + 8..l3 + 24]);
-    let src = IpAddr::V6(Ipv6Addr::from(a));
+    let mut d = [0u8; 16];
+    d.copy_from_slice(&f[l3 + 24..l3 + 40]);
+    let src = Addrs { src: IpAddr::V6(Ipv6Addr::from(a)), dst: IpAddr::V6(Ipv6Addr::from(d)) };
     let mut at = l3 + 40;
     let mut n = 0;
     // Inside a first fragment (offset 0, M = 1): the chain must be whole.
@@ -382,10 +398,10 @@ fn ipv6(f: &[u8], l3: usize, p: &RefProfile) -> Class {
 }
 
 /// Class 5: a later fragment (no ports).
-fn later_fragment(p: &RefProfile, src: &IpAddr, proto: u8) -> Class {
+fn later_fragment(p: &RefProfile, src: &Addrs, proto: u8) -> Class {
     let mut port_rule = false;
     for (i, r) in p.rules.iter().enumerate() {
-        if r.src_matches(src) && r.proto_matches(proto) {
+        if r.addrs_match(src) && r.proto_matches(proto) {
             if r.ports.is_none() {
                 return Class::FragmentRule(i);
             }
@@ -400,19 +416,19 @@ fn later_fragment(p: &RefProfile, src: &IpAddr, proto: u8) -> Class {
 }
 
 /// Class 4: matched against the rules that could apply.
-fn unparsed(p: &RefProfile, src: &IpAddr, proto: Option<u8>, why: &'static str) -> Class {
+fn unparsed(p: &RefProfile, src: &Addrs, proto: Option<u8>, why: &'static str) -> Class {
     let rule = p.rules.iter().position(|r| {
-        let candidate = r.src_matches(src) && proto.is_none_or(|pr| r.proto_matches(pr));
+        let candidate = r.addrs_match(src) && proto.is_none_or(|pr| r.proto_matches(pr));
         let certain = r.ports.is_none() && (proto.is_some() || r.proto.is_none());
         candidate && (certain || r.enforcing)
     });
     Class::Unparsed { proto, rule, why }
 }
 
-/// Classes 6 and 7: first match by source, protocol and (TCP, UDP) port.
-fn match_rule(p: &RefProfile, src: &IpAddr, proto: u8, dport: Option<u16>) -> Class {
+/// Classes 6 and 7: first match by addresses, protocol and (TCP, UDP) port.
+fn match_rule(p: &RefProfile, src: &Addrs, proto: u8, dport: Option<u16>) -> Class {
     let hit = p.rules.iter().position(|r| {
-        r.src_matches(src)
+        r.addrs_match(src)
             && r.proto_matches(proto)
             && match r.ports {
                 None => true,
@@ -463,7 +479,7 @@ mod tests {
                     [[rule]]\nname = \"tcp-any\"\nproto = \"tcp\"\naction = \"pass\"\n\
                     [[rule]]\nname = \"lim\"\nproto = \"udp\"\ndport = 53\nrate = \"1/s\"\n";
         let p = RefProfile::parse(text).unwrap();
-        let src = "fd00::1".parse().unwrap();
+        let src = Addrs { src: "fd00::1".parse().unwrap(), dst: "fd00::2".parse().unwrap() };
         // UDP known: dry and pass skipped (might not apply), tcp-any no candidate, lim taken.
         assert_eq!(unparsed(&p, &src, Some(17), "").kind(), "unparsed-rule");
         assert!(matches!(unparsed(&p, &src, Some(17), ""), Class::Unparsed { rule: Some(3), .. }));
@@ -483,7 +499,7 @@ mod tests {
             "{DNS}[[rule]]\nname = \"udp-all\"\nproto = \"udp\"\nrate = \"1/s\"\n"
         ))
         .unwrap();
-        let src = "10.0.0.1".parse().unwrap();
+        let src = Addrs { src: "10.0.0.1".parse().unwrap(), dst: "10.99.0.1".parse().unwrap() };
         assert_eq!(later_fragment(&p, &src, 17), Class::FragmentRule(1));
         let p = RefProfile::parse(DNS).unwrap();
         assert_eq!(later_fragment(&p, &src, 17), Class::FragmentPolicy);

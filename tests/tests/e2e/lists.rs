@@ -2,14 +2,15 @@
 //! from a file, loaded by the agent and matched by real traffic (a listed
 //! source blocked, an unlisted one passing), replaced under traffic by
 //! `flowctl list update` with no packet seeing a half-loaded list, and a
-//! bad file refused at its line with nothing changed.
+//! bad file refused at its line with nothing changed; a list of
+//! destinations guarding the server addresses it names.
 
 use flowctl_tests::{
     agent::{Agent, DetachOnDrop},
     cli::{agent_ready, attachment, flowctl, rule},
     lab::Lab,
     tempfile::TempFile,
-    traffic::blast_from,
+    traffic::{blast_between, blast_from, UdpCounter},
 };
 use std::{fmt::Write, time::Instant};
 
@@ -168,4 +169,81 @@ pub fn a_million_prefix_list_blocks_and_updates_atomically() {
     assert_eq!(seen(&lab, "rest"), (rest2.0 + sent_b5, rest2.1 + sent_b5));
     let out = flowctl(&["detach", &lab.veth_srv, "--netns", &lab.ns_srv]);
     assert!(out.status.success());
+}
+
+/// `dst = "@list"` on real traffic: the protected side has two addresses,
+/// the list names one; everything sent to it is dropped while the other
+/// is served, from the same client address. `explain --dst` says so from
+/// the kernel's tables; `list update` moves the protection to the other
+/// address at once.
+pub fn a_destination_list_guards_the_addresses_it_names() {
+    let lab = Lab::new("fdstl", 204);
+    let _detach = DetachOnDrop::new(&lab);
+    let (guarded, open) = (lab.ip_srv.clone(), "10.201.204.3".to_string());
+    lab.add_server_address(&open);
+    let list = TempFile::new("flowctl-dst-", ".txt", &format!("# the database VIP\n{guarded}\n"));
+    let prof = TempFile::profile(&format!(
+        "[[list]]\nname = \"guarded\"\nfile = \"{}\"\n\
+[[rule]]\nname = \"to-guarded\"\nproto = \"udp\"\ndst = \"@guarded\"\naction = \"block\"\n\
+[[rule]]\nname = \"rest\"\nproto = \"udp\"\ndport = 7000\naction = \"pass\"\n",
+        list.path()
+    ));
+    let agent = Agent::spawn(
+        Agent::attach(&lab, prof.path(), &[]),
+        std::time::Duration::from_secs(20),
+        std::time::Duration::from_secs(3),
+        || agent_ready(&lab.veth_srv),
+    );
+    let (at_guarded, at_open) =
+        (UdpCounter::start_at(&lab, &guarded, 7000), UdpCounter::start_at(&lab, &open, 7000));
+    let send = |secs: f64| {
+        std::thread::scope(|s| {
+            let g =
+                s.spawn(|| blast_between(&lab, &lab.ip_cli, &guarded, 7000, 300, secs, 10_000).0);
+            let o = s.spawn(|| blast_between(&lab, &lab.ip_cli, &open, 7000, 300, secs, 10_000).0);
+            (g.join().unwrap(), o.join().unwrap())
+        })
+    };
+    let (to_g, to_o) = send(1.0);
+    assert_eq!(seen(&lab, "to-guarded"), (to_g, 0), "everything to the listed address dropped");
+    assert_eq!(seen(&lab, "rest"), (to_o, to_o), "the other address is served");
+    assert_eq!((at_guarded.settled(), at_open.settled()), (0, to_o), "what the server received");
+
+    let explain = |dst: Option<&str>| {
+        let mut args = vec!["explain", &lab.veth_srv, "udp", &lab.ip_cli, "7000"];
+        if let Some(d) = dst {
+            args.extend(["--dst", d]);
+        }
+        args.extend(["--netns", &lab.ns_srv]);
+        let out = flowctl(&args);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, text) = explain(Some(&guarded));
+    assert!(
+        ok && text.contains("rule   to-guarded") && text.contains("udp from any to @guarded"),
+        "{text}"
+    );
+    let (ok, text) = explain(Some(&open));
+    assert!(ok && text.contains("rule   rest"), "{text}");
+    let (ok, text) = explain(None);
+    assert!(!ok && text.contains("--dst"), "a destination is needed: {text}");
+
+    // The list names the other address now.
+    list.write(&format!("{open}\n"));
+    let out = flowctl(&["list", "update", &lab.veth_srv, "guarded", "--netns", &lab.ns_srv]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (g0, r0) = (seen(&lab, "to-guarded"), seen(&lab, "rest"));
+    let (to_g2, to_o2) = send(1.0);
+    assert_eq!(seen(&lab, "to-guarded"), (g0.0 + to_o2, 0));
+    assert_eq!(seen(&lab, "rest"), (r0.0 + to_g2, r0.1 + to_g2));
+    assert_eq!(
+        (at_guarded.settled(), at_open.settled()),
+        (to_g2, to_o),
+        "what the server received"
+    );
+    agent.stop();
 }

@@ -59,6 +59,7 @@ fn main() {
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
         a_million_prefix_list_blocks_and_updates_atomically: [Root],
+        a_destination_list_guards_the_addresses_it_names: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
         flowctl_and_xdp_filter_share_an_interface: [Root, Freplace, Command("xdp-filter"), Command("nsenter")],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
