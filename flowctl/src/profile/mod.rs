@@ -290,6 +290,18 @@ key = "src"
         format!("[[rule]]\nname = \"r\"\n{body}\n")
     }
 
+    /// A protocol by name, by number, or by number as text.
+    #[test]
+    fn protocols_by_name_and_number() {
+        for (written, want) in
+            [("\"tcp\"", Some(6)), ("47", Some(47)), ("\"47\"", Some(47)), ("\"any\"", None)]
+        {
+            let s =
+                parse("p.toml", &with_rule(&format!("proto = {written}\nrate = \"1/s\""))).unwrap();
+            assert_eq!(s.rules[0].spec.proto, want, "{written}");
+        }
+    }
+
     #[test]
     fn each_error_class_names_line_and_column() {
         let cases: &[(&str, usize, &str)] = &[
@@ -306,6 +318,8 @@ key = "src"
             ),
             (&with_rule("rate = \"1/s\"\ncolour = \"red\""), 4, "unknown field"),
             (&with_rule("rate = \"1/s\"\nkey = \"moon\""), 4, "unknown key"),
+            (&with_rule("proto = 300\nrate = \"1/s\""), 3, "outside 0-255"),
+            (&with_rule("proto = \"gre\"\nrate = \"1/s\""), 3, "unknown protocol"),
             (
                 "[[rule]]\nname = \"a\"\nrate = \"1/s\"\n[[rule]]\nname = \"a\"\nrate = \"1/s\"",
                 4,

@@ -7,7 +7,7 @@
 use super::{
     error::{Ctx, ProfileError},
     model::PROTOCOLS,
-    raw::{RawAmount, RawPorts},
+    raw::{RawAmount, RawPorts, RawProto},
 };
 use flowctl_common::{
     rate::{parse_amount, parse_duration_ns, parse_rate, Dimension, Rate},
@@ -53,8 +53,15 @@ pub fn keyword<T: Copy>(
 }
 
 /// `proto`: a name of [`PROTOCOLS`] in any case, `any` (`None`) or a number.
-pub fn protocol(cx: &Ctx, v: &Spanned<String>) -> Result<Option<u8>, ProfileError> {
-    let word = v.get_ref().to_ascii_lowercase();
+pub fn protocol(cx: &Ctx, v: &Spanned<RawProto>) -> Result<Option<u8>, ProfileError> {
+    let word = match v.get_ref() {
+        RawProto::Name(w) => w.to_ascii_lowercase(),
+        RawProto::Number(n) => {
+            return u8::try_from(*n)
+                .map(Some)
+                .map_err(|_| cx.err(v.span(), format!("protocol number {n} is outside 0-255")))
+        }
+    };
     if word == "any" {
         return Ok(None);
     }

@@ -38,7 +38,7 @@ pub struct RawList {
 pub struct RawShaper {
     pub name: Spanned<String>,
     pub dst: Option<Spanned<String>>,
-    pub proto: Option<Spanned<String>>,
+    pub proto: Option<Spanned<RawProto>>,
     pub dport: Option<Spanned<RawPorts>>,
     pub rate: Option<Spanned<String>>,
     pub per: Option<Spanned<String>>,
@@ -81,6 +81,14 @@ pub struct RawSettings {
     pub cpu: Option<Spanned<String>>,
 }
 
+/// A protocol by name (`"tcp"`) or number (`47`, or `"47"`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum RawProto {
+    Number(i64),
+    Name(String),
+}
+
 /// A port (`443`) or a range as text (`"8000-8100"`, or `"443"`).
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -102,7 +110,7 @@ pub enum RawAmount {
 #[serde(deny_unknown_fields)]
 pub struct RawRule {
     pub name: Spanned<String>,
-    pub proto: Option<Spanned<String>>,
+    pub proto: Option<Spanned<RawProto>>,
     pub src: Option<Spanned<String>>,
     pub dst: Option<Spanned<String>>,
     pub dport: Option<Spanned<RawPorts>>,

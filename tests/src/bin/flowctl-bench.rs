@@ -378,17 +378,7 @@ fn main() {
     drop((plain_bucket, warming));
 
     println!("\n1i. Lists: the admitted path without and with a list of 1M /32s interleaved with the measured sources (every fourth address of 10.0.0.0/8 from 10.0.0.1, named by a `pass` rule after `measured`, so a trie lookup walks to full depth): sources in the cache (10k keys), and missing it (a 64k-entry source cache)");
-    let list_file =
-        std::env::temp_dir().join(format!("flowctl-bench-list-{}.txt", std::process::id()));
-    {
-        use std::fmt::Write;
-        let mut text = String::with_capacity(16 << 20);
-        let base = u32::from(std::net::Ipv4Addr::new(10, 0, 0, 0));
-        for i in 0..1_000_000u32 {
-            let _ = writeln!(text, "{}", std::net::Ipv4Addr::from(base + i * 4 + 1));
-        }
-        std::fs::write(&list_file, text).expect("write the bench list");
-    }
+    let list_file = million_list("src", [10, 0, 0, 1]);
     let listed = |p: &str| {
         format!(
             "{p}\n[[list]]\nname = \"interleaved\"\nfile = \"{}\"\n\n[[rule]]\nname = \"listed\"\nsrc = \"@interleaved\"\naction = \"pass\"\n",
@@ -420,8 +410,32 @@ fn main() {
     );
     drop(list_planes);
 
+    println!("\n1j. Destinations: the admitted path (sources cached, 10k keys) without `dst` rules, with one `dst` prefix rule after `measured` (the destination's trie lookup on every packet, small trie), and with a `dst` list of 1M /32s interleaved around the frames' destination 10.99.0.1 (every fourth address from 10.96.0.3: the lookup walks to full depth)");
+    let dst_file = million_list("dst", [10, 96, 0, 3]);
+    let with_dst = |dst: &str| {
+        format!(
+            "{profile}\n[[list]]\nname = \"interleaved\"\nfile = \"{}\"\n\n[[rule]]\nname = \"to-listed\"\ndst = \"{dst}\"\naction = \"pass\"\n",
+            dst_file.display()
+        )
+    };
+    let dst_planes =
+        [plane(&profile), plane(&with_dst("192.0.2.0/24")), plane(&with_dst("@interleaved"))];
+    let _ = std::fs::remove_file(&dst_file);
+    let fds: Vec<_> = dst_planes.iter().map(xdp_fd).collect();
+    refs.set_keys(10_000);
+    let (dm, v) = refs.interleaved(&fds, &frame, 10_000, repeat);
+    assert!(
+        v.iter().all(|v| *v == flowctl_common::XDP_PASS),
+        "`measured` admits, dst rules or not"
+    );
+    println!(
+        "  no dst rule: {:.1} ns/packet   a dst prefix: {:.1} ({:.2}x, {:+.1} ns)   a 1M dst list: {:.1} ({:.2}x, {:+.1} ns)",
+        dm[0], dm[1], dm[1] / dm[0], dm[1] - dm[0], dm[2], dm[2] / dm[0], dm[2] - dm[0]
+    );
+    drop(dst_planes);
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1i alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1j alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
@@ -497,6 +511,20 @@ fn bench_profile() -> String {
 }
 
 /// The measured frame: 60 bytes of IPv4/UDP from 10.0.0.1 to port 9005.
+/// A list file of a million /32s, every fourth address from `first`.
+fn million_list(tag: &str, first: [u8; 4]) -> std::path::PathBuf {
+    use std::fmt::Write;
+    let path =
+        std::env::temp_dir().join(format!("flowctl-bench-{tag}-list-{}.txt", std::process::id()));
+    let mut text = String::with_capacity(16 << 20);
+    let base = u32::from(std::net::Ipv4Addr::from(first));
+    for i in 0..1_000_000u32 {
+        let _ = writeln!(text, "{}", std::net::Ipv4Addr::from(base + i * 4));
+    }
+    std::fs::write(&path, text).expect("write the bench list");
+    path
+}
+
 fn bench_frame() -> Vec<u8> {
     V4::new([10, 0, 0, 1]).build(L4::Udp { sport: 4000, dport: 9005 }, 18)
 }

@@ -91,9 +91,28 @@ const PORTS: &[&str] = &[
     "\"53-54\"",
 ];
 
-/// A random profile: 1 to 8 rules on ports, ranges, prefixes and
-/// protocols, every action, both `malformed` and `fragments` verdicts.
-/// Rates are huge so that no packet is ever refused.
+/// Inline `[[list]]`s for a profile (none, one or two, of 1 to 6 prefixes
+/// of both families and both sides' neighbourhoods, overlapping each
+/// other and the rules' own prefixes), with the names rules may use.
+fn lists(rng: &mut Rng) -> (String, Vec<&'static str>) {
+    let n = rng.weighted(&[60, 25, 15]);
+    let names = ["l0", "l1"];
+    let mut t = String::new();
+    for name in &names[..n] {
+        let entries: Vec<String> = (0..rng.range(1, 6))
+            .map(|_| {
+                let pool = rng.pick(&[V4_PREFIXES, V6_PREFIXES, DST_V4_PREFIXES, DST_V6_PREFIXES]);
+                format!("\"{}\"", rng.pick(pool))
+            })
+            .collect();
+        t += &format!("\n[[list]]\nname = \"{name}\"\nentries = [{}]\n", entries.join(", "));
+    }
+    (t, names[..n].to_vec())
+}
+
+/// A random profile: 1 to 8 rules on ports, ranges, prefixes, lists
+/// (on either side) and protocols, every action, both `malformed` and
+/// `fragments` verdicts. Rates are huge so that no packet is ever refused.
 pub fn profile(rng: &mut Rng) -> String {
     let mut t = String::from("[settings]\nkey_table_entries = 4096\nsource_cache_entries = 4096\nquota_table_entries = 1024\nconnection_table_entries = 1024\n");
     if rng.chance(0.5) {
@@ -102,6 +121,12 @@ pub fn profile(rng: &mut Rng) -> String {
     if rng.chance(0.5) {
         t += "fragments = \"drop\"\n";
     }
+    let (list_text, list_names) = lists(rng);
+    // A list named on a side (a third of the rules when there are lists).
+    let a_list = |rng: &mut Rng| {
+        (!list_names.is_empty() && rng.chance(0.33))
+            .then(|| format!("\"@{}\"", rng.pick(&list_names)))
+    };
     let n = rng.range(1, 8);
     for i in 0..n {
         t += &format!("\n[[rule]]\nname = \"r{i}\"\n");
@@ -120,6 +145,10 @@ pub fn profile(rng: &mut Rng) -> String {
             }
         }
         let family = match rng.weighted(&[40, 30, 30]) {
+            _ if let Some(l) = a_list(rng) => {
+                t += &format!("src = {l}\n");
+                None
+            }
             0 => None,
             1 => {
                 t += &format!("src = \"{}\"\n", rng.pick(V4_PREFIXES));
@@ -133,9 +162,13 @@ pub fn profile(rng: &mut Rng) -> String {
         // A destination on a quarter of the rules, of the source's family
         // (the profile refuses a rule that could never match).
         if rng.chance(0.25) {
-            let v6 = family.map_or_else(|| rng.chance(0.5), |f| f == 6);
-            let pick = if v6 { DST_V6_PREFIXES } else { DST_V4_PREFIXES };
-            t += &format!("dst = \"{}\"\n", rng.pick(pick));
+            if let Some(l) = a_list(rng) {
+                t += &format!("dst = {l}\n");
+            } else {
+                let v6 = family.map_or_else(|| rng.chance(0.5), |f| f == 6);
+                let pick = if v6 { DST_V6_PREFIXES } else { DST_V4_PREFIXES };
+                t += &format!("dst = \"{}\"\n", rng.pick(pick));
+            }
         }
         // Every key kind: unparsed packets and later fragments are keyed
         // without their ports.
@@ -146,7 +179,7 @@ pub fn profile(rng: &mut Rng) -> String {
             _ => t += &format!("action = \"dry-run\"\nrate = \"1000000000/s\"\nkey = \"{key}\"\n"),
         }
     }
-    t
+    t + &list_text
 }
 
 /// What frames aim at: the profile's prefixes and ports (and neighbours).
@@ -600,6 +633,26 @@ mod jumbo {
 
     /// With the multi-buffer program's limit, some frames are longer than
     /// one test-run buffer (3520 bytes) and none longer than the limit.
+    /// Every generated profile is accepted, and over a few hundred of them
+    /// lists appear on both sides and destinations as prefixes.
+    #[test]
+    fn profiles_parse_and_use_lists_on_both_sides() {
+        let (mut src_lists, mut dst_lists, mut dst_prefixes) = (0, 0, 0);
+        for seed in 0..300 {
+            let text = profile(&mut Rng::derive(seed, 0));
+            let p = RefProfile::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            for r in &p.rules {
+                src_lists += matches!(r.src, Some(Source::List(_))) as u32;
+                dst_lists += matches!(r.dst, Some(Source::List(_))) as u32;
+                dst_prefixes += matches!(r.dst, Some(Source::Prefix(_))) as u32;
+            }
+        }
+        assert!(
+            src_lists > 50 && dst_lists > 5 && dst_prefixes > 50,
+            "{src_lists} {dst_lists} {dst_prefixes}"
+        );
+    }
+
     #[test]
     fn jumbo_frames_are_made() {
         let mut r = Rng::derive(3, 1);
