@@ -240,6 +240,10 @@ fn dispatcher_json(id: &pins::AttachId, netns: Option<&str>) -> Option<serde_jso
         let (ns, id) = (netns?.to_string(), *id);
         std::thread::spawn(move || {
             netns::enter_netns(&ns).ok()?;
+            // The name may have been given to another namespace since the
+            // attachment was made (its pins carry the inode): then the
+            // chain shown would be another interface's.
+            (netns::current_netns_ino().ok()? == id.netns_ino).then_some(())?;
             dataplane::multiprog::chain(&id).ok()
         })
         .join()

@@ -155,9 +155,21 @@ fn program_info(id: u32) -> Result<ProgramInfo> {
 }
 
 fn current(ifindex: u32) -> Result<Current> {
-    let Some((id, mode)) = netlink::attached(ifindex).context("asking which XDP program runs")?
-    else {
-        return Ok(Current::Nothing);
+    let (id, mode) = match netlink::attached(ifindex).context("asking which XDP program runs")? {
+        None => return Ok(Current::Nothing),
+        Some(netlink::Attached::One(id, mode)) => (id, mode),
+        Some(netlink::Attached::Several { native, generic, offloaded }) => {
+            let ids: Vec<String> =
+                [("native", native), ("generic", generic), ("offloaded", offloaded)]
+                    .iter()
+                    .filter(|(_, id)| *id != 0)
+                    .map(|(mode, id)| format!("{mode} program {id}"))
+                    .collect();
+            bail!(
+                "this interface runs XDP programs in several modes at once ({}); a libxdp dispatcher runs in one mode, so flowctl cannot tell which chain to join: remove the one not wanted (`ip link set dev IFACE xdpgeneric off`, or `xdpdrv off`) and attach again",
+                ids.join(", ")
+            );
+        }
     };
     let info = program_info(id)?;
     let name = info.name_as_str().unwrap_or("?").to_string();

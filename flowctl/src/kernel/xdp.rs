@@ -17,6 +17,9 @@ const IFLA_XDP_FD: u16 = 1;
 const IFLA_XDP_ATTACHED: u16 = 2;
 const IFLA_XDP_FLAGS: u16 = 3;
 const IFLA_XDP_PROG_ID: u16 = 4;
+const IFLA_XDP_DRV_PROG_ID: u16 = 5;
+const IFLA_XDP_SKB_PROG_ID: u16 = 6;
+const IFLA_XDP_HW_PROG_ID: u16 = 7;
 const IFLA_XDP_EXPECTED_FD: u16 = 8;
 const XDP_ATTACHED_DRV: u8 = 1;
 const XDP_ATTACHED_SKB: u8 = 2;
@@ -43,8 +46,6 @@ pub enum XdpMode {
     Native,
     Generic,
     Offloaded,
-    /// Programs in more than one mode at once.
-    Several,
 }
 
 impl XdpMode {
@@ -61,13 +62,22 @@ impl XdpMode {
             XdpMode::Native => "native",
             XdpMode::Generic => "generic",
             XdpMode::Offloaded => "offloaded",
-            XdpMode::Several => "several modes",
         }
     }
 }
 
-/// The program `ifindex` runs and its mode; `None` when it runs none.
-pub fn attached(ifindex: u32) -> io::Result<Option<(u32, XdpMode)>> {
+/// What runs on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// One program, in one mode.
+    One(u32, XdpMode),
+    /// Programs in more than one mode at once (`XDP_ATTACHED_MULTI`: the
+    /// kernel then gives no single program id, only one per mode).
+    Several { native: u32, generic: u32, offloaded: u32 },
+}
+
+/// What `ifindex` runs; `None` when it runs no program.
+pub fn attached(ifindex: u32) -> io::Result<Option<Attached>> {
     let s = Socket::open()?;
     let head = IfInfoMsg { index: ifindex as i32, ..Default::default() };
     // With an ack to end the replies (a plain get has no NLMSG_DONE).
@@ -79,22 +89,26 @@ pub fn attached(ifindex: u32) -> io::Result<Option<(u32, XdpMode)>> {
             if ty != IFLA_XDP {
                 return;
             }
-            let (mut mode, mut id) = (0u8, 0u32);
+            let (mut mode, mut id, mut per_mode) = (0u8, 0u32, [0u32; 3]);
+            let u32_of = |v: &[u8]| u32::from_ne_bytes(v[..4].try_into().expect("4 bytes"));
             each_attr(payload, |t, v| match t {
                 IFLA_XDP_ATTACHED if !v.is_empty() => mode = v[0],
-                IFLA_XDP_PROG_ID if v.len() >= 4 => {
-                    id = u32::from_ne_bytes(v[..4].try_into().expect("4 bytes"))
-                }
+                IFLA_XDP_PROG_ID if v.len() >= 4 => id = u32_of(v),
+                IFLA_XDP_DRV_PROG_ID if v.len() >= 4 => per_mode[0] = u32_of(v),
+                IFLA_XDP_SKB_PROG_ID if v.len() >= 4 => per_mode[1] = u32_of(v),
+                IFLA_XDP_HW_PROG_ID if v.len() >= 4 => per_mode[2] = u32_of(v),
                 _ => {}
             });
-            let mode = match mode {
-                XDP_ATTACHED_DRV => XdpMode::Native,
-                XDP_ATTACHED_SKB => XdpMode::Generic,
-                XDP_ATTACHED_HW => XdpMode::Offloaded,
-                XDP_ATTACHED_MULTI => XdpMode::Several,
+            found = Some(match mode {
+                XDP_ATTACHED_DRV => Attached::One(id, XdpMode::Native),
+                XDP_ATTACHED_SKB => Attached::One(id, XdpMode::Generic),
+                XDP_ATTACHED_HW => Attached::One(id, XdpMode::Offloaded),
+                XDP_ATTACHED_MULTI => {
+                    let [native, generic, offloaded] = per_mode;
+                    Attached::Several { native, generic, offloaded }
+                }
                 _ => return,
-            };
-            found = Some((id, mode));
+            });
         });
     })?;
     Ok(found)

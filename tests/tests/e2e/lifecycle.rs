@@ -192,6 +192,36 @@ pub fn foreign_xdp_program_is_not_replaced() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("already has another XDP program") && err.contains("xdp off"), "{err}");
     assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
+
+    // Programs in two modes at once (the kernel reports no single program
+    // then): `--multiprog` cannot tell which chain to join and says so.
+    let (ns, dev, path, exe) = (
+        lab.ns_srv.clone(),
+        lab.veth_srv.clone(),
+        prof.path().to_string(),
+        flowctl_tests::cli::bin(),
+    );
+    let out = Lab::in_ns(&lab.ns_srv, move || {
+        let mut ebpf = attach_pass_xdp(&dev);
+        let prog: &mut aya::programs::Xdp =
+            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
+        prog.attach(&dev, aya::programs::XdpMode::Skb).unwrap();
+        let out = Command::new(exe)
+            .args(["attach", &dev, "--netns", &ns, "--profile", &path, "--multiprog"])
+            .output()
+            .unwrap();
+        drop(ebpf);
+        out
+    });
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("several modes at once")
+            && err.contains("native program")
+            && err.contains("generic program"),
+        "{err}"
+    );
+    assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
 }
 
 /// One agent per attachment; pins of another layout version are refused, and
