@@ -56,7 +56,7 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
     // a profile without destinations pays one bit test. The two sets are
     // ANDed word by word in the matcher, not copied (the stack is small).
     let addr_bits = if (global.dst_slots >> slot) & 1 != 0 {
-        let dst_class = trie_class(slot, meta, true);
+        let dst_class = dst_class(slot, meta);
         let Some(dst_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + dst_class)
         else {
             return Match::Unmatched(Decision::unmatched(Outcome::Pass));
@@ -147,6 +147,14 @@ fn unparsed_match(
     let any_proto = FLOWCTL_RULE_SETS.get(base + rule_set::ANY_PROTO as u32)?;
     let proto = if meta.unparsed == unparsed::PORTS { Some(proto) } else { None };
     matcher::first_unparsed(addrs, proto, no_port, any_proto, enforcing)
+}
+
+/// The destination's class: a function of its own (a BPF-to-BPF call) so
+/// that a profile without destination rules does not carry the second
+/// lookup's registers and stack in the common path.
+#[inline(never)]
+fn dst_class(slot: u32, meta: &PacketMeta) -> u32 {
+    trie_class(slot, meta, true)
 }
 
 /// The source's (or with `dst`, the destination's) class from the LPM

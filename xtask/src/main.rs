@@ -9,6 +9,7 @@ mod bench;
 mod kernels;
 mod matrix;
 mod package;
+mod previous;
 mod setup;
 mod tee;
 mod tiers;
@@ -39,10 +40,14 @@ enum Cmd {
         /// `6.1`, `6.12` (one VM each), or `all` (the default). Repeatable.
         #[arg(long = "kernel", value_name = "KERNEL")]
         kernels: Vec<String>,
-        /// Also the long tiers (none yet: reserved).
+        /// Also the long tiers: the previous pinned layout's flowctl built
+        /// from its commit for the upgrade test (xtask/src/previous.rs).
         #[arg(long)]
         full: bool,
     },
+    /// Build the previous pinned layout's flowctl from its commit and print
+    /// its path (for the upgrade test by hand: FLOWCTL_PREVIOUS_BIN).
+    Previous,
     /// Build, make a throwaway veth lab, attach, drive traffic, show counters, clean up.
     /// `demo fleet`: three agents sharing one etcd profile and one global
     /// rule through Redis, the fleet's admitted rate against the limit.
@@ -118,6 +123,7 @@ pub fn root() -> PathBuf {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::setup(),
+        Cmd::Previous => previous::flowctl().map(|p| println!("{}", p.display())),
         Cmd::Test { kernels, full } => matrix::test(matrix::Selection::parse(&kernels, full)?),
         Cmd::Demo { variant: None } => {
             privileged("the demo creates network namespaces and loads XDP", "demo")?;

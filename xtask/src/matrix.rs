@@ -162,6 +162,22 @@ pub fn test(sel: Selection) -> Result<()> {
             problem,
             Some(t.elapsed().as_secs_f64()),
         ));
+        // Under --full, the previous layout's real binary for the upgrade
+        // test (it reports itself skipped without one).
+        let previous = if sel.full {
+            let t = Instant::now();
+            let built = crate::previous::flowctl();
+            let problem = built.as_ref().err().map(|e| format!("previous layout's flowctl: {e:#}"));
+            host_rows.push(Row::new(
+                "previous",
+                tee::Counts::default(),
+                problem,
+                Some(t.elapsed().as_secs_f64()),
+            ));
+            built.ok()
+        } else {
+            None
+        };
         // Tiers 2-3 on the host kernel: the real program under
         // BPF_PROG_TEST_RUN, then the real binary on veth pairs in
         // namespaces. Serial: they share the kernel.
@@ -170,6 +186,9 @@ pub fn test(sel: Selection) -> Result<()> {
             let mut cmd = Command::new(&b.path);
             if let Ok(deb) = &deb {
                 cmd.env("FLOWCTL_DEB", deb);
+            }
+            if let Some(previous) = &previous {
+                cmd.env("FLOWCTL_PREVIOUS_BIN", previous);
             }
             let c = tee::run(
                 cmd.arg("--test-threads=1")

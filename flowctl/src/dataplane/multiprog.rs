@@ -166,7 +166,7 @@ fn current(ifindex: u32) -> Result<Current> {
                     .map(|(mode, id)| format!("{mode} program {id}"))
                     .collect();
             bail!(
-                "this interface runs XDP programs in several modes at once ({}); a libxdp dispatcher runs in one mode, so flowctl cannot tell which chain to join: remove the one not wanted (`ip link set dev IFACE xdpgeneric off`, or `xdpdrv off`) and attach again",
+                "this interface runs XDP programs in several modes at once ({}: an offloaded program beside a native or generic one); a libxdp dispatcher runs in one mode, so flowctl cannot tell which chain to join: remove the one not wanted (`ip link set dev IFACE xdpoffload off`, or `xdpdrv off`) and attach again",
                 ids.join(", ")
             );
         }

@@ -192,36 +192,6 @@ pub fn foreign_xdp_program_is_not_replaced() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("already has another XDP program") && err.contains("xdp off"), "{err}");
     assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
-
-    // Programs in two modes at once (the kernel reports no single program
-    // then): `--multiprog` cannot tell which chain to join and says so.
-    let (ns, dev, path, exe) = (
-        lab.ns_srv.clone(),
-        lab.veth_srv.clone(),
-        prof.path().to_string(),
-        flowctl_tests::cli::bin(),
-    );
-    let out = Lab::in_ns(&lab.ns_srv, move || {
-        let mut ebpf = attach_pass_xdp(&dev);
-        let prog: &mut aya::programs::Xdp =
-            ebpf.program_mut("bench_pass").unwrap().try_into().unwrap();
-        prog.attach(&dev, aya::programs::XdpMode::Skb).unwrap();
-        let out = Command::new(exe)
-            .args(["attach", &dev, "--netns", &ns, "--profile", &path, "--multiprog"])
-            .output()
-            .unwrap();
-        drop(ebpf);
-        out
-    });
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
-    assert!(
-        err.contains("several modes at once")
-            && err.contains("native program")
-            && err.contains("generic program"),
-        "{err}"
-    );
-    assert!(attachment(&lab.veth_srv).is_none(), "nothing left behind");
 }
 
 /// One agent per attachment; pins of another layout version are refused, and
@@ -573,4 +543,71 @@ pub fn an_older_layouts_data_plane_is_taken_over_without_a_gap() {
     let before = ip_in();
     blast(&lab, 7000, 500, 0.3, 100);
     assert!(ip_in() > before, "detached: traffic reaches the server");
+}
+
+/// `FLOWCTL_PREVIOUS_BIN`'s attachments in its own `status --json`, which
+/// has the same shape as this build's.
+fn previous_ready(previous: &str, iface: &str) -> bool {
+    let Ok(out) = Command::new(previous).args(["status", "--json"]).output() else { return false };
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v.as_array().into_iter().flatten().any(|a| a["iface"] == iface && a["agent_ready"] == true)
+}
+
+/// An upgrade from the previous pinned layout's release, for real: that
+/// version's binary (built from its commit by `cargo xtask test --full`,
+/// `FLOWCTL_PREVIOUS_BIN`) attaches with `--keep` and is stopped as a unit
+/// stop would, its data plane left enforcing; this build's agent takes the
+/// data plane over under traffic from a blocked source, and not one of its
+/// packets reaches the server's IP layer. The previous layout's pins are
+/// gone afterwards, and this build's `status` and `detach` see the
+/// attachment as their own.
+pub fn the_previous_layouts_release_is_taken_over_without_a_gap() {
+    use flowctl_common::LAYOUT_VERSION;
+    let previous = std::env::var("FLOWCTL_PREVIOUS_BIN").unwrap();
+    let lab = Lab::new("fprev", 205);
+    let _detach = DetachOnDrop::new(&lab);
+    let prof = TempFile::profile(&format!(
+        "[[rule]]\nname = \"banned\"\nsrc = \"{}/32\"\nrate = \"1/h\"\nburst = 1\n",
+        lab.ip_cli
+    ));
+    let mut cmd = Command::new(&previous);
+    cmd.args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile", prof.path(), "--keep"]);
+    let old_agent = Agent::spawn_until(cmd, || previous_ready(&previous, &lab.veth_srv));
+    let version = |v: u32| format!("{}/v{v}", flowctl_common::PIN_ROOT);
+    assert!(
+        std::path::Path::new(&version(LAYOUT_VERSION - 1)).exists(),
+        "the previous layout's pins"
+    );
+    assert!(attachment(&lab.veth_srv).is_none(), "another layout is not ours to show");
+    let ip_in = || flowctl_tests::lab::nstat(&lab.ns_srv, "IpInReceives");
+    // Its burst of 1 spent, the source is blocked.
+    blast(&lab, 7000, 100, 0.1, 5);
+    let before = ip_in();
+    old_agent.stop();
+    let (sent, _, _) = blast(&lab, 7000, 500, 0.5, 1000);
+    assert_eq!(ip_in() - before, 0, "the kept data plane still refuses all {sent}");
+
+    let (agent, sent) = std::thread::scope(|s| {
+        let traffic = s.spawn(|| blast(&lab, 7000, 1000, 6.0, 10_000).0);
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        let agent = Agent::start(&lab, prof.path(), &[]);
+        println!("layout v{} taken over in {:.2} s", LAYOUT_VERSION - 1, t.elapsed().as_secs_f64());
+        (agent, traffic.join().unwrap())
+    });
+    let reached = ip_in() - before;
+    println!("{sent} packets of a blocked source during the upgrade: {reached} reached IP");
+    assert_eq!(reached, 0, "a packet passed: the interface was without a limit");
+    let a = attachment(&lab.veth_srv).unwrap();
+    assert!(
+        rule(&lab.veth_srv, "banned")["offered_pkts"].as_u64().unwrap() > 0,
+        "the new program counts"
+    );
+    assert!(
+        !std::path::Path::new(&version(LAYOUT_VERSION - 1)).exists(),
+        "the old layout's pins are gone"
+    );
+    agent.stop();
+    assert_eq!(leftovers(&a), Vec::<String>::new(), "nothing of the attachment is left");
+    assert_eq!(roots_left(), Vec::<String>::new(), "nor the roots");
 }

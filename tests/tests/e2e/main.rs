@@ -64,6 +64,7 @@ fn main() {
         flowctl_and_xdp_filter_share_an_interface: [Root, Freplace, Command("xdp-filter"), Command("nsenter")],
         one_agent_per_attachment_and_layout_versions_are_checked: [Root],
         an_older_layouts_data_plane_is_taken_over_without_a_gap: [Root],
+        the_previous_layouts_release_is_taken_over_without_a_gap: [Root, EnvFile("FLOWCTL_PREVIOUS_BIN")],
         a_new_agent_waits_for_a_stopping_one: [Root],
         detach_leaves_nothing_behind: [Root],
         the_agent_tells_its_service_manager_ready_watchdog_and_stopping: [Root],
