@@ -557,8 +557,9 @@ fn previous_ready(previous: &str, iface: &str) -> bool {
 /// version's binary (built from its commit by `cargo xtask test --full`,
 /// `FLOWCTL_PREVIOUS_BIN`) attaches with `--keep` and is stopped as a unit
 /// stop would, its data plane left enforcing; this build's agent takes the
-/// data plane over under traffic from a blocked source, and not one of its
-/// packets reaches the server's IP layer. The previous layout's pins are
+/// data plane over under traffic from a source whose bucket is spent, and
+/// no packet reaches the server's IP layer but the one the new layout's
+/// fresh bucket admits (that version has no `action = "block"`). The previous layout's pins are
 /// gone afterwards, and this build's `status` and `detach` see the
 /// attachment as their own.
 pub fn the_previous_layouts_release_is_taken_over_without_a_gap() {
@@ -596,13 +597,18 @@ pub fn the_previous_layouts_release_is_taken_over_without_a_gap() {
         (agent, traffic.join().unwrap())
     });
     let reached = ip_in() - before;
-    println!("{sent} packets of a blocked source during the upgrade: {reached} reached IP");
-    assert_eq!(reached, 0, "a packet passed: the interface was without a limit");
-    let a = attachment(&lab.veth_srv).unwrap();
-    assert!(
-        rule(&lab.veth_srv, "banned")["offered_pkts"].as_u64().unwrap() > 0,
-        "the new program counts"
+    let banned = rule(&lab.veth_srv, "banned");
+    let passed = banned["passed_pkts"].as_u64().unwrap();
+    println!(
+        "{sent} packets of a limited source during the upgrade: {reached} reached IP, {passed} admitted by the new program"
     );
+    // The new layout starts every bucket afresh (RESET_ON_TAKEOVER), so its
+    // bucket admits its burst of one; any other packet reaching IP would
+    // have passed with no program at all.
+    assert!(passed <= 1, "more than the fresh bucket's burst: {passed}");
+    assert_eq!(reached, passed, "a packet passed unchecked: the interface was without a limit");
+    assert!(banned["offered_pkts"].as_u64().unwrap() > 0, "the new program counts");
+    let a = attachment(&lab.veth_srv).unwrap();
     assert!(
         !std::path::Path::new(&version(LAYOUT_VERSION - 1)).exists(),
         "the old layout's pins are gone"
