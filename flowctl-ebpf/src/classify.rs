@@ -10,8 +10,8 @@ use crate::{
     accounting::counters,
     decision::{Decision, Outcome},
     maps::{
-        FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE,
-        FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE,
+        DST_MEMO_ENTRIES, FLOWCTL_DST_MEMO, FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_RULES,
+        FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE,
     },
 };
 use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
@@ -56,7 +56,7 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
     // a profile without destinations pays one bit test. The two sets are
     // ANDed word by word in the matcher, not copied (the stack is small).
     let addr_bits = if (global.dst_slots >> slot) & 1 != 0 {
-        let dst_class = dst_class(slot, meta);
+        let dst_class = dst_class(slot, generation, meta);
         let Some(dst_bits) = FLOWCTL_SRC_CLASSES.get(slot * MAX_SRC_CLASSES as u32 + dst_class)
         else {
             return Match::Unmatched(Decision::unmatched(Outcome::Pass));
@@ -149,32 +149,64 @@ fn unparsed_match(
     matcher::first_unparsed(addrs, proto, no_port, any_proto, enforcing)
 }
 
-/// The destination's class: a function of its own (a BPF-to-BPF call) so
-/// that a profile without destination rules does not carry the second
-/// lookup's registers and stack in the common path.
+/// The destination's class, from this CPU's memo when it holds the
+/// address for this generation, else from the trie (and memoised). A
+/// function of its own (a BPF-to-BPF call) so that a profile without
+/// destination rules does not carry this in the common path. Only the
+/// generation, the memo's index and `meta` live across the trie lookup, and
+/// the address is read again after it: held in registers, its four words
+/// were spilled around the key's bytes (120 bytes of stack, past the call
+/// chain's budget).
 #[inline(never)]
-fn dst_class(slot: u32, meta: &PacketMeta) -> u32 {
-    trie_class(slot, meta, true)
+fn dst_class(slot: u32, generation: u32, meta: &PacketMeta) -> u32 {
+    let d = &meta.dst;
+    let mix = d[0] ^ d[1] ^ d[2] ^ d[3];
+    let index = (mix ^ (mix >> 8) ^ (mix >> 16) ^ (mix >> 24)) & (DST_MEMO_ENTRIES - 1);
+    if let Some(m) = FLOWCTL_DST_MEMO.get(index) {
+        if m.generation == generation
+            && m.family == meta.family as u32
+            && m.addr[0] == d[0]
+            && m.addr[1] == d[1]
+            && m.addr[2] == d[2]
+            && m.addr[3] == d[3]
+        {
+            return m.class;
+        }
+    }
+    let class = trie_class(slot, meta, true);
+    if let Some(m) = FLOWCTL_DST_MEMO.get_ptr_mut(index) {
+        let m = unsafe { &mut *m };
+        let mut i = 0;
+        while i < 4 {
+            m.addr[i] = unsafe { core::ptr::read_volatile(&meta.dst[i]) };
+            i += 1;
+        }
+        m.family = unsafe { core::ptr::read_volatile(&meta.family) } as u32;
+        m.generation = generation;
+        m.class = class;
+    }
+    class
 }
 
 /// The source's (or with `dst`, the destination's) class from the LPM
 /// trie of `slot` (key layout: `flowctl_common::tables::trie_data_for`).
 #[inline(always)]
 fn trie_class(slot: u32, meta: &PacketMeta, dst: bool) -> u32 {
-    let mut data: TrieData = [0; 17];
-    data[0] = ((dst as u8) << 2) | ((slot as u8) << 1) | (meta.family == 6) as u8;
+    // Built in place: a separate data array copied into the key doubled
+    // the stack this takes.
+    let mut key: Key<TrieData> = Key::new(8 + 128, [0; 17]);
+    key.data[0] = ((dst as u8) << 2) | ((slot as u8) << 1) | (meta.family == 6) as u8;
     let addr = if dst { &meta.dst } else { &meta.src };
     let words = if meta.family == 6 { 4 } else { 1 };
     let mut i = 0;
     while i < words {
         let b = addr[i].to_be_bytes();
-        data[1 + i * 4] = b[0];
-        data[2 + i * 4] = b[1];
-        data[3 + i * 4] = b[2];
-        data[4 + i * 4] = b[3];
+        key.data[1 + i * 4] = b[0];
+        key.data[2 + i * 4] = b[1];
+        key.data[3 + i * 4] = b[2];
+        key.data[4 + i * 4] = b[3];
         i += 1;
     }
-    let key = Key::new(8 + 128, data);
     match FLOWCTL_SRC_TRIE.get(&key) {
         Some(c) => *c,
         None => NO_CLASS,

@@ -44,6 +44,30 @@ pub static FLOWCTL_SRC_CLASSES: Array<RuleBitmap> =
 
 // Per-key state of the stages.
 
+/// The destination classes this CPU looked up last (direct-mapped by a
+/// hash of the address), for profiles with `dst` rules: a host receives
+/// at a handful of its own addresses, so nearly every packet finds its
+/// destination here instead of walking the trie (docs/benchmarks.md 1j).
+/// Not pinned: a new program starts with an empty memo, and an entry of
+/// another generation is never used.
+#[map]
+pub static FLOWCTL_DST_MEMO: PerCpuArray<DstMemo> =
+    PerCpuArray::with_max_entries(DST_MEMO_ENTRIES, 0);
+
+/// One destination's class under one rule-set generation. `family` 0 (a
+/// zeroed entry) matches no packet.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DstMemo {
+    pub generation: u32,
+    pub class: u32,
+    pub family: u32,
+    pub addr: [u32; 4],
+}
+
+/// Entries of [`FLOWCTL_DST_MEMO`] per CPU (a power of two).
+pub const DST_MEMO_ENTRIES: u32 = 16;
+
 /// Sources' classes, and a source-keyed rule's bucket (see
 /// `stages::bucket`).
 #[map]
