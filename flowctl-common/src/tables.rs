@@ -4,8 +4,8 @@
 
 use crate::{
     matcher::{first_match, AddrSets},
-    rule_set, RuleBitmap, TrieData, MAX_SRC_CLASSES, PORT_INDICES, PORT_NONE, PROTO_INDICES,
-    RULE_SETS, TRIE_TAG_BITS,
+    rule_set, trie_tag, RuleBitmap, TrieData, MAX_SRC_CLASSES, PORT_INDICES, PORT_NONE,
+    PROTO_INDICES, RULE_SETS, TRIE_TAG_BITS,
 };
 use std::{net::IpAddr, sync::Arc};
 
@@ -181,38 +181,16 @@ pub enum Direction {
     Dst,
 }
 
-/// The trie key data of source `addr` in `slot`.
-pub fn trie_data(slot: u8, addr: &IpAddr) -> TrieData {
-    trie_data_for(Direction::Src, slot, addr)
-}
-
 /// The trie key data of `addr` as the packet's source or destination in
 /// `slot`.
 pub fn trie_data_for(dir: Direction, slot: u8, addr: &IpAddr) -> TrieData {
     let mut d: TrieData = [0; 17];
-    let tag = trie_tag(dir, slot);
+    d[0] = trie_tag(dir == Direction::Dst, slot, addr.is_ipv6());
     match addr {
-        IpAddr::V4(a) => {
-            d[0] = tag;
-            d[1..5].copy_from_slice(&a.octets());
-        }
-        IpAddr::V6(a) => {
-            d[0] = tag | 1;
-            d[1..17].copy_from_slice(&a.octets());
-        }
+        IpAddr::V4(a) => d[1..5].copy_from_slice(&a.octets()),
+        IpAddr::V6(a) => d[1..17].copy_from_slice(&a.octets()),
     }
     d
-}
-
-/// The tag byte of an IPv4 key (IPv6 sets bit 0): the slot in bit 1, the
-/// destination in bit 2.
-pub const fn trie_tag(dir: Direction, slot: u8) -> u8 {
-    (slot & 1) << 1 | (matches!(dir, Direction::Dst) as u8) << 2
-}
-
-/// The slot a trie key's tag byte belongs to.
-pub const fn trie_slot(tag: u8) -> u8 {
-    (tag >> 1) & 1
 }
 
 /// A prefix as a sortable key: family, address bits (IPv4 in the top 32),
@@ -656,7 +634,7 @@ mod tests {
         // Each side's entries carry their side's tag; sorted as a whole.
         let sides: Vec<u8> = t.trie.iter().map(|e| e.data[0] >> 2).collect();
         assert!(sides.windows(2).all(|w| w[0] <= w[1]));
-        assert!(t.trie.iter().all(|e| trie_slot(e.data[0]) == 1));
+        assert!(t.trie.iter().all(|e| crate::trie_slot(e.data[0]) == 1));
         // Without destinations: no destination entries, every rule allowed.
         let plain: Vec<MatchSpec> =
             specs.iter().map(|s| MatchSpec { dst: None, ..s.clone() }).collect();

@@ -649,11 +649,26 @@ pub struct KeySample {
     pub key: BucketKey,
 }
 
-/// LPM trie key data: `[is_dst << 2 | slot << 1 | is_v6, address bytes in
-/// network order...]` (`tables::trie_data_for`). The prefix length counts
-/// the 8 tag bits.
+/// LPM trie key data: `[tag, address bytes in network order...]`, the tag
+/// from [`trie_tag`] (`tables::trie_data_for` on the host). The prefix
+/// length counts the 8 tag bits.
 pub type TrieData = [u8; 17];
 pub const TRIE_TAG_BITS: u32 = 8;
+/// The prefix length of a whole address's key (a lookup): the tag and 128
+/// address bits (an IPv4 address fills the first 32, the rest are zero).
+pub const TRIE_KEY_BITS: u32 = TRIE_TAG_BITS + 128;
+
+/// A trie key's tag byte: bit 0 IPv6, bit 1 the slot, bit 2 a destination
+/// entry (sources and destinations share the trie).
+#[inline(always)]
+pub const fn trie_tag(dst: bool, slot: u8, v6: bool) -> u8 {
+    (dst as u8) << 2 | (slot & 1) << 1 | v6 as u8
+}
+
+/// The slot a trie key's tag byte belongs to.
+pub const fn trie_slot(tag: u8) -> u8 {
+    (tag >> 1) & 1
+}
 
 /// What the parser extracted from a packet.
 #[repr(C)]

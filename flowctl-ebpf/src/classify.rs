@@ -18,9 +18,9 @@ use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
 use flowctl_common::{
     frag,
     matcher::{self, AddrSets},
-    reason, rule_set, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap, RuleConfig,
-    SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES, NO_CLASS,
-    PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS,
+    reason, rule_set, trie_tag, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap,
+    RuleConfig, SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
+    NO_CLASS, PORT_INDICES, PORT_NONE, PROTO_INDICES, RULE_SETS, TRIE_KEY_BITS,
 };
 
 /// What classification found for a packet.
@@ -194,8 +194,8 @@ fn dst_class(slot: u32, generation: u32, meta: &PacketMeta) -> u32 {
 fn trie_class(slot: u32, meta: &PacketMeta, dst: bool) -> u32 {
     // Built in place: a separate data array copied into the key doubled
     // the stack this takes.
-    let mut key: Key<TrieData> = Key::new(8 + 128, [0; 17]);
-    key.data[0] = ((dst as u8) << 2) | ((slot as u8) << 1) | (meta.family == 6) as u8;
+    let mut key: Key<TrieData> = Key::new(TRIE_KEY_BITS, [0; 17]);
+    key.data[0] = trie_tag(dst, slot as u8, meta.family == 6);
     let addr = if dst { &meta.dst } else { &meta.src };
     let words = if meta.family == 6 { 4 } else { 1 };
     let mut i = 0;

@@ -256,7 +256,7 @@ fn write_trie(maps: &mut Maps, slot: u8, entries: Vec<tables::TrieEntry>) -> Res
                 let mut stale: HashSet<(u32, TrieData)> = HashSet::new();
                 for k in maps.trie.keys() {
                     let k = k.context("reading the source trie back")?;
-                    if tables::trie_slot(k.data()[0]) == slot {
+                    if flowctl_common::trie_slot(k.data()[0]) == slot {
                         stale.insert((k.prefix_len(), k.data()));
                     }
                 }

@@ -293,7 +293,7 @@ impl Maps {
         slot: u8,
         addr: &std::net::IpAddr,
     ) -> Result<RuleBitmap> {
-        let key = Key::new(8 + 128, tables::trie_data_for(dir, slot, addr));
+        let key = Key::new(flowctl_common::TRIE_KEY_BITS, tables::trie_data_for(dir, slot, addr));
         Ok(match self.trie.get(&key, 0) {
             Ok(class) => self.classes.get(&(slot as u32 * MAX_SRC_CLASSES as u32 + class), 0)?,
             Err(_) => RuleBitmap::EMPTY,

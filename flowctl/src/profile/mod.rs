@@ -112,6 +112,8 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
     }
     let lists = list::lists(&cx, &raw.list, files)?;
     let mut rules: Vec<Rule> = Vec::new();
+    // Lists no rule names yet count once (they are held to be updated).
+    let mut list_prefixes = list::trie_share(&lists, &rules);
     for r in &raw.rule {
         let rule = rule::rule(&cx, r, &lists)?;
         if rules.iter().any(|o| o.name == rule.name) {
@@ -120,15 +122,15 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
         bbr_fits_ring(&cx, &rule, &settings)?;
         rules.push(rule);
         // A list named on both sides takes the trie twice.
-        let share = list::trie_share(&lists, &rules);
-        if share > MAX_LIST_PREFIXES as u64 {
+        list_prefixes = list::trie_share(&lists, &rules);
+        if list_prefixes > MAX_LIST_PREFIXES as u64 {
             return Err(cx.err(
                 r.span(),
-                format!("the lists take {share} trie entries with this rule's (a list named as both `src` and `dst` counts twice), more than {MAX_LIST_PREFIXES}: use the list on one side, or aggregate its prefixes"),
+                format!("the lists take {list_prefixes} trie entries with this rule's (a list named as both `src` and `dst` counts twice), more than {MAX_LIST_PREFIXES}: use the list on one side, or aggregate its prefixes"),
             ));
         }
     }
-    let settings = Settings { list_prefixes: list::trie_share(&lists, &rules), ..settings };
+    let settings = Settings { list_prefixes, ..settings };
     let klimiter = match &raw.klimiter {
         Some(k) => klimiter::settings(&cx, k.get_ref())?,
         None => Default::default(),
