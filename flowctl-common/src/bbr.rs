@@ -11,7 +11,7 @@
 //!   `inFlight > 1 && inFlight > maxInFlight`; after an overload the in-flight
 //!   test stays on for a cool-down (1 s) even when the CPU is below threshold.
 //!
-//! Three defects of the original are fixed by default, each behind a named
+//! Four defects of the original are fixed by default, each behind a named
 //! `Compat` switch that restores it:
 //! - `floor_max_inflight`: aegis floors `maxInFlight`, so a capacity of 5.9
 //!   admits 5. flowctl rounds up: never fewer than measured.
@@ -24,6 +24,13 @@
 //!   made while the CPU was over threshold. (Not at any last drop: drops in
 //!   the cool-down would then extend it for as long as connections stay
 //!   open, with the CPU long back to normal; the end-to-end test caught it.)
+//! - `min_rt_from_window`: Kratos takes `minRT` from the window alone, so
+//!   once the window holds only buckets measured under load, queueing raises
+//!   `minRT`, `maxInFlight` with it, and the service's latency with that
+//!   (BBR refreshes RTprop by probing unloaded; a limiter in front of a
+//!   saturated service never is). flowctl holds its `minRT`: any window
+//!   can lower it, only a window measured wholly unloaded can raise it
+//!   (`filtered_min_rt_ms`).
 
 /// One full bucket of the window: completions and round-trip totals.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,6 +39,9 @@ pub struct BbrBucket {
     /// Round trips in the bucket, in microseconds (the kernel's resolution).
     pub rt_sum_us: u64,
     pub rt_count: u64,
+    /// Measured while the limiter was engaged (CPU over the threshold or
+    /// the test on): its round trips include queueing.
+    pub loaded: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,12 +49,17 @@ pub struct Compat {
     pub floor_max_inflight: bool,
     pub empty_window_zero: bool,
     pub cooldown_from_first_drop: bool,
+    pub min_rt_from_window: bool,
 }
 
 impl Compat {
     /// Kratos' behaviour in every respect.
-    pub const KRATOS: Self =
-        Self { floor_max_inflight: true, empty_window_zero: true, cooldown_from_first_drop: true };
+    pub const KRATOS: Self = Self {
+        floor_max_inflight: true,
+        empty_window_zero: true,
+        cooldown_from_first_drop: true,
+        min_rt_from_window: true,
+    };
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,8 +91,12 @@ impl Default for BbrConfig {
 /// `maxInFlight` over the full buckets of the window; `None` means "no
 /// limit" (an empty window, unless `empty_window_zero`).
 pub fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
-    let pass = max_pass(window);
-    let Some(rt) = min_rt_ms(window).filter(|_| pass > 0) else {
+    in_flight_limit(max_pass(window), min_rt_ms(window), cfg)
+}
+
+/// `maxInFlight` from `maxPass` and `minRT` (ms); `None` means "no limit".
+pub fn in_flight_limit(pass: u64, min_rt_ms: Option<u64>, cfg: &BbrConfig) -> Option<u64> {
+    let Some(rt) = min_rt_ms.filter(|_| pass > 0) else {
         return cfg.compat.empty_window_zero.then_some(0);
     };
     let product = pass as u128 * rt as u128 * cfg.buckets_per_second as u128;
@@ -88,12 +107,45 @@ pub fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
 /// `minRT`: ceil(min over buckets of the mean round trip, in ms), at least
 /// 1; `None` without round trips.
 pub fn min_rt_ms(window: &[BbrBucket]) -> Option<u64> {
-    let (s, c) = window
-        .iter()
-        .filter(|b| b.rt_count > 0)
-        .map(|b| (b.rt_sum_us, b.rt_count))
-        .min_by(|a, b| (a.0 as u128 * b.1 as u128).cmp(&(b.0 as u128 * a.1 as u128)))?;
-    Some((s as u128).div_ceil(c as u128 * 1000).max(1) as u64)
+    smallest_mean(window.iter().map(|b| (b.rt_sum_us, b.rt_count))).map(mean_ms)
+}
+
+/// `minRT` through the min-filter (unless `compat.min_rt_from_window`):
+/// the smallest bucket mean `state` holds, lowered by every window, and
+/// replaced (so it may rise) only by a window in which every bucket was
+/// measured unloaded and some had round trips. A window that saw the
+/// limiter engaged can lower `minRT` but never raise it: the queueing that
+/// engagement brings (and the CPU signal's lag lets build up before it)
+/// stays out of the estimate until the service has been seen unloaded for
+/// a whole window.
+pub fn filtered_min_rt_ms(
+    window: &[BbrBucket],
+    state: &mut BbrState,
+    cfg: &BbrConfig,
+) -> Option<u64> {
+    let window_min = smallest_mean(window.iter().map(|b| (b.rt_sum_us, b.rt_count)));
+    if cfg.compat.min_rt_from_window {
+        return window_min.map(mean_ms);
+    }
+    let unloaded = window.iter().all(|b| !b.loaded);
+    state.held_rt = match (unloaded && window_min.is_some(), state.held_rt) {
+        (true, _) | (false, None) => window_min,
+        (false, Some(held)) => smallest_mean([held].into_iter().chain(window_min)),
+    };
+    state.held_rt.map(mean_ms)
+}
+
+/// The smallest of `(sum, count)` means with `count > 0`, compared by
+/// cross-multiplication (no division).
+fn smallest_mean(means: impl Iterator<Item = (u64, u64)>) -> Option<(u64, u64)> {
+    means
+        .filter(|m| m.1 > 0)
+        .min_by(|a, b| (a.0 as u128 * b.1 as u128).cmp(&(b.0 as u128 * a.1 as u128)))
+}
+
+/// A mean in µs as whole ms, rounded up, at least 1.
+fn mean_ms((sum_us, count): (u64, u64)) -> u64 {
+    (sum_us as u128).div_ceil(count as u128 * 1000).max(1) as u64
 }
 
 /// `maxPass`: the most completions in one full bucket (0 when empty).
@@ -108,6 +160,9 @@ pub struct BbrState {
     pub drop_anchor_ns: u64,
     /// Over the threshold and not yet below `release_below`.
     pub engaged: bool,
+    /// The min-filter's memory: the `minRT` it holds, as the bucket's
+    /// `(rt_sum_us, rt_count)`.
+    pub held_rt: Option<(u64, u64)>,
 }
 
 /// Whether the CPU counts as over the threshold now (with hysteresis), and
@@ -173,6 +228,7 @@ mod tests {
                 completed: pass(i),
                 rt_sum_us: (i * 10 + 1..=i * 10 + 10).sum::<u64>() * 1000,
                 rt_count: 10,
+                loaded: false,
             })
             .collect()
     }
@@ -211,7 +267,7 @@ mod tests {
     #[test]
     fn rounding_up_by_default_floor_in_compat() {
         // maxPass 590, minRT 1 ms, 10 buckets/s: 5.9 in flight.
-        let w = [BbrBucket { completed: 590, rt_sum_us: 1000, rt_count: 1 }];
+        let w = [BbrBucket { completed: 590, rt_sum_us: 1000, rt_count: 1, loaded: false }];
         assert_eq!(max_in_flight(&w, &BbrConfig::default()), Some(6));
         let floor = BbrConfig {
             compat: Compat { floor_max_inflight: true, ..Default::default() },
@@ -307,5 +363,64 @@ mod tests {
         should_drop(&mut st, &cfg, 900, 100, Some(10), S);
         assert!(active(&st, &cfg, 100, S + S / 2));
         assert!(!active(&st, &cfg, 100, 3 * S));
+    }
+
+    fn bucket(rt_ms: u64, loaded: bool) -> BbrBucket {
+        BbrBucket { completed: 10, rt_sum_us: rt_ms * 1000 * 4, rt_count: 4, loaded }
+    }
+
+    #[test]
+    fn a_loaded_window_lowers_min_rt_but_cannot_raise_it() {
+        let cfg = BbrConfig::default();
+        let mut st = BbrState::default();
+        // The ramp: unloaded at 2-3 ms, then queueing builds up at 9-12 ms
+        // before the CPU signal engages the limiter (still unloaded).
+        let ramp = [bucket(2, false), bucket(3, false), bucket(9, false), bucket(12, false)];
+        assert_eq!(filtered_min_rt_ms(&ramp, &mut st, &cfg), Some(2));
+        // Engaged: the unloaded buckets leave the window. Kratos' estimate
+        // rises to 9; the filter holds 2.
+        let engaged = [bucket(9, false), bucket(12, false), bucket(10, true)];
+        assert_eq!(min_rt_ms(&engaged), Some(9));
+        assert_eq!(filtered_min_rt_ms(&engaged, &mut st, &cfg), Some(2), "held");
+        let loaded = [bucket(10, true), bucket(12, true)];
+        assert_eq!(filtered_min_rt_ms(&loaded, &mut st, &cfg), Some(2), "held");
+        // A loaded bucket faster than what is held lowers it.
+        let fast = [bucket(1, true), bucket(12, true)];
+        assert_eq!(filtered_min_rt_ms(&fast, &mut st, &cfg), Some(1));
+        assert_eq!(filtered_min_rt_ms(&loaded, &mut st, &cfg), Some(1));
+        // Nothing held yet: the window's own minimum.
+        let mut fresh = BbrState::default();
+        assert_eq!(filtered_min_rt_ms(&loaded, &mut fresh, &cfg), Some(10));
+        assert_eq!(filtered_min_rt_ms(&[], &mut BbrState::default(), &cfg), None);
+    }
+
+    #[test]
+    fn only_a_wholly_unloaded_window_raises_the_held_min_rt() {
+        // The service became slower for good (5 ms). Once the limiter has
+        // stayed off for a whole window, minRT follows it.
+        let cfg = BbrConfig::default();
+        let mut st = BbrState::default();
+        assert_eq!(filtered_min_rt_ms(&[bucket(2, false)], &mut st, &cfg), Some(2));
+        let partly = [bucket(9, true), bucket(5, false), bucket(6, false)];
+        assert_eq!(filtered_min_rt_ms(&partly, &mut st, &cfg), Some(2));
+        let idle = [BbrBucket::default(), BbrBucket::default()];
+        assert_eq!(filtered_min_rt_ms(&idle, &mut st, &cfg), Some(2), "no round trips: kept");
+        let unloaded = [bucket(5, false), bucket(6, false)];
+        assert_eq!(filtered_min_rt_ms(&unloaded, &mut st, &cfg), Some(5));
+        assert_eq!(filtered_min_rt_ms(&[bucket(9, true)], &mut st, &cfg), Some(5));
+    }
+
+    #[test]
+    fn compat_takes_min_rt_from_the_window_alone() {
+        let cfg = BbrConfig {
+            compat: Compat { min_rt_from_window: true, ..Default::default() },
+            ..Default::default()
+        };
+        let mut st = BbrState::default();
+        assert_eq!(filtered_min_rt_ms(&[bucket(2, false)], &mut st, &cfg), Some(2));
+        assert_eq!(filtered_min_rt_ms(&[bucket(9, true)], &mut st, &cfg), Some(9));
+        assert_eq!(st.held_rt, None);
+        let limit = in_flight_limit(50, Some(9), &cfg);
+        assert_eq!(limit, Some(5), "50 a bucket x 9 ms x 10 buckets/s = 4.5, rounded up");
     }
 }

@@ -38,6 +38,19 @@ struct RuleLoop {
     state: BbrState,
     /// BBR drops counted by the kernel at the last tick.
     drops_seen: u64,
+    /// The last tick at which the limiter was engaged (CPU over the
+    /// threshold, or the test on); 0: never. A bucket that started before
+    /// it is labelled loaded when it is read (`bucket_loaded`).
+    engaged_at_ns: u64,
+}
+
+/// Whether the complete bucket `epoch` (of `bucket_ns`) counts as measured
+/// under load: the limiter was engaged at a tick at or after its start.
+/// Conservative at the edge: engagement right after the bucket ended labels
+/// it too, and a loaded label only keeps the bucket out of the min-filter's
+/// refresh (`bbr::filtered_min_rt_ms`).
+fn bucket_loaded(engaged_at_ns: u64, epoch: u64, bucket_ns: u64) -> bool {
+    engaged_at_ns != 0 && engaged_at_ns >= epoch.saturating_mul(bucket_ns)
 }
 
 #[derive(Default)]
@@ -68,6 +81,10 @@ impl BbrLoop {
                 *l = RuleLoop { record: rs.record, ..Default::default() };
                 l.drops_seen = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
             }
+            let over = bbr::cpu_over(&mut l.state, &cfg, cpu);
+            if over || bbr::active(&l.state, &cfg, cpu, now_ns) {
+                l.engaged_at_ns = now_ns;
+            }
             // The window: the buckets before the one being filled.
             let epochs = stats::complete_span(
                 now_ns,
@@ -83,16 +100,17 @@ impl BbrLoop {
                         completed: s.completed,
                         rt_sum_us: s.rt_sum_us,
                         rt_count: s.rt_count,
+                        loaded: bucket_loaded(l.engaged_at_ns, e, shape.bucket_ns),
                     });
                 }
             }
             let window: Vec<BbrBucket> = l.buckets.values().copied().collect();
-            let max = bbr::max_in_flight(&window, &cfg);
+            let min_rt = bbr::filtered_min_rt_ms(&window, &mut l.state, &cfg);
+            let max = bbr::in_flight_limit(bbr::max_pass(&window), min_rt, &cfg);
             let in_flight = maps.in_flight(rs.record, b.idle_timeout_ns, now_ns)?;
             // The kernel drops; the cool-down is anchored at drops made while
             // the CPU is over threshold (`bbr::should_drop`'s rule).
             let drops = maps.counters(rs.record)?.dropped_pkts[reason::BBR];
-            let over = bbr::cpu_over(&mut l.state, &cfg, cpu);
             if drops > l.drops_seen
                 && over
                 && (l.state.drop_anchor_ns == 0 || !cfg.compat.cooldown_from_first_drop)
@@ -105,7 +123,7 @@ impl BbrLoop {
             }
             let view = BbrControl {
                 max_pass: bbr::max_pass(&window),
-                min_rt_ms: bbr::min_rt_ms(&window).unwrap_or(0),
+                min_rt_ms: min_rt.unwrap_or(0),
                 max_in_flight: max,
                 in_flight,
                 overloaded: bbr::active(&l.state, &cfg, cpu, now_ns),
@@ -114,5 +132,19 @@ impl BbrLoop {
             maps.update_control(rs.record, now_ns, |c| c.set_bbr(&view))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket_loaded;
+
+    #[test]
+    fn a_bucket_is_loaded_when_the_limiter_was_engaged_since_its_start() {
+        const W: u64 = 100_000_000;
+        assert!(!bucket_loaded(0, 5, W), "never engaged");
+        assert!(!bucket_loaded(5 * W - 1, 5, W), "engaged before the bucket only");
+        assert!(bucket_loaded(5 * W, 5, W));
+        assert!(bucket_loaded(6 * W + 1, 5, W), "engaged at the tick that reads it");
     }
 }

@@ -355,6 +355,10 @@ key = "src"
         );
         assert_eq!(b.compat, flowctl_common::bbr::Compat::KRATOS);
         assert_eq!(b.config().buckets_per_second, 10);
+        let one =
+            parse("p", &format!("{tcp}bbr = {{ compat = [\"min_rt_from_window\"] }}\n")).unwrap();
+        let c = one.rules[0].bbr.as_ref().unwrap().compat;
+        assert!(c.min_rt_from_window && !c.floor_max_inflight && !c.cooldown_from_first_drop);
         for (text, line, needle) in [
             (
                 "[[rule]]\nname = \"w\"\nrate = \"1/s\"\nbbr = { }\n".to_string(),

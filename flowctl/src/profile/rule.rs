@@ -702,11 +702,12 @@ fn bbr(cx: &Ctx, b: &RawBbr) -> Result<BbrRule, ProfileError> {
             "floor_max_inflight" => out.compat.floor_max_inflight = true,
             "empty_window_zero" => out.compat.empty_window_zero = true,
             "cooldown_from_first_drop" => out.compat.cooldown_from_first_drop = true,
+            "min_rt_from_window" => out.compat.min_rt_from_window = true,
             "kratos" => out.compat = flowctl_common::bbr::Compat::KRATOS,
             other => {
                 return Err(cx.err(
                     c.span(),
-                    format!("unknown compat switch `{other}`: floor_max_inflight, empty_window_zero, cooldown_from_first_drop or kratos (all three)"),
+                    format!("unknown compat switch `{other}`: floor_max_inflight, empty_window_zero, cooldown_from_first_drop, min_rt_from_window or kratos (all four)"),
                 ))
             }
         }
