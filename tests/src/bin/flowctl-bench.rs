@@ -306,15 +306,24 @@ fn main() {
     );
     assert_ne!(quota_profile, profile);
     let with_quota = plane(&quota_profile);
+    // One bucket: the same lookup and swap, a 1-slot sum instead of 16.
+    let one_bucket = plane(&quota_profile.replace("quota_buckets = 16", "quota_buckets = 1"));
     refs.set_keys(10_000);
-    let (qm, _) = refs.interleaved(&[xdp_fd(&admit), xdp_fd(&with_quota)], &frame, 10_000, repeat);
+    let (qm, _) = refs.interleaved(
+        &[xdp_fd(&admit), xdp_fd(&with_quota), xdp_fd(&one_bucket)],
+        &frame,
+        10_000,
+        repeat,
+    );
     println!(
-        "  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x",
+        "  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x   (a 1-bucket quota: {:.1}, {:.2}x)",
         qm[0],
         qm[1],
-        qm[1] / qm[0]
+        qm[1] / qm[0],
+        qm[2],
+        qm[2] / qm[0]
     );
-    drop(with_quota);
+    drop((with_quota, one_bucket));
 
     println!("\n1c. Statistics rings: flowctl's admitted path with statistics off, \"control\" and \"full\" (10k keys)");
     let lean = plane(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
@@ -434,8 +443,61 @@ fn main() {
     );
     drop(dst_planes);
 
+    println!("\n1k. Where the time goes: the admitted and dropped paths built up a stage at a time by profile variants of `measured` (10k keys)");
+    let measured_limit = "rate = \"100G/s\"\nkey = \"src\"\n";
+    let stage_profiles = [
+        // Parse and classify only: no rule matches the frames' port.
+        profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\""),
+        // Matched and counted, no bucket.
+        profile.replace(measured_limit, "action = \"pass\"\n"),
+        // The bucket, statistics rings off.
+        profile.clone(),
+        profile.clone(),
+        // Dropped without a bucket, and by the bucket.
+        profile.replace(measured_limit, "action = \"block\"\n"),
+        drop_profile.clone(),
+    ];
+    for (i, p) in stage_profiles.iter().enumerate() {
+        assert!(i == 2 || i == 3 || p != &profile, "variant {i} changed `measured`");
+    }
+    let stage_planes: Vec<TestPlane> = stage_profiles
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i == 2 {
+                plane_with(p, |s| s.stats.level = flowctl_common::stats::level::OFF)
+            } else {
+                plane(p)
+            }
+        })
+        .collect();
+    let mut fds = vec![refs.fd("bench_pass"), refs.fd("bench_bare")];
+    fds.extend(stage_planes.iter().map(xdp_fd));
+    refs.set_keys(10_000);
+    let (st, v) = refs.interleaved(&fds, &frame, 10_000, repeat);
+    assert_eq!(
+        &v[2..],
+        &[
+            flowctl_common::XDP_PASS,
+            flowctl_common::XDP_PASS,
+            flowctl_common::XDP_PASS,
+            flowctl_common::XDP_PASS,
+            flowctl_common::XDP_DROP,
+            flowctl_common::XDP_DROP
+        ]
+    );
+    println!(
+        "  floor {:.1}, bare {:.1} ns/packet; flowctl: no rule matches {:.1}, a `pass` rule {:.1}, the bucket with rings off {:.1}, with rings {:.1} ({:.2}x bare); `block` {:.1}, the bucket refusing {:.1} ({:.2}x bare)",
+        st[0], st[1], st[2], st[3], st[4], st[5], st[5] / st[1], st[6], st[7], st[7] / st[1]
+    );
+    println!(
+        "  over the floor: bare {:+.1}; parse and classify {:+.1}, match and count {:+.1}, bucket {:+.1}, rings {:+.1}; drop: block {:+.1} over the match, bucket refusing {:+.1} over block",
+        st[1] - st[0], st[2] - st[0], st[3] - st[2], st[4] - st[3], st[5] - st[4], st[6] - st[3], st[7] - st[6]
+    );
+    drop(stage_planes);
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1j alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1k alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
