@@ -84,14 +84,25 @@ pub fn interval_fp(num: u64, den: u64) -> u64 {
     }
 }
 
-/// Bucket depth in ns for `burst` units, rounded down.
+/// Bucket depth in ns for a burst of `burst` packets of cost 1 (packets,
+/// connections): `burst` times the rounded-up increment, so exactly
+/// `burst` pass back to back and admitted units over any `t` stay within
+/// `burst + t / increment <= burst + r*t`. The depth must not be rounded
+/// on its own: `floor(burst * T)` is below `burst * ceil(T)` whenever the
+/// interval has a fraction of a nanosecond, which refused every packet of
+/// a burst of 1 (213/s, `T` = 4,694,835.68 ns: increment 4,694,836, depth
+/// 4,694,835) and one packet of larger bursts.
 pub fn burst_ns(interval_fp: u64, burst: u64) -> u64 {
-    let ns = ((interval_fp as u128) * (burst as u128)) >> FRAC_BITS;
-    if ns > u64::MAX as u128 {
-        u64::MAX
-    } else {
-        ns as u64
-    }
+    burst.saturating_mul(increment_ns(interval_fp, 1))
+}
+
+/// Bucket depth in ns for a burst of `bytes` (a `bytes` rule, whose
+/// packets cost their length): `ceil(bytes * T)`, so a packet as long as
+/// the burst can pass. Rounding up lets admitted bytes over `t` reach
+/// `bytes + r*(t + 1 ns)`: one nanosecond of the rate (12.5 B at 100
+/// Gbit/s) over the bound, the price of nanosecond TATs.
+pub fn byte_burst_ns(interval_fp: u64, bytes: u64) -> u64 {
+    increment_ns(interval_fp, bytes)
 }
 
 /// `ns` of `units` at `interval_fp`, rounded down: [`increment_ns`] less
@@ -234,11 +245,36 @@ mod tests {
         fn admitted_within_bound(
             rate in 1u64..100_000,
             burst in 1u64..1000,
-            gaps in proptest::collection::vec((0u64..20_000_000, 1u64..4), 1..400),
+            gaps in proptest::collection::vec(0u64..20_000_000, 1..400),
+        ) {
+            // Packets of cost 1, the unit rules' case.
+            let t = interval_fp(rate, 1);
+            let depth = burst_ns(t, burst);
+            let mut now = 5 * SEC;
+            let mut tat = 0;
+            let mut log: Vec<(u64, u64)> = Vec::new();
+            for gap in gaps {
+                now += gap;
+                if let Some(n) = admit(tat, now, increment_ns(t, 1), depth) {
+                    tat = n;
+                    log.push((now, 1));
+                }
+            }
+            prop_assert!(within(&log, burst, rate, 0));
+        }
+
+        /// Byte rules: packets cost their length; a packet as long as the
+        /// burst passes a full bucket, and admitted bytes over any `t`
+        /// stay within `b + r*(t + 1 ns)`.
+        #[test]
+        fn admitted_bytes_within_bound(
+            rate in 1_000u64..20_000_000_000,
+            burst in 1518u64..100_000,
+            gaps in proptest::collection::vec((0u64..2_000_000, 64u64..1519), 1..400),
         ) {
             let t = interval_fp(rate, 1);
-            let depth = burst_ns(t, burst.max(3));
-            let burst = burst.max(3);
+            let depth = byte_burst_ns(t, burst);
+            prop_assert!(admit(0, SEC, increment_ns(t, burst), depth).is_some(), "a burst-long packet");
             let mut now = 5 * SEC;
             let mut tat = 0;
             let mut log: Vec<(u64, u64)> = Vec::new();
@@ -249,16 +285,15 @@ mod tests {
                     log.push((now, cost));
                 }
             }
-            for i in 0..log.len() {
-                let mut sum = 0u128;
-                for j in i..log.len() {
-                    sum += log[j].1 as u128;
-                    let dt = (log[j].0 - log[i].0) as u128;
-                    // b + r*t, scaled by 1e9 to stay in integers.
-                    let bound = burst as u128 * SEC as u128 + rate as u128 * dt;
-                    prop_assert!(sum * SEC as u128 <= bound, "i={i} j={j} sum={sum}");
-                }
-            }
+            prop_assert!(within(&log, burst, rate, 1));
+        }
+
+        /// A burst of `b` single units passes back to back from a full
+        /// bucket, and no more.
+        #[test]
+        fn exactly_the_burst_passes_at_once(rate in 1u64..1_000_000, burst in 1u64..200) {
+            let params = (interval_fp(rate, 1), burst_ns(interval_fp(rate, 1), burst));
+            prop_assert_eq!(credit(0, 10 * SEC, params), burst);
         }
 
         /// A steady sender at exactly the rate is never refused once its burst
@@ -271,12 +306,29 @@ mod tests {
             let mut tat = 0;
             let mut now = SEC;
             for _ in 0..n {
-                let r = admit(tat, now, step, depth.max(step));
+                let r = admit(tat, now, step, depth);
                 prop_assert!(r.is_some());
                 tat = r.unwrap();
                 now += step;
             }
         }
+    }
+
+    /// Whether the admissions in `log` ((time ns, cost)) stay within
+    /// `burst + rate * (t + slack_ns)` over every span between two of them.
+    fn within(log: &[(u64, u64)], burst: u64, rate: u64, slack_ns: u64) -> bool {
+        for i in 0..log.len() {
+            let mut sum = 0u128;
+            for j in i..log.len() {
+                sum += log[j].1 as u128;
+                let dt = (log[j].0 - log[i].0 + slack_ns) as u128;
+                // b + r*t, scaled by 1e9 to stay in integers.
+                if sum * SEC as u128 > burst as u128 * SEC as u128 + rate as u128 * dt {
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     fn params(rate: u64, burst: u64) -> (u64, u64) {

@@ -386,6 +386,18 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     apply(&window_rt);
     let kratos_rt = offer(&lab, &cgroup, ramp, 20.0, 10.0);
     print("3x, BBR, minRT window", &kratos_rt);
+    // The reference a concurrency limit is up against: a static rate at
+    // 0.9x the measured capacity (the token bucket paces admissions).
+    apply(&off);
+    std::thread::sleep(Duration::from_secs(3));
+    let paced = dir.join(format!("flowctl-ovl-paced-{}.toml", std::process::id()));
+    let paced_rule = rule
+        .replace("rate = \"1000000/s\"", &format!("rate = \"{:.0}/s\"\nburst = 1", capacity * 0.9));
+    assert_ne!(paced_rule, rule);
+    std::fs::write(&paced, format!("{settings}{paced_rule}")).unwrap();
+    apply(&paced);
+    let static_rate = offer(&lab, &cgroup, ramp, 20.0, 10.0);
+    print("3x, rate 0.9x, no BBR", &static_rate);
     let ratio = |r: &PhaseResult| {
         (
             r.goodput_per_s / capacity,
@@ -398,6 +410,7 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
         ("BBR on, release 600 at 3x", &held),
         ("BBR on, compat min_rt_from_window at 3x", &kratos_rt),
         ("BBR off at 3x", &without),
+        ("a static rate of 0.9x capacity at 3x (refusals: dropped SYNs)", &static_rate),
         ("BBR off at 0.9x (the floor: no overload)", &near),
     ] {
         let (g, s, c) = ratio(r);
@@ -415,4 +428,5 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     let _ = std::fs::remove_file(&on);
     let _ = std::fs::remove_file(&sticky);
     let _ = std::fs::remove_file(&window_rt);
+    let _ = std::fs::remove_file(&paced);
 }

@@ -210,6 +210,30 @@ fn byte_buckets_charge_frame_length() {
     assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP]);
 }
 
+/// Bursts of 1 at rates whose interval has a fraction of a nanosecond
+/// (213/s: 4,694,835.68 ns): the depth is one whole rounded-up increment,
+/// so one packet passes, then the rate. The depth rounded down on its own
+/// refused every packet of such a rule. A byte rule passes a frame as long
+/// as its burst.
+fn a_burst_of_one_passes_one_at_any_rate() {
+    for (rate, unit) in [("213/s", "packets"), ("7/s", "packets"), ("213/s", "connections")] {
+        let p = TestPlane::new(&profile(&format!(
+            "[[rule]]\nname = \"one\"\nproto = \"tcp\"\nunit = \"{unit}\"\nrate = \"{rate}\"\nburst = 1\nkey = \"src\"\n"
+        )));
+        let syn = V4::new([10, 3, 1, 1]).build(L4::Tcp { sport: 5, dport: 80, flags: 0x02 }, 0);
+        assert_eq!(p.run(&syn), XDP_PASS, "{rate} {unit}: the burst of one");
+        assert_eq!(p.run(&syn), XDP_DROP, "{rate} {unit}: then the rate");
+    }
+    // 7 kB/s: 142,857.14 ns per byte; the burst is the frame's own length.
+    let f = V4::new([10, 3, 1, 2]).build(L4::Udp { sport: 1, dport: 2 }, 1518 - 42);
+    assert_eq!(f.len(), 1518);
+    let p = TestPlane::new(&profile(
+        "[[rule]]\nname = \"frame\"\nrate = \"7KB/s\"\nburst = \"1518B\"\nkey = \"src\"\n",
+    ));
+    assert_eq!(p.run(&f), XDP_PASS);
+    assert_eq!(p.run(&f), XDP_DROP);
+}
+
 fn connections_unit_counts_only_syns() {
     let p = TestPlane::new(&profile(
         "[[rule]]\nname = \"conns\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"1/min\"\nburst = 2\nkey = \"src\"\n",
@@ -1803,6 +1827,7 @@ fn main() {
         attacker_layouts_do_not_escape_enforcing_rules: [Root],
         bucket_drains_then_refuses_and_counts: [Root],
         byte_buckets_charge_frame_length: [Root],
+        a_burst_of_one_passes_one_at_any_rate: [Root],
         connections_unit_counts_only_syns: [Root],
         refused_syns_book_their_retransmissions: [Root],
         dry_run_counts_would_drop_and_passes: [Root],

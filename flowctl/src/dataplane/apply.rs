@@ -103,7 +103,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
                 Some(g) => g
                     .share
                     .as_ref()
-                    .map_or(0, |d| flowctl_common::gcra::burst_ns(d.interval_fp, d.burst)),
+                    .map_or(0, |d| crate::profile::depth_ns(r.unit, d.interval_fp, d.burst)),
             },
             state_id: s.state_id,
             record: s.record,

@@ -28,6 +28,7 @@ mod model;
 mod primitives;
 mod raw;
 mod rule;
+pub(crate) use rule::depth_ns;
 mod settings;
 pub mod shaper;
 

@@ -86,7 +86,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>, lists: &[List]) -> Result<Rule, Pr
     token_bucket(cx, r, rate, &mut rule)?;
     quota_window(cx, r, quota, &mut rule)?;
     if rule.interval_fp != 0 {
-        rule.burst_ns = gcra::burst_ns(rule.interval_fp, rule.burst);
+        rule.burst_ns = depth_ns(rule.unit, rule.interval_fp, rule.burst);
     }
     admission(cx, r, &mut rule)?;
     if let Some(b) = &r.bbr {
@@ -196,7 +196,7 @@ fn nested_limits(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Vec<NestedLimit>,
             key_kind,
             prefix_v4,
             prefix_v6,
-            burst_ns: gcra::burst_ns(b.interval_fp, b.burst),
+            burst_ns: depth_ns(rule.unit, b.interval_fp, b.burst),
             rate_text: b.rate_text,
             burst: b.burst,
             interval_fp: b.interval_fp,
@@ -375,6 +375,17 @@ fn rule_action(cx: &Ctx, r: &RawRule) -> Result<u8, ProfileError> {
             ],
             "use drop, pass, dry-run or block",
         ),
+    }
+}
+
+/// A bucket's depth in ns for `burst` of the rule's `unit`: bytes round
+/// the product up (a packet as long as the burst passes), packets and
+/// connections take `burst` whole increments (`gcra::burst_ns`).
+pub(crate) fn depth_ns(unit: u8, interval_fp: u64, burst: u64) -> u64 {
+    if unit == unit::BYTES {
+        gcra::byte_burst_ns(interval_fp, burst)
+    } else {
+        gcra::burst_ns(interval_fp, burst)
     }
 }
 
