@@ -392,7 +392,7 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     std::thread::sleep(Duration::from_secs(3));
     let paced = dir.join(format!("flowctl-ovl-paced-{}.toml", std::process::id()));
     let paced_rule = rule
-        .replace("rate = \"1000000/s\"", &format!("rate = \"{:.0}/s\"\nburst = 1", capacity * 0.9));
+        .replace("rate = \"1000000/s\"", &format!("rate = \"{:.0}/s\"\nburst = 3", capacity * 0.9));
     assert_ne!(paced_rule, rule);
     std::fs::write(&paced, format!("{settings}{paced_rule}")).unwrap();
     apply(&paced);
