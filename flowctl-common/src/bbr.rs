@@ -88,13 +88,8 @@ impl Default for BbrConfig {
     }
 }
 
-/// `maxInFlight` over the full buckets of the window; `None` means "no
-/// limit" (an empty window, unless `empty_window_zero`).
-pub fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
-    in_flight_limit(max_pass(window), min_rt_ms(window), cfg)
-}
-
-/// `maxInFlight` from `maxPass` and `minRT` (ms); `None` means "no limit".
+/// `maxInFlight` from `maxPass` and `minRT` (ms); `None` means "no limit"
+/// (an empty window, unless `empty_window_zero`).
 pub fn in_flight_limit(pass: u64, min_rt_ms: Option<u64>, cfg: &BbrConfig) -> Option<u64> {
     let Some(rt) = min_rt_ms.filter(|_| pass > 0) else {
         return cfg.compat.empty_window_zero.then_some(0);
@@ -123,10 +118,10 @@ pub fn filtered_min_rt_ms(
     state: &mut BbrState,
     cfg: &BbrConfig,
 ) -> Option<u64> {
-    let window_min = smallest_mean(window.iter().map(|b| (b.rt_sum_us, b.rt_count)));
     if cfg.compat.min_rt_from_window {
-        return window_min.map(mean_ms);
+        return min_rt_ms(window);
     }
+    let window_min = smallest_mean(window.iter().map(|b| (b.rt_sum_us, b.rt_count)));
     let unloaded = window.iter().all(|b| !b.loaded);
     state.held_rt = match (unloaded && window_min.is_some(), state.held_rt) {
         (true, _) | (false, None) => window_min,
@@ -218,6 +213,12 @@ mod tests {
     use super::*;
 
     const S: u64 = 1_000_000_000;
+
+    /// `maxInFlight` over a window without the min-filter: the golden
+    /// vectors' composition (the agent's filters `minRT` first).
+    fn max_in_flight(window: &[BbrBucket], cfg: &BbrConfig) -> Option<u64> {
+        in_flight_limit(max_pass(window), min_rt_ms(window), cfg)
+    }
 
     /// aegis' fixture: a 1 s window of 10 buckets; bucket i completed
     /// `pass(i)` requests with RTs i*10+1 ..= i*10+10 ms. The last bucket is

@@ -327,17 +327,25 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     // a pass-through XDP program on the client side.
     let dev = lab.veth_cli.clone();
     let _peer = Lab::in_ns(&lab.ns_cli, move || crate::lab::attach_pass_xdp(&dev));
-    let dir = std::env::temp_dir();
     let rule = format!("[[rule]]\nname = \"svc\"\nproto = \"tcp\"\ndport = {PORT}\nunit = \"connections\"\nrate = \"1000000/s\"\n");
     let settings = format!("[settings]\nkey_table_entries = 65536\nsource_cache_entries = 65536\ncpu = \"cgroup:/{cgroup}\"\n");
-    let off = dir.join(format!("flowctl-ovl-off-{}.toml", std::process::id()));
-    let on = dir.join(format!("flowctl-ovl-on-{}.toml", std::process::id()));
-    let sticky = dir.join(format!("flowctl-ovl-sticky-{}.toml", std::process::id()));
-    std::fs::write(&off, format!("{settings}{rule}")).unwrap();
-    std::fs::write(&on, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n")).unwrap();
-    std::fs::write(&sticky, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, release_below = 600, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\" }}\n")).unwrap();
-    let window_rt = dir.join(format!("flowctl-ovl-window-{}.toml", std::process::id()));
-    std::fs::write(&window_rt, format!("{settings}{rule}bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\", compat = [\"min_rt_from_window\"] }}\n")).unwrap();
+    // The profiles the phases apply, removed at the end.
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    let mut profile = |name: &str, rule: &str| {
+        let path =
+            std::env::temp_dir().join(format!("flowctl-ovl-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, format!("{settings}{rule}")).unwrap();
+        files.push(path.clone());
+        path
+    };
+    // The rule with BBR, `extra` appended to its settings.
+    let bbr = |extra: &str| {
+        format!("{rule}bbr = {{ cpu_threshold = 800, window = \"10s\", buckets = 100, idle_timeout = \"10s\", reject = \"reset\"{extra} }}\n")
+    };
+    let off = profile("off", &rule);
+    let on = profile("on", &bbr(""));
+    let sticky = profile("sticky", &bbr(", release_below = 600"));
+    let window_rt = profile("window", &bbr(", compat = [\"min_rt_from_window\"]"));
     let mut agent = std::process::Command::new(flowctl_bin)
         .args(["attach", &lab.veth_srv, "--netns", &lab.ns_srv, "--profile"])
         .arg(&off)
@@ -372,32 +380,26 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     std::thread::sleep(Duration::from_secs(3));
     let without = offer(&lab, &cgroup, ramp, 20.0, 10.0);
     print("3x, BBR off", &without);
-    apply(&on);
-    std::thread::sleep(Duration::from_secs(3));
-    let with = offer(&lab, &cgroup, ramp, 20.0, 10.0);
-    print("3x, BBR on", &with);
-    apply(&off);
-    std::thread::sleep(Duration::from_secs(3));
-    apply(&sticky);
-    let held = offer(&lab, &cgroup, ramp, 20.0, 10.0);
-    print("3x, BBR, release 600", &held);
-    apply(&off);
-    std::thread::sleep(Duration::from_secs(3));
-    apply(&window_rt);
-    let kratos_rt = offer(&lab, &cgroup, ramp, 20.0, 10.0);
-    print("3x, BBR, minRT window", &kratos_rt);
+    // Each limited phase: back to no limit for 3 s (the service drains),
+    // then the phase's profile and the ramp.
+    let limited = |label: &str, p: &std::path::Path| {
+        apply(&off);
+        std::thread::sleep(Duration::from_secs(3));
+        apply(p);
+        let r = offer(&lab, &cgroup, ramp, 20.0, 10.0);
+        print(label, &r);
+        r
+    };
+    let with = limited("3x, BBR on", &on);
+    let held = limited("3x, BBR, release 600", &sticky);
+    let kratos_rt = limited("3x, BBR, minRT window", &window_rt);
     // The reference a concurrency limit is up against: a static rate at
     // 0.9x the measured capacity (the token bucket paces admissions).
-    apply(&off);
-    std::thread::sleep(Duration::from_secs(3));
-    let paced = dir.join(format!("flowctl-ovl-paced-{}.toml", std::process::id()));
     let paced_rule = rule
         .replace("rate = \"1000000/s\"", &format!("rate = \"{:.0}/s\"\nburst = 3", capacity * 0.9));
     assert_ne!(paced_rule, rule);
-    std::fs::write(&paced, format!("{settings}{paced_rule}")).unwrap();
-    apply(&paced);
-    let static_rate = offer(&lab, &cgroup, ramp, 20.0, 10.0);
-    print("3x, rate 0.9x, no BBR", &static_rate);
+    let paced = profile("paced", &paced_rule);
+    let static_rate = limited("3x, rate 0.9x, no BBR", &paced);
     let ratio = |r: &PhaseResult| {
         (
             r.goodput_per_s / capacity,
@@ -424,9 +426,7 @@ pub fn run(bench_bin: &std::path::Path, flowctl_bin: &std::path::Path) {
     for ctl in ["cpu", "cpuacct"] {
         let _ = std::fs::remove_dir(format!("/sys/fs/cgroup/{ctl}/{cgroup}"));
     }
-    let _ = std::fs::remove_file(&off);
-    let _ = std::fs::remove_file(&on);
-    let _ = std::fs::remove_file(&sticky);
-    let _ = std::fs::remove_file(&window_rt);
-    let _ = std::fs::remove_file(&paced);
+    for f in &files {
+        let _ = std::fs::remove_file(f);
+    }
 }

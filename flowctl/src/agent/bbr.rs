@@ -106,7 +106,8 @@ impl BbrLoop {
             }
             let window: Vec<BbrBucket> = l.buckets.values().copied().collect();
             let min_rt = bbr::filtered_min_rt_ms(&window, &mut l.state, &cfg);
-            let max = bbr::in_flight_limit(bbr::max_pass(&window), min_rt, &cfg);
+            let max_pass = bbr::max_pass(&window);
+            let max = bbr::in_flight_limit(max_pass, min_rt, &cfg);
             let in_flight = maps.in_flight(rs.record, b.idle_timeout_ns, now_ns)?;
             // The kernel drops; the cool-down is anchored at drops made while
             // the CPU is over threshold (`bbr::should_drop`'s rule).
@@ -122,7 +123,7 @@ impl BbrLoop {
                 l.state.drop_anchor_ns = 0;
             }
             let view = BbrControl {
-                max_pass: bbr::max_pass(&window),
+                max_pass,
                 min_rt_ms: min_rt.unwrap_or(0),
                 max_in_flight: max,
                 in_flight,
