@@ -249,6 +249,41 @@ fn main() {
         frame.len()
     );
 
+    if let Some(i) = args.iter().position(|a| a == "spin") {
+        // `flowctl-bench spin VARIANT SECONDS`: one path (floor, bare, full,
+        // or nomatch: parse and classify only) run for SECONDS on CPU 0, for
+        // a profiler to attribute its time to the program's functions
+        // (`perf record -C 0`; docs/benchmarks.md, "How to reproduce").
+        let variant = args[i + 1].clone();
+        let secs: f64 = args[i + 2].parse().unwrap();
+        let mut refs = Refs::load();
+        let admit = plane(&profile);
+        let nomatch = plane(&profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\""));
+        let m = admit.state.rules.iter().position(|r| r.name == "measured").unwrap();
+        let set = flowctl::profile::parse("bench", &profile).unwrap();
+        refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
+        refs.set_keys(10_000);
+        let fd = match variant.as_str() {
+            "bare" => refs.fd("bench_bare"),
+            "floor" => refs.fd("bench_pass"),
+            "nomatch" => xdp_fd(&nomatch),
+            "full" => xdp_fd(&admit),
+            other => {
+                eprintln!("bench: spin takes floor, bare, full or nomatch, not {other:?}");
+                std::process::exit(2);
+            }
+        };
+        refs.set_target(&fd);
+        let t = std::time::Instant::now();
+        let mut n = 0;
+        let mut sum = 0.0;
+        while t.elapsed().as_secs_f64() < secs {
+            sum += refs.run(&frame, 100_000).1;
+            n += 1;
+        }
+        println!("{variant}: {:.1} ns/packet over {n} runs", sum / n as f64);
+        return;
+    }
     let mut refs = Refs::load();
     // The bare reference's limit: same generous rate as `measured` for the
     // admit path (the drop path is flowctl-only; the bare program's drop path
