@@ -15,6 +15,12 @@ pub mod action {
     pub const DRY_RUN: u8 = 2;
 }
 
+/// `interval_fp` of a `block` rule (a bucket that never holds a token)
+/// and of a global rule's `default_share = "none"`: no rate has it (the
+/// slowest, one per `MAX` window, is far below). The decision refuses a
+/// local rule with it before any lookup.
+pub const BLOCK_INTERVAL_FP: u64 = u64::MAX;
+
 /// What one token stands for.
 pub mod unit {
     pub const PACKETS: u8 = 0;

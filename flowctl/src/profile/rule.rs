@@ -73,7 +73,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>, lists: &[List]) -> Result<Rule, Pr
         rule.action = action::DROP;
         rule.block = true;
         rule.rate_text = "block".into();
-        rule.interval_fp = u64::MAX;
+        rule.interval_fp = flowctl_common::BLOCK_INTERVAL_FP;
         rule.burst_ns = 0;
         return Ok(rule);
     }
