@@ -262,8 +262,16 @@ fn refused_syns_book_their_retransmissions() {
     ));
     let v = V4::new([10, 3, 0, 9]);
     let syn = |sport: u16| v.build(L4::Tcp { sport, dport: 80, flags: 0x02 }, 0);
-    let t0 = std::time::Instant::now();
-    assert_eq!([p.run(&syn(1)), p.run(&syn(2))], [XDP_PASS, XDP_PASS]);
+    // The slot is 100 ms after the kernel's clock read for the first SYN,
+    // which falls between these two instants; under TCG with a busy host
+    // they can be tens of milliseconds apart, so "early" is judged from
+    // the one before and "due" from the one after (judging both from the
+    // one before refused a retransmission sent before its slot, in CI on
+    // 6.12).
+    let before = std::time::Instant::now();
+    assert_eq!(p.run(&syn(1)), XDP_PASS);
+    let after = std::time::Instant::now();
+    assert_eq!(p.run(&syn(2)), XDP_PASS);
     assert_eq!(p.run(&syn(3)), XDP_DROP, "refused, and booked at +100 ms");
     // Eight more flows fill the horizon (slots at +200 ms ... +900 ms and
     // +1 s); the next books nothing.
@@ -273,10 +281,10 @@ fn refused_syns_book_their_retransmissions() {
     assert_eq!(p.run(&syn(13)), XDP_DROP);
     let c = p.counters("conns");
     assert_eq!(c.booked_syns, 10, "flows 3-12 booked, 13 past the horizon");
-    if t0.elapsed() < std::time::Duration::from_millis(90) {
+    if before.elapsed() < std::time::Duration::from_millis(90) {
         assert_eq!(p.run(&syn(3)), XDP_DROP, "before its slot: early");
     }
-    std::thread::sleep(std::time::Duration::from_millis(110).saturating_sub(t0.elapsed()));
+    std::thread::sleep(std::time::Duration::from_millis(110).saturating_sub(after.elapsed()));
     assert_eq!(p.run(&syn(3)), XDP_PASS, "its retransmission, on its booking");
     // Used up: the same flow again is judged by the bucket, which is
     // booked a second ahead, so refused (it may book the slot at +1.1 s,
@@ -289,7 +297,7 @@ fn refused_syns_book_their_retransmissions() {
     assert_eq!(c.redeemed_syns, 1);
     assert_eq!(c.passed_pkts, 3);
     // One slot per 100 ms the test took past 110 ms at most.
-    let late = (t0.elapsed().as_millis() as u64).saturating_sub(110) / 100;
+    let late = (before.elapsed().as_millis() as u64).saturating_sub(110) / 100;
     assert!((11..=12 + late).contains(&c.booked_syns), "{} booked", c.booked_syns);
     assert_eq!(c.dropped_pkts[reason::RATE], c.offered_pkts - 3);
 }
@@ -740,36 +748,59 @@ fn warm_up_ramps_from_a_quarter_to_the_full_rate() {
     let frame = V4::new([10, 60, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
     let t0 = std::time::Instant::now();
     let mut per_window = vec![0u64; 12];
+    // Where the test itself was off the CPU (a busy host; a TCG vCPU), per
+    // window: the longest stretch between two offers. The bucket earned
+    // tokens meanwhile that it hands out (up to its burst) in a later
+    // window, and a run that straddles a boundary is counted in the window
+    // it started in; so each window's tolerance widens by the units the
+    // rate earns in its own and its neighbours' longest stall.
+    let mut stall_us = vec![0u64; 13];
     let mut offered = 0u64;
+    let mut last_us = 0u64;
     loop {
-        let w = (t0.elapsed().as_millis() as u64 / WINDOW_MS) as usize;
+        let now_us = t0.elapsed().as_micros() as u64;
+        let w = (now_us / 1000 / WINDOW_MS) as usize;
         if w >= per_window.len() {
             break;
         }
+        stall_us[w] = stall_us[w].max(now_us - last_us);
+        last_us = now_us;
         offered += 1;
         if p.run(&frame) == XDP_PASS {
             per_window[w] += 1;
         }
     }
+    // 200/s: one unit per 5 ms stalled (none on an idle host, where the
+    // runs are microseconds apart).
+    let earned = |w: usize| stall_us[w] / 5000;
+    let slack = |w: usize| earned(w) + earned(w + 1) + if w > 0 { earned(w - 1) } else { 0 };
     let secs = t0.elapsed().as_secs_f64();
     let admitted: u64 = per_window.iter().sum();
     println!(
-        "warm-up: {offered} offered in {secs:.2} s, admitted per {WINDOW_MS} ms: {per_window:?}"
+        "warm-up: {offered} offered in {secs:.2} s, admitted per {WINDOW_MS} ms: {per_window:?}, longest stalls {stall_us:?} us"
     );
     let full = 200 * WINDOW_MS / 1000; // 50
     assert!(offered > 100 * admitted, "offered far above the rate: {offered}");
+    let seen = format!("{per_window:?}, the longest stall per window {stall_us:?} us");
     assert!(
-        (12..=20).contains(&per_window[0]),
-        "cold: about 12.5 plus a burst of 3: {per_window:?}"
+        (12..=20 + slack(0)).contains(&per_window[0]),
+        "cold: about 12.5 plus a burst of 3: {seen}"
     );
-    assert!(per_window.iter().all(|&n| n <= full + 9), "never above the rate: {per_window:?}");
+    assert!(
+        (0..per_window.len()).all(|w| per_window[w] <= full + 9 + slack(w)),
+        "never above the rate: {seen}"
+    );
     // From the second window on (the first has the burst).
-    for w in per_window[1..].windows(2) {
-        assert!(w[1] + 2 >= w[0], "the ramp only climbs: {per_window:?}");
+    for w in 1..per_window.len() - 1 {
+        assert!(
+            per_window[w + 1] + 2 + slack(w) + slack(w + 1) >= per_window[w],
+            "the ramp only climbs: {seen}"
+        );
     }
     assert!(
-        per_window[9..].iter().all(|&n| (full - 1..=full + 1).contains(&n)),
-        "warm after 2 s: {per_window:?}"
+        (9..per_window.len()).all(|w| ((full - 1).saturating_sub(slack(w))..=full + 1 + slack(w))
+            .contains(&per_window[w])),
+        "warm after 2 s: {seen}"
     );
     assert!((admitted as f64) <= 9.0 + 200.0 * secs + 1.0, "{admitted} in {secs:.2} s");
     let c = p.counters("warm");

@@ -96,7 +96,9 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             // replaces it per key); without one, a bucket that refuses all.
             interval_fp: match &r.global {
                 None => r.interval_fp,
-                Some(g) => g.share.as_ref().map_or(flowctl_common::BLOCK_INTERVAL_FP, |d| d.interval_fp),
+                Some(g) => {
+                    g.share.as_ref().map_or(flowctl_common::BLOCK_INTERVAL_FP, |d| d.interval_fp)
+                }
             },
             burst_ns: match &r.global {
                 None => r.burst_ns,
