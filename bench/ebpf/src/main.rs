@@ -4,6 +4,7 @@
 //! - `bench_bare`: the bare reference, one GCRA bucket per source IPv4 in an
 //!   LRU hash and nothing else, with the same compare-and-swap update as
 //!   flowctl (`flowctl_common::gcra`).
+//! - `bench_bare_small`: the same with a 64k-entry table (section 1l).
 //! - `bench_spread`: rewrites the IPv4 source to walk N keys, then tail-calls
 //!   the program under test, so BPF_PROG_TEST_RUN covers many keys.
 //! - `bench_gen`: the live-frames generator: walks N sources and redirects
@@ -37,6 +38,8 @@ static BENCH_SEQ: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 static BENCH_NEXT: ProgramArray = ProgramArray::with_max_entries(1, 0);
 #[map]
 static BENCH_BARE_KEYS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1 << 20, 0);
+#[map]
+static BENCH_BARE_SMALL_KEYS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1 << 16, 0);
 
 #[xdp]
 pub fn bench_pass(_ctx: XdpContext) -> u32 {
@@ -103,6 +106,19 @@ pub fn bench_gen(ctx: XdpContext) -> u32 {
 
 #[xdp]
 pub fn bench_bare(ctx: XdpContext) -> u32 {
+    bare(&ctx, &BENCH_BARE_KEYS)
+}
+
+/// The bare reference with a table of 64k entries instead of 1M: what the
+/// size of an LRU hash (its bucket array and element area, 4 KiB pages)
+/// costs a lookup at the same number of live keys.
+#[xdp]
+pub fn bench_bare_small(ctx: XdpContext) -> u32 {
+    bare(&ctx, &BENCH_BARE_SMALL_KEYS)
+}
+
+#[inline(always)]
+fn bare(ctx: &XdpContext, keys: &LruHashMap<u32, u64>) -> u32 {
     let p = ctx.data() + SRC_OFF;
     if p + 4 > ctx.data_end() {
         return xdp_action::XDP_PASS;
@@ -114,9 +130,9 @@ pub fn bench_bare(ctx: XdpContext) -> u32 {
     let (interval, burst) = (*t, *b);
     let now = unsafe { bpf_ktime_get_ns() };
     let inc = gcra::increment_ns(interval, 1);
-    let Some(tat) = BENCH_BARE_KEYS.get_ptr_mut(&src) else {
+    let Some(tat) = keys.get_ptr_mut(&src) else {
         let first = now + inc;
-        let _ = BENCH_BARE_KEYS.insert(&src, &first, 1);
+        let _ = keys.insert(&src, &first, 1);
         return xdp_action::XDP_PASS;
     };
     let mut tries = 0;

@@ -53,7 +53,7 @@ impl Refs {
     fn load() -> Self {
         let mut ebpf =
             EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
-        for p in ["bench_pass", "bench_spread", "bench_bare"] {
+        for p in ["bench_pass", "bench_spread", "bench_bare", "bench_bare_small"] {
             let prog: &mut Xdp = ebpf.program_mut(p).unwrap().try_into().unwrap();
             prog.load().unwrap_or_else(|e| panic!("{p}: {e}"));
         }
@@ -97,6 +97,21 @@ impl Refs {
 }
 
 impl Refs {
+    /// Fills every target's tables as section 1's 1M-key row filled the
+    /// reference's and `admit`'s: a section that compares a plane loaded
+    /// afterwards with them would otherwise set a fresh table (10k entries)
+    /// against a full one (1M), and the full one's lookups miss the cache
+    /// more (about 70-150 ns for the bare reference, section 1l). Leaves
+    /// the spreader at 10k keys.
+    fn fill(&mut self, targets: &[ProgramFd], frame: &[u8]) {
+        self.set_keys(1 << 20);
+        for fd in targets {
+            self.set_target(fd);
+            self.run(frame, 1 << 20);
+        }
+        self.set_keys(10_000);
+    }
+
     /// Runs `frame` through each target behind the spreader: first once per
     /// key (so every key exists), then `ROUNDS` interleaved rounds of
     /// `repeat` runs. Returns each target's median ns/packet and last verdict.
@@ -251,7 +266,8 @@ fn main() {
 
     if let Some(i) = args.iter().position(|a| a == "spin") {
         // `flowctl-bench spin VARIANT SECONDS`: one path (floor, bare, full,
-        // or nomatch: parse and classify only) run for SECONDS on CPU 0, for
+        // nomatch: parse and classify only, or quota: full with section 1b's
+        // quota) run for SECONDS on CPU 0, for
         // a profiler to attribute its time to the program's functions
         // (`perf record -C 0`; docs/benchmarks.md, "How to reproduce").
         let variant = args[i + 1].clone();
@@ -259,6 +275,7 @@ fn main() {
         let mut refs = Refs::load();
         let admit = plane(&profile);
         let nomatch = plane(&profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\""));
+        let quota = plane(&quota_profile(&profile));
         let m = admit.state.rules.iter().position(|r| r.name == "measured").unwrap();
         let set = flowctl::profile::parse("bench", &profile).unwrap();
         refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
@@ -268,8 +285,9 @@ fn main() {
             "floor" => refs.fd("bench_pass"),
             "nomatch" => xdp_fd(&nomatch),
             "full" => xdp_fd(&admit),
+            "quota" => xdp_fd(&quota),
             other => {
-                eprintln!("bench: spin takes floor, bare, full or nomatch, not {other:?}");
+                eprintln!("bench: spin takes floor, bare, full, nomatch or quota, not {other:?}");
                 std::process::exit(2);
             }
         };
@@ -335,21 +353,13 @@ fn main() {
     }
 
     println!("\n1b. The quota stage: flowctl's admitted path with and without a quota on `measured` (10k keys)");
-    let quota_profile = profile.replace(
-        "rate = \"100G/s\"",
-        "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16",
-    );
-    assert_ne!(quota_profile, profile);
-    let with_quota = plane(&quota_profile);
+    let quota_text = quota_profile(&profile);
+    let with_quota = plane(&quota_text);
     // One bucket: the same lookup and swap, a 1-slot sum instead of 16.
-    let one_bucket = plane(&quota_profile.replace("quota_buckets = 16", "quota_buckets = 1"));
-    refs.set_keys(10_000);
-    let (qm, _) = refs.interleaved(
-        &[xdp_fd(&admit), xdp_fd(&with_quota), xdp_fd(&one_bucket)],
-        &frame,
-        10_000,
-        repeat,
-    );
+    let one_bucket = plane(&quota_text.replace("quota_buckets = 16", "quota_buckets = 1"));
+    let quota_fds = [xdp_fd(&admit), xdp_fd(&with_quota), xdp_fd(&one_bucket)];
+    refs.fill(&quota_fds, &frame);
+    let (qm, _) = refs.interleaved(&quota_fds, &frame, 10_000, repeat);
     println!(
         "  no quota: {:.1} ns/packet   with a 16-bucket quota: {:.1} ns/packet   ratio {:.2}x   (a 1-bucket quota: {:.1}, {:.2}x)",
         qm[0],
@@ -508,7 +518,7 @@ fn main() {
         .collect();
     let mut fds = vec![refs.fd("bench_pass"), refs.fd("bench_bare")];
     fds.extend(stage_planes.iter().map(xdp_fd));
-    refs.set_keys(10_000);
+    refs.fill(&fds, &frame);
     let (st, v) = refs.interleaved(&fds, &frame, 10_000, repeat);
     assert_eq!(
         &v[2..],
@@ -531,8 +541,29 @@ fn main() {
     );
     drop(stage_planes);
 
+    println!("\n1l. Table size: the bare reference and flowctl's admitted path with 1M-entry tables (the defaults) and 64k-entry ones, each filled to capacity, then the same 10k live keys");
+    let small_tables = profile
+        .replace("source_cache_entries = 1048576", "source_cache_entries = 65536")
+        .replace("key_table_entries = 1048576", "key_table_entries = 65536");
+    assert_ne!(small_tables, profile);
+    let size_planes = [plane(&profile), plane(&small_tables)];
+    let fds = [
+        refs.fd("bench_bare"),
+        refs.fd("bench_bare_small"),
+        xdp_fd(&size_planes[0]),
+        xdp_fd(&size_planes[1]),
+    ];
+    refs.fill(&fds, &frame);
+    let (tm, v) = refs.interleaved(&fds, &frame, 10_000, repeat);
+    assert!(v.iter().all(|v| *v == flowctl_common::XDP_PASS), "every variant admits");
+    println!(
+        "  bare: 1M {:.1}, 64k {:.1} ns/packet ({:+.1})   flowctl: 1M {:.1}, 64k {:.1} ({:+.1})   flowctl / bare: 1M {:.2}x, 64k {:.2}x",
+        tm[0], tm[1], tm[1] - tm[0], tm[2], tm[3], tm[3] - tm[2], tm[2] / tm[0], tm[3] / tm[1]
+    );
+    drop(size_planes);
+
     if std::env::args().any(|a| a == "path") {
-        // `bench path [quick]`: sections 1 to 1k alone (the per-packet
+        // `bench path [quick]`: sections 1 to 1l alone (the per-packet
         // cost of the full path and of a quota, for a kernel change's note).
         return;
     }
@@ -599,6 +630,16 @@ fn main() {
 
     println!("\n9. The egress shaper");
     flowctl_tests::shaper_bench::run(quick);
+}
+
+/// `measured` with a 16-bucket quota that never binds (section 1b).
+fn quota_profile(profile: &str) -> String {
+    let text = profile.replace(
+        "rate = \"100G/s\"",
+        "rate = \"100G/s\"\nquota = 4000000000\nquota_window = \"1h\"\nquota_buckets = 16",
+    );
+    assert_ne!(text, profile);
+    text
 }
 
 /// The committed benchmark profile (bench/profile.toml).
