@@ -105,11 +105,17 @@ impl Refs {
     /// the spreader at 10k keys.
     fn fill(&mut self, targets: &[ProgramFd], frame: &[u8]) {
         self.set_keys(1 << 20);
+        self.touch_each(targets, frame, 1 << 20);
+        self.set_keys(10_000);
+    }
+
+    /// Runs `frame` `runs` times through each target, unmeasured: with
+    /// `runs` at least the spreader's key count, every key exists after.
+    fn touch_each(&mut self, targets: &[ProgramFd], frame: &[u8], runs: u32) {
         for fd in targets {
             self.set_target(fd);
-            self.run(frame, 1 << 20);
+            self.run(frame, runs);
         }
-        self.set_keys(10_000);
     }
 
     /// Runs `frame` through each target behind the spreader: first once per
@@ -136,10 +142,7 @@ impl Refs {
         repeat: u32,
         mut between: impl FnMut(),
     ) -> (Vec<f64>, Vec<u32>) {
-        for fd in targets {
-            self.set_target(fd);
-            self.run(frame, keys);
-        }
+        self.touch_each(targets, frame, keys);
         between();
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); targets.len()];
         let mut verdicts = vec![0u32; targets.len()];
@@ -272,24 +275,28 @@ fn main() {
         // (`perf record -C 0`; docs/benchmarks.md, "How to reproduce").
         let variant = args[i + 1].clone();
         let secs: f64 = args[i + 2].parse().unwrap();
-        let mut refs = Refs::load();
-        let admit = plane(&profile);
-        let nomatch = plane(&profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\""));
-        let quota = plane(&quota_profile(&profile));
-        let m = admit.state.rules.iter().position(|r| r.name == "measured").unwrap();
-        let set = flowctl::profile::parse("bench", &profile).unwrap();
-        refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
-        refs.set_keys(10_000);
-        let fd = match variant.as_str() {
-            "bare" => refs.fd("bench_bare"),
-            "floor" => refs.fd("bench_pass"),
-            "nomatch" => xdp_fd(&nomatch),
-            "full" => xdp_fd(&admit),
-            "quota" => xdp_fd(&quota),
+        // Only the spun variant's plane is loaded: each holds its own
+        // 1M-entry tables.
+        let spun_text = match variant.as_str() {
+            "bare" | "floor" => None,
+            "full" => Some(profile.clone()),
+            "nomatch" => Some(profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\"")),
+            "quota" => Some(quota_profile(&profile)),
             other => {
                 eprintln!("bench: spin takes floor, bare, full, nomatch or quota, not {other:?}");
                 std::process::exit(2);
             }
+        };
+        let mut refs = Refs::load();
+        let set = flowctl::profile::parse("bench", &profile).unwrap();
+        let m = set.rules.iter().position(|r| r.name == "measured").unwrap();
+        refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
+        refs.set_keys(10_000);
+        let spun = spun_text.map(|text| plane(&text));
+        let fd = match (&spun, variant.as_str()) {
+            (Some(p), _) => xdp_fd(p),
+            (None, "bare") => refs.fd("bench_bare"),
+            (None, _) => refs.fd("bench_pass"),
         };
         refs.set_target(&fd);
         let t = std::time::Instant::now();
