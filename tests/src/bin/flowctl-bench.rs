@@ -381,8 +381,9 @@ fn main() {
     let lean = plane(&profile.replacen("[settings]", "[settings]\nstatistics = \"control\"", 1));
     let off = plane_with(&profile, |s| s.stats.level = flowctl_common::stats::level::OFF);
     assert_eq!(lean.state.stats.level, flowctl_common::stats::level::CONTROL);
-    let (sm, _) =
-        refs.interleaved(&[xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)], &frame, 10_000, repeat);
+    let stats_fds = [xdp_fd(&off), xdp_fd(&lean), xdp_fd(&admit)];
+    refs.fill(&stats_fds, &frame);
+    let (sm, _) = refs.interleaved(&stats_fds, &frame, 10_000, repeat);
     println!(
         "  off: {:.1} ns/packet   control: {:.1} ({:.2}x)   full: {:.1} ({:.2}x)   target: full within 1.15x of off",
         sm[0], sm[1], sm[1] / sm[0], sm[2], sm[2] / sm[0]
