@@ -32,7 +32,7 @@ use crate::{
 use flowctl_common::{
     action, reason, tcp_flags, unit, GlobalRecord, PacketMeta, RuleConfig, BLOCK_INTERVAL_FP,
 };
-use quota::{NoQuota, Quota, Remember};
+use quota::{NoQuota, Quota};
 
 /// The decision on a parsed packet: its rule (`classify`), then the
 /// rule's stages.
@@ -107,7 +107,7 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
         d.book = rule.book_syns;
         return d;
     }
-    let mut quota = Quota::of(rule, meta, record, now, Remember::Here);
+    let mut quota = Quota::of(rule, meta, record, now);
     if !quota.has_room(cost) {
         return verdict(rule, reason::QUOTA);
     }

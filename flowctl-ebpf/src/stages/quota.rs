@@ -2,20 +2,14 @@
 //! (`FLOWCTL_QUOTAS`). Checked before the bucket looks ([`Quota::has_room`]),
 //! committed once the bucket has admitted on a read ([`QuotaStage::commit`]),
 //! rolled back if the bucket's own swap then refuses
-//! ([`QuotaStage::rollback`]). A local rule's refusal is remembered in the
-//! debt table until everything its window counted has left it
-//! (`window::refused_until`), and a ring created while that debt lasts
-//! starts full: a key held at its quota gets no fresh window when the LRU
-//! table evicts its ring (docs/design.md, "Where bucket state lives").
+//! ([`QuotaStage::rollback`]).
 
-use super::bucket::{flowctl_recall_debt, flowctl_remember_debt};
 use crate::{
     accounting::insert_failed,
     maps::{FLOWCTL_QUOTAS, FLOWCTL_ZERO_RING},
 };
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    debt::QUOTA_DOMAIN,
     keys::bucket_key,
     window::{self, Window},
     BucketKey, PacketMeta, QuotaRing, RuleConfig, CAS_RETRIES,
@@ -46,20 +40,6 @@ impl QuotaStage for NoQuota {
     fn rollback(&mut self, _cost: u64) {}
 }
 
-/// Where a window's refusals go (docs/design.md, "Where bucket state
-/// lives").
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Remember {
-    /// A global rule's share: the fleet accounts for its window.
-    Not,
-    /// A local rule's window: restored and remembered from here.
-    Here,
-    /// A rule with nested limits: its caller (`flowctl_nested_admit`)
-    /// restores and remembers, a call shallower, as the verifier's 512
-    /// bytes of call-chain stack need ([`Quota::fresh`], [`Quota::note_due`]).
-    Caller,
-}
-
 /// The quota stage of one packet: its key's window ring and epoch, and
 /// whether this packet has committed to it yet (so retries of the bucket's
 /// compare-and-swap never count it twice).
@@ -71,22 +51,6 @@ pub struct Quota {
     /// The K full buckets' sum, from `has_room` (past buckets no longer change).
     past: u64,
     committed: bool,
-    remember: Remember,
-    /// Where a refusal is remembered (`FLOWCTL_RULES` index and record).
-    rule_at: u32,
-    record: u32,
-    now: u64,
-    /// `Remember::Caller`: this packet created the ring (the caller
-    /// restores it before deciding), and a refusal is for the caller to
-    /// remember.
-    pub fresh: bool,
-    pub note_due: bool,
-}
-
-/// The window geometry of a rule's quota.
-#[inline(always)]
-pub fn window_of(rule: &RuleConfig) -> Window {
-    Window { bucket_ns: rule.quota_bucket_ns, buckets: rule.quota_buckets }
 }
 
 impl Quota {
@@ -94,85 +58,27 @@ impl Quota {
     /// that refuses the insert leaves the quota unenforced for this packet
     /// (counted as an insert failure), like the key table.
     #[inline(always)]
-    pub fn of(
-        rule: &RuleConfig,
-        meta: &PacketMeta,
-        record: u32,
-        now: u64,
-        remember: Remember,
-    ) -> Self {
-        let limit = rule.quota_limit as u64;
-        Self::of_key(rule, &bucket_key(meta, rule), limit, (remember, record), now)
+    pub fn of(rule: &RuleConfig, meta: &PacketMeta, record: u32, now: u64) -> Self {
+        Self::of_key(rule, &bucket_key(meta, rule), rule.quota_limit as u64, record, now)
     }
 
     /// The ring of `key` (already made from the packet) with `limit` units
-    /// per window, for a global rule's quota share.
+    /// per window: a global rule's quota share.
     #[inline(always)]
-    pub fn of_share(rule: &RuleConfig, key: &BucketKey, limit: u64, record: u32, now: u64) -> Self {
-        Self::of_key(rule, key, limit, (Remember::Not, record), now)
-    }
-
-    #[inline(always)]
-    fn of_key(
-        rule: &RuleConfig,
-        key: &BucketKey,
-        limit: u64,
-        (remember, record): (Remember, u32),
-        now: u64,
-    ) -> Self {
-        let window = window_of(rule);
-        let epoch = window.epoch(now);
+    pub fn of_key(rule: &RuleConfig, key: &BucketKey, limit: u64, record: u32, now: u64) -> Self {
+        let window = Window { bucket_ns: rule.quota_bucket_ns, buckets: rule.quota_buckets };
         let key = *key;
-        let mut fresh = false;
         let mut ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
         if ring.is_null() {
             if let Some(zero) = FLOWCTL_ZERO_RING.get(0) {
                 let _ = FLOWCTL_QUOTAS.insert(&key, zero, 1 /* BPF_NOEXIST */);
             }
-            if remember == Remember::Here {
-                flowctl_recall_debt(rule.at, record, now, QUOTA_DOMAIN);
-            }
-            fresh = true;
             ring = FLOWCTL_QUOTAS.get_ptr_mut(&key).unwrap_or(core::ptr::null_mut());
             if ring.is_null() {
                 insert_failed(record);
             }
         }
-        Self {
-            ring,
-            window,
-            epoch,
-            limit,
-            past: 0,
-            committed: false,
-            remember,
-            rule_at: rule.at,
-            record,
-            now,
-            fresh,
-            note_due: false,
-        }
-    }
-
-    /// On a refusal by the window: remembered until everything counted up
-    /// to now has left it, once per bucket (the ring's `noted` mark).
-    #[inline(always)]
-    fn note_refusal(&mut self) {
-        if self.remember == Remember::Not || self.ring.is_null() {
-            return;
-        }
-        let mark = self.epoch.wrapping_add(1);
-        let noted = unsafe { &mut (*self.ring).noted as *mut u64 };
-        if unsafe { core::ptr::read_volatile(noted) } == mark {
-            return;
-        }
-        unsafe { core::ptr::write_volatile(noted, mark) };
-        if self.remember == Remember::Caller {
-            self.note_due = true;
-            return;
-        }
-        let until = window::refused_until(&self.window, self.epoch);
-        flowctl_remember_debt(self.rule_at, self.record, until, self.now, QUOTA_DOMAIN);
+        Self { ring, window, epoch: window.epoch(now), limit, past: 0, committed: false }
     }
 
     #[inline(always)]
@@ -202,31 +108,7 @@ impl Quota {
             None => 0,
         };
         self.past = sum.saturating_sub(current);
-        let room = window::quota_admits(sum, cost, self.limit);
-        if !room {
-            self.note_refusal();
-        }
-        room
-    }
-}
-
-/// Fills the ring just created for `key` (new, or back after the table
-/// evicted it) while its key's last refusal by the window is remembered:
-/// the rule's whole quota in the current bucket, so the key is refused
-/// until that bucket has left the window. Every unit the old ring held was
-/// counted by now, so this never admits more than it would have, and may
-/// refuse up to a window longer (docs/algorithms.md 2.3). Called by
-/// `flowctl_recall_debt` for `QUOTA_DOMAIN`, which has the key at hand
-/// (a global function of its own would build and hash it once more, and
-/// one more call deep did not fit the nested limits' call chain).
-#[inline(always)]
-pub fn fill_window(rule: &RuleConfig, key: &BucketKey, now: u64) {
-    let window = window_of(rule);
-    let epoch = window.epoch(now);
-    let Some(ring) = FLOWCTL_QUOTAS.get_ptr_mut(key) else { return };
-    let i = window::slot(epoch, window.slots());
-    if let Some(w) = unsafe { (*ring).words.get_mut(i as usize) } {
-        unsafe { core::ptr::write_volatile(w, window::pack(epoch, rule.quota_limit)) };
+        window::quota_admits(sum, cost, self.limit)
     }
 }
 
@@ -246,7 +128,6 @@ impl QuotaStage for Quota {
             let old = unsafe { core::ptr::read_volatile(cur) };
             let sum = past + window::count_in(old, self.epoch) as u64;
             if !window::quota_admits(sum, cost, self.limit) {
-                self.note_refusal();
                 return QuotaCommit::Full;
             }
             let new = window::bumped(old, self.epoch, cost as u32);
