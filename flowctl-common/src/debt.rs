@@ -64,6 +64,12 @@ pub struct DebtSet {
     pub ways: [DebtWay; DEBT_WAYS],
 }
 
+/// XORed into a key's tag for the debt of its quota window rather than of
+/// its bucket: both live in the key's set, and neither is read as the
+/// other (a bucket starting from a window's end would be refused for a
+/// burst's worth of time it does not owe, and the reverse).
+pub const QUOTA_DOMAIN: u64 = 1 << 63;
+
 /// The set (an index into `FLOWCTL_DEBT`, within the record's region) and
 /// the tag of `key` under rule record `record`. The tag is never 0.
 #[inline(always)]

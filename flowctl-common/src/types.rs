@@ -640,6 +640,10 @@ pub struct EgressTarget {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QuotaRing {
     pub words: [u64; crate::QUOTA_RING_SLOTS],
+    /// 1 + the epoch in which a refusal of this key was last written to the
+    /// debt table (0: none), so a key held at its quota writes it once per
+    /// bucket, not once per packet (`window::refused_until`).
+    pub noted: u64,
 }
 
 /// One sampled packet for `top --keys`, as the kernel writes it into the
@@ -717,7 +721,7 @@ assert_layout!(RuleConfig, 64, 8);
 assert_layout!(crate::warm::WarmBucket, 24, 8);
 assert_layout!(crate::shaper::ShaperConfig, 40, 8);
 assert_layout!(crate::shaper::ShaperCounters, 64, 8);
-assert_layout!(QuotaRing, 8 * crate::QUOTA_RING_SLOTS, 8);
+assert_layout!(QuotaRing, 8 * (crate::QUOTA_RING_SLOTS + 1), 8);
 assert_layout!(GlobalRecord, 56, 8);
 assert_layout!(crate::StatsBucket, 112, 8);
 assert_layout!(KeySample, 56, 4);

@@ -132,6 +132,20 @@ pub fn ring_sum(words: impl Fn(usize) -> u64, epoch: u64, buckets: u32) -> u64 {
     sum
 }
 
+/// When everything a key's ring counts up to the end of bucket `epoch` has
+/// left the window: the end of bucket `epoch + K`. A key its quota refuses
+/// in `epoch` has its debt remembered until then, so a ring the table
+/// evicts meanwhile comes back full (docs/design.md, "Where bucket state
+/// lives").
+#[inline(always)]
+pub fn refused_until(w: &Window, epoch: u64) -> u64 {
+    // Wrapping: `epoch * L` is at most the clock and (K + 1) * L at most
+    // twice the window, so only a window of over 290 years could wrap, and
+    // a wrapped end only forgets the refusal. A checked product would need
+    // `__multi3`, which BPF does not have.
+    epoch.wrapping_add(w.buckets as u64 + 1).wrapping_mul(w.bucket_ns)
+}
+
 /// The quota decision: admit `cost` when the window holds at most
 /// `limit - cost`.
 #[inline(always)]
@@ -213,6 +227,19 @@ mod tests {
             self.words[s] = bumped(self.words[s], e, cost);
             true
         }
+    }
+
+    #[test]
+    fn a_refusal_is_remembered_until_its_bucket_leaves_the_window() {
+        // K = 4 buckets of 100: bucket 7 counts through bucket 11 (ages
+        // 0..=K), so its units have all left at the end of bucket 11.
+        let w = Window { bucket_ns: 100, buckets: 4 };
+        assert_eq!(refused_until(&w, 7), 1_200);
+        let mut ring = [0u64; crate::QUOTA_RING_SLOTS];
+        ring[slot(7, w.slots()) as usize] = pack(7, 5);
+        let sum_at = |t: u64| window_sum(&w, w.epoch(t), |i| ring[i as usize]);
+        assert_eq!(sum_at(1_199), 5);
+        assert_eq!(sum_at(1_200), 0);
     }
 
     #[test]

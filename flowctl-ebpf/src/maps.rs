@@ -80,7 +80,7 @@ pub static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT
 #[map]
 pub static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
     LruHashMap::pinned(DEFAULT_QUOTA_ENTRIES, 0);
-/// A zeroed ring to insert from (136 bytes are too many for the stack).
+/// A zeroed ring to insert from (144 bytes are too many for the stack).
 #[map]
 pub static FLOWCTL_ZERO_RING: PerCpuArray<QuotaRing> = PerCpuArray::with_max_entries(1, 0);
 /// Global rules' keys (see `stages::global`), sized by the loader.

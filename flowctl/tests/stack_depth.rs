@@ -14,7 +14,11 @@ use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget, SectionIndex
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Bytes of the 512 left free on the worst chain, for features to come.
-const MARGIN: u32 = 64;
+/// 64 until 2026-12-06, when the debt's recall learned to fill a quota
+/// window's ring (a slot pointer and its word kept across the debt's
+/// lookup): its frame went from 72 to 120 bytes, 96 to 128 in 6.1's
+/// rounding (docs/design.md, "Verifier budget").
+const MARGIN: u32 = 32;
 const MAX_BPF_STACK: u32 = 512;
 
 struct Func {

@@ -992,6 +992,80 @@ fn quota_admits_n_per_window() {
     assert_eq!(again, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP]);
 }
 
+/// A key its quota refused stays refused when the LRU table evicts its
+/// window ring (a flood of new keys on another rule, eight times the
+/// table): the refusal is remembered in the debt table and the ring comes
+/// back full (`window::refused_until`). A key refused only by its rate
+/// gets no full window from its bucket's debt (separate domains), and a key
+/// never refused starts with an empty window.
+fn quota_eviction_hands_no_fresh_window_to_refused_keys() {
+    let text = "[settings]\nquota_table_entries = 1024\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"victim\"\nproto = \"icmp\"\nquota = 3\nquota_window = \"10min\"\nkey = \"src\"\n\
+        [[rule]]\nname = \"rated\"\nproto = \"tcp\"\nrate = \"1/min\"\nburst = 1\nquota = 100\nquota_window = \"10min\"\nkey = \"src\"\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nquota = 3\nquota_window = \"10min\"\nkey = \"src\"\n";
+    let p = TestPlane::new(text);
+    let rings =
+        || -> aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> {
+            p.lru_table(flowctl_common::map_names::QUOTAS)
+        };
+    let keys =
+        || -> Vec<flowctl_common::BucketKey> { rings().keys().filter_map(|k| k.ok()).collect() };
+    let victim = V4::new([10, 20, 0, 1]).build(L4::Icmp, 0);
+    let v: Vec<u32> = (0..5).map(|_| p.run(&victim)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP]);
+    let victim_key = keys()[0];
+    let rated = V4::new([10, 21, 0, 1]).build(L4::Tcp { sport: 1, dport: 2, flags: 0x10 }, 0);
+    assert_eq!([p.run(&rated), p.run(&rated)], [XDP_PASS, XDP_DROP]);
+    assert_eq!(p.counters("rated").dropped_pkts[reason::RATE], 1);
+    let rated_key = *keys().iter().find(|k| **k != victim_key).unwrap();
+    for i in 0..8192u32 {
+        let b = i.to_be_bytes();
+        p.run(&V4::new([10, 30 + b[1], b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
+    }
+    let r = rings();
+    assert!(r.get(&victim_key, 0).is_err(), "the flood evicted the victim's ring");
+    assert!(r.get(&rated_key, 0).is_err(), "and the rated key's");
+    assert_eq!(p.run(&victim), XDP_DROP, "back after eviction, still at its quota");
+    assert_eq!(p.counters("victim").dropped_pkts[reason::QUOTA], 3);
+    // The rated key: refused by its bucket's debt, and its new ring empty.
+    assert_eq!(p.run(&rated), XDP_DROP);
+    let ring = rings().get(&rated_key, 0).expect("a new ring for the rated key");
+    assert_eq!(ring.words.iter().map(|w| *w as u32).sum::<u32>(), 0, "{ring:?}");
+    assert_eq!(p.counters("rated").dropped_pkts[reason::QUOTA], 0);
+    // Never refused: an empty window.
+    let fresh = V4::new([10, 20, 0, 2]).build(L4::Icmp, 0);
+    let v: Vec<u32> = (0..4).map(|_| p.run(&fresh)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP]);
+}
+
+/// The remembered refusal ends: a ring removed while its key is refused
+/// comes back full, and a window (W + W/K) after that return, everything
+/// the old ring counted has left and the key is admitted again. The same
+/// for a rule with nested limits, whose window is restored and remembered
+/// by its caller (`flowctl_nested_admit`).
+fn quota_refusal_is_remembered_for_one_window() {
+    let nested = format!(
+        "{QUOTA_RULE}rate = \"100G/s\"\n[[rule.limit]]\nrate = \"100G/s\"\nkey = \"rule\"\n"
+    );
+    for text in [QUOTA_RULE, nested.as_str()] {
+        let p = TestPlane::new(&profile(text));
+        let f = V4::new([10, 42, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
+        let v: Vec<u32> = (0..6).map(|_| p.run(&f)).collect();
+        assert_eq!(v[5], XDP_DROP, "the quota of 5 refuses the sixth: {v:?}");
+        let mut rings: aya::maps::HashMap<_, flowctl_common::BucketKey, flowctl_common::QuotaRing> =
+            p.lru_table(flowctl_common::map_names::QUOTAS);
+        let key = rings.keys().next().unwrap().unwrap();
+        rings.remove(&key).unwrap();
+        assert_eq!(p.run(&f), XDP_DROP, "the ring came back full ({text})");
+        assert_eq!(p.counters("q").dropped_pkts[reason::QUOTA], 2);
+        let back = std::time::Instant::now();
+        // The full window was put in the return's bucket: it has left once
+        // the K buckets after it have passed (at most 500 ms here).
+        std::thread::sleep(std::time::Duration::from_millis(520).saturating_sub(back.elapsed()));
+        assert_eq!(p.run(&f), XDP_PASS, "a window after its return, admitted again ({text})");
+    }
+}
+
 /// Stage order: a packet the token bucket refuses uses up no quota, and a
 /// packet the quota refuses takes no token.
 fn quota_and_bucket_consume_nothing_for_each_others_refusals() {
@@ -1882,6 +1956,8 @@ fn main() {
         nested_limits_in_dry_run_count_would_drops: [Root],
         nested_limits_and_a_quota_consume_nothing_for_each_others_refusals: [Root],
         quota_admits_n_per_window: [Root],
+        quota_eviction_hands_no_fresh_window_to_refused_keys: [Root],
+        quota_refusal_is_remembered_for_one_window: [Root],
         quota_and_bucket_consume_nothing_for_each_others_refusals: [Root],
         quota_exact_under_concurrency: [Root],
         statistics_ring_agrees_with_the_counters: [Root],

@@ -6,7 +6,7 @@
 //! no other key starts with it (docs/design.md, "Where bucket state lives").
 
 use super::{
-    quota::{QuotaCommit, QuotaStage},
+    quota::{window_full, window_slot, QuotaCommit, QuotaStage},
     verdict,
 };
 use crate::{
@@ -188,7 +188,7 @@ pub(super) fn refuse_key_at(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u
 /// table, and the mark.
 #[inline(always)]
 fn note_debt(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
-    flowctl_remember_debt(rule_at, record, old, now);
+    flowctl_remember_debt(rule_at, record, old, now, 0);
     unsafe {
         let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
             tat_ptr,
@@ -199,7 +199,8 @@ fn note_debt(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
 }
 
 /// Writes the debt `tat` of the packet in flight's bucket under the rule at
-/// `rule_at` (`FLOWCTL_RULES`) into its set (`debt::remember`). Global
+/// `rule_at` (`FLOWCTL_RULES`) into its set (`debt::remember`); `domain`
+/// is 0 for the bucket's debt, `debt::QUOTA_DOMAIN` for its window's. Global
 /// functions, this and `flowctl_recall_debt`, and they build the key and
 /// hash it themselves from the packet and the rule: inline, the hash over
 /// the key's 44 bytes (314k instructions) and the seed's lookup (277k) were
@@ -208,8 +209,14 @@ fn note_debt(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
 /// see `debt`.
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_remember_debt(rule_at: u32, record: u32, tat: u64, now: u64) -> u32 {
-    if let Some((set, tag)) = debt_way(rule_at, record) {
+pub extern "C" fn flowctl_remember_debt(
+    rule_at: u32,
+    record: u32,
+    tat: u64,
+    now: u64,
+    domain: u64,
+) -> u32 {
+    if let Some((set, tag)) = debt_way(rule_at, record, domain) {
         if let Some(s) = FLOWCTL_DEBT.get_ptr_mut(set) {
             debt::remember(unsafe { &mut *s }, tag, tat, now);
         }
@@ -217,26 +224,50 @@ pub extern "C" fn flowctl_remember_debt(rule_at: u32, record: u32, tat: u64, now
     0
 }
 
-/// The debt remembered for the packet in flight's bucket under the rule at
-/// `rule_at`, when it is still in the future; else 0 (`debt::recall`).
+/// The debt remembered for the packet in flight's bucket (or, with
+/// `debt::QUOTA_DOMAIN`, its window) under the rule at `rule_at`, when it
+/// is still in the future; else 0 (`debt::recall`). A window's debt also
+/// fills the key's ring, just created (`quota::window_slot`): the slot is
+/// found before the debt's lookup, and the key lives
+/// only until it is hashed, so this frame stays within the call chain's
+/// margin (flowctl/tests/stack_depth.rs).
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_recall_debt(rule_at: u32, record: u32, now: u64) -> u64 {
-    let Some((set, tag)) = debt_way(rule_at, record) else { return 0 };
-    match FLOWCTL_DEBT.get(set) {
+pub extern "C" fn flowctl_recall_debt(rule_at: u32, record: u32, now: u64, domain: u64) -> u64 {
+    let (Some(global), Some(rule), Some(meta)) =
+        (FLOWCTL_GLOBAL.get(0), FLOWCTL_RULES.get(rule_at), packet())
+    else {
+        return 0;
+    };
+    let (slot, full, set, tag) = {
+        let key = bucket_key(meta, rule);
+        let slot = if domain == debt::QUOTA_DOMAIN {
+            window_slot(&key, rule, now)
+        } else {
+            core::ptr::null_mut()
+        };
+        let (set, tag) = debt::locate(global.hash_seed, record, &key);
+        (slot, window_full(rule, now), set, tag ^ domain)
+    };
+    let debt = match FLOWCTL_DEBT.get(set) {
         Some(s) => debt::recall(s, tag, now),
         None => 0,
+    };
+    if debt != 0 && !slot.is_null() {
+        unsafe { core::ptr::write_volatile(slot, full) };
     }
+    debt
 }
 
 /// The debt table's set and tag of the packet in flight's key under the
-/// rule at `rule_at`, keyed by the load's random `hash_seed`.
+/// rule at `rule_at`, keyed by the load's random `hash_seed`, in `domain`.
 #[inline(always)]
-fn debt_way(rule_at: u32, record: u32) -> Option<(u32, u64)> {
+fn debt_way(rule_at: u32, record: u32, domain: u64) -> Option<(u32, u64)> {
     let global = FLOWCTL_GLOBAL.get(0)?;
     let rule = FLOWCTL_RULES.get(rule_at)?;
     let meta = packet()?;
-    Some(debt::locate(global.hash_seed, record, &bucket_key(meta, rule)))
+    let (set, tag) = debt::locate(global.hash_seed, record, &bucket_key(meta, rule));
+    Some((set, tag ^ domain))
 }
 
 enum BucketRef {
@@ -304,5 +335,5 @@ pub(super) fn unmarked_down(tat: u64) -> u64 {
 /// 0 (a full bucket).
 #[inline(always)]
 pub(super) fn initial_tat(rule_at: u32, record: u32, now: u64) -> u64 {
-    flowctl_recall_debt(rule_at, record, now)
+    flowctl_recall_debt(rule_at, record, now, 0)
 }

@@ -260,7 +260,7 @@ fn admit(rule: &RuleConfig, meta: &PacketMeta, record: u32, cost: u64, now: u64)
     } else {
         rule.quota_limit as u64
     };
-    let mut quota = Quota::of_key(rule, key, limit, record, now);
+    let mut quota = Quota::of_share(rule, key, limit, record, now);
     if !quota.has_room(cost) {
         report_hot(b, record, key, grant::hot::REFUSED, now);
         return code::QUOTA;

@@ -109,6 +109,9 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     }
     let mut quota = Quota::of(rule, meta, record, now);
     if !quota.has_room(cost) {
+        if quota.first_refusal_in_bucket() {
+            quota::remember_window(rule.at, record, &quota::window_of(rule), now);
+        }
         return verdict(rule, reason::QUOTA);
     }
     // Stage 4, with the quota's commit.

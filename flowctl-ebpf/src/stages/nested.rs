@@ -35,8 +35,8 @@
 //! of calling its functions cost 6.1 73k instructions more.
 
 use super::{
-    bucket::{initial_tat, refuse_key_at, unmarked},
-    quota::{Quota, QuotaCommit, QuotaStage},
+    bucket::{flowctl_recall_debt, initial_tat, refuse_key_at, unmarked},
+    quota::{remember_window, window_of, Quota, QuotaCommit, QuotaStage},
 };
 use crate::{
     accounting::{counters, flowctl_account, insert_failed},
@@ -46,8 +46,8 @@ use crate::{
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, gcra, keys::bucket_key, nested_limit_at, reason, unit, RuleConfig, CAS_RETRIES,
-    MAX_NESTED_LIMITS,
+    action, debt::QUOTA_DOMAIN, gcra, keys::bucket_key, nested_limit_at, reason, unit, RuleConfig,
+    CAS_RETRIES, MAX_NESTED_LIMITS,
 };
 
 /// Limits a rule with nested limits has at most: its own and the nested.
@@ -187,7 +187,7 @@ pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now
     // every limit give back. (Looking first as well, as for a rule without
     // limits, cost 6.1 47k instructions more in all; 21k this way.)
     if quota {
-        let r = flowctl_nested_quota(rule_at, record, cost, now);
+        let r = nested_window(rule, record, cost, now);
         if r != 0 {
             give_back_all(rule_at, taken, cost);
             return r;
@@ -202,19 +202,61 @@ pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now
 /// global function of its own: inline in `flowctl_nested_admit`, the
 /// window's code made that frame 264 bytes, which with a limit's function
 /// and the debt table's on top passed the 512 bytes of 6.1's call chain.
+/// For the same reason it calls nothing itself: a ring it had to create
+/// comes back as `window::NEW` without a decision (the caller recalls the
+/// key's debt, `flowctl_recall_debt`, which fills the ring, and asks again
+/// with `window::AGAIN`),
+/// and a refusal to remember carries `window::NOTE`.
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn flowctl_nested_quota(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
+pub extern "C" fn flowctl_nested_quota(
+    rule_at: u32,
+    record: u32,
+    cost: u64,
+    now: u64,
+    again: u32,
+) -> u32 {
     let (Some(rule), Some(meta)) = (FLOWCTL_RULES.get(rule_at), packet()) else { return 0 };
-    let mut q = Quota::of(rule, meta, record, now);
+    let (mut q, created) = Quota::of_nested(rule, meta, record, now);
+    if created && again == 0 {
+        return window::NEW;
+    }
     if !q.has_room(cost) {
-        return refused(reason::QUOTA);
+        let note = if q.first_refusal_in_bucket() { window::NOTE } else { 0 };
+        return refused(reason::QUOTA) | note;
     }
     match q.commit(cost) {
         QuotaCommit::Done => 0,
         QuotaCommit::Full => refused(reason::QUOTA),
         QuotaCommit::Contended => refused(reason::CONTENDED),
     }
+}
+
+/// The quota window's answer to `flowctl_nested_admit`, beside
+/// `refused(why)`.
+mod window {
+    /// The ring was just created: restore it, then ask again.
+    pub const NEW: u32 = 1 << 30;
+    /// A refusal the debt table does not hold yet (flag on the refusal).
+    pub const NOTE: u32 = 1 << 31;
+    /// `again` of the second call.
+    pub const AGAIN: u32 = 1;
+}
+
+/// The quota stage of a rule with nested limits: `flowctl_nested_quota`'s
+/// answer, with the window restored and the refusal remembered from here.
+#[inline(always)]
+fn nested_window(rule: &RuleConfig, record: u32, cost: u64, now: u64) -> u32 {
+    let mut r = flowctl_nested_quota(rule.at, record, cost, now, 0);
+    if r == window::NEW {
+        // Fills the ring if the key's last refusal is remembered.
+        flowctl_recall_debt(rule.at, record, now, QUOTA_DOMAIN);
+        r = flowctl_nested_quota(rule.at, record, cost, now, window::AGAIN);
+    }
+    if r & window::NOTE != 0 {
+        remember_window(rule.at, record, &window_of(rule), now);
+    }
+    r & !window::NOTE
 }
 
 /// Limit `i` could not take (`take::REFUSED` or `CONTENDED`): the limits

@@ -178,7 +178,7 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "747.0 MiB");
+        assert_eq!(super::human_bytes(on_128), "747.5 MiB");
         // A list of a million prefixes: two slots of 144 bytes each, 275 MiB.
         let listed = Settings { list_prefixes: 1_000_000, ..ok.settings.clone() };
         assert_eq!(listed.kernel_memory_bytes_on(2) - mem, 288_000_000);

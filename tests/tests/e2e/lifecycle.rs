@@ -152,7 +152,7 @@ pub fn error_paths_say_how_to_fix() {
     let fits = on(&defaults, "128");
     assert!(
         fits.status.success()
-            && text(&fits).contains("on 128 CPUs: 747.0 MiB preallocated, within"),
+            && text(&fits).contains("on 128 CPUs: 747.5 MiB preallocated, within"),
         "{}",
         text(&fits)
     );
