@@ -779,8 +779,12 @@ fn warm_up_ramps_from_a_quarter_to_the_full_rate() {
     println!(
         "warm-up: {offered} offered in {secs:.2} s, admitted per {WINDOW_MS} ms: {per_window:?}, longest stalls {stall_us:?} us"
     );
-    let full = 200 * WINDOW_MS / 1000; // 50
-    assert!(offered > 100 * admitted, "offered far above the rate: {offered}");
+    // 50 a window.
+    let full = 200 * WINDOW_MS / 1000;
+    // Far above the rate, so the limiter decides every window: 20x (a TCG
+    // vCPU beside another VM offered 99x, 36,591 for 368 admitted, on
+    // 2026-12-06; an idle host offers about 1000x).
+    assert!(offered > 20 * admitted, "offered far above the rate: {offered}");
     let seen = format!("{per_window:?}, the longest stall per window {stall_us:?} us");
     assert!(
         (12..=20 + slack(0)).contains(&per_window[0]),
