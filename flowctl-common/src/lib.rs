@@ -18,6 +18,7 @@ pub mod grant;
 pub mod keys;
 pub mod matcher;
 pub mod shaper;
+pub mod sketch;
 pub mod stats;
 pub mod types;
 pub mod warm;

@@ -202,11 +202,11 @@ pub extern "C" fn flowctl_nested_admit(rule_at: u32, record: u32, cost: u64, now
 /// global function of its own: inline in `flowctl_nested_admit`, the
 /// window's code made that frame 264 bytes, which with a limit's function
 /// and the debt table's on top passed the 512 bytes of 6.1's call chain.
-/// For the same reason it calls nothing itself: a ring it had to create
-/// comes back as `window::NEW` without a decision (the caller recalls the
-/// key's debt, `flowctl_recall_debt`, which fills the ring, and asks again
-/// with `window::AGAIN`),
-/// and a refusal to remember carries `window::NOTE`.
+/// For the same reason it calls nothing itself (its own frame is 240
+/// bytes): a ring it had to create comes back as `window::NEW` without a
+/// decision (the caller recalls the key's debt, `flowctl_recall_debt`,
+/// which fills the ring, and asks again with `window::AGAIN`), and a
+/// refusal to remember carries `window::NOTE`.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_nested_quota(
