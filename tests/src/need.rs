@@ -279,7 +279,28 @@ pub fn run(tests: Vec<Test>) -> ! {
         }
         trials.push(trial);
     }
-    libtest_mimic::run(&args, trials).exit()
+    let conclusion = libtest_mimic::run(&args, trials);
+    print_slowest();
+    conclusion.exit()
+}
+
+/// Wall time of each test that ran, for the summary after the run.
+static TIMES: std::sync::Mutex<Vec<(&'static str, f64)>> = std::sync::Mutex::new(Vec::new());
+
+/// The slowest tests of the run, after libtest's summary: where a tier's
+/// time goes (under TCG the same tests take 10-50x longer, and the VM
+/// tiers have a timeout).
+fn print_slowest() {
+    let mut times = TIMES.lock().map(|t| t.clone()).unwrap_or_default();
+    if times.len() < 2 {
+        return;
+    }
+    times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = times.iter().map(|t| t.1).sum();
+    println!("slowest of {} tests ({total:.1} s in all):", times.len());
+    for (name, secs) in times.iter().take(8) {
+        println!("  {secs:8.1} s  {name}");
+    }
 }
 
 /// libtest's arguments. libtest takes several name filters (`e2e a b c`,
@@ -315,7 +336,16 @@ fn arguments() -> (Arguments, Option<Vec<String>>) {
     (Arguments::from_iter(flags), Some(names))
 }
 
-fn run_on_thread(name: &str, f: fn()) -> Result<Completion, Failed> {
+fn run_on_thread(name: &'static str, f: fn()) -> Result<Completion, Failed> {
+    let started = std::time::Instant::now();
+    let result = run_and_join(name, f);
+    if let Ok(mut t) = TIMES.lock() {
+        t.push((name, started.elapsed().as_secs_f64()));
+    }
+    result
+}
+
+fn run_and_join(name: &str, f: fn()) -> Result<Completion, Failed> {
     let handle = std::thread::Builder::new()
         .name(name.to_string())
         .spawn(f)

@@ -354,10 +354,7 @@ fn write_slot<V: Pod>(
     per_slot: usize,
     items: &[V],
 ) -> Result<()> {
-    for (i, v) in items.iter().enumerate() {
-        map.set(slot * per_slot as u32 + i as u32, v, 0)?;
-    }
-    Ok(())
+    Ok(super::batch::set_range(map, slot * per_slot as u32, items)?)
 }
 
 /// A record new to the rule set starts from zero: its counters, and the

@@ -34,6 +34,7 @@
 
 mod apply;
 mod attach;
+mod batch;
 mod control;
 mod egress;
 mod global_keys;
