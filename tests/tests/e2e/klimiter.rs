@@ -165,12 +165,16 @@ source = {{ kind = \"egress\", iface = \"{a}\", dst = \"10.201.226.2/32\", dport
     };
     // 800 packets/s offered to each rule: 2400 downstream packets/s at full
     // admission, twice the threshold (high rates keep the per-packet
-    // admission's sampling noise to ~2% per period).
+    // admission's sampling noise to ~2% per period). The duration is only
+    // the streams' bound: they are stopped once the samples are taken. In a
+    // VM the settling and twelve `top` samples took 70-90 s of the 120 s
+    // this bound was (2026-12-07), so a slower machine would have sampled
+    // after the streams ended.
     let streams = UdpStreams::start(
         &lab,
         &[7800, 7801],
         Duration::from_micros(1250),
-        Duration::from_secs(if in_vm() { 120 } else { 40 }),
+        Duration::from_secs(if in_vm() { 300 } else { 40 }),
     );
     let top = || top_once(&lab.veth_srv, "0.2")["attachments"][0].clone();
     let first = top();
