@@ -26,7 +26,7 @@ pub fn set_range<V: Pod>(
     if values.is_empty() {
         return Ok(());
     }
-    let keys: Vec<u32> = (0..values.len() as u32).map(|i| first + i).collect();
+    let keys: Vec<u32> = (first..first + values.len() as u32).collect();
     if update_batch(map.map(), &keys, values).is_ok() {
         return Ok(());
     }
