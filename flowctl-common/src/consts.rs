@@ -15,6 +15,9 @@ pub const MAX_RULE_RECORDS: usize = MAX_RULES * SLOTS;
 /// Counter record for traffic that matched no rule (non-IP, malformed, ...).
 pub const GLOBAL_COUNTER_INDEX: u32 = MAX_RULE_RECORDS as u32;
 pub const COUNTER_RECORDS: usize = MAX_RULE_RECORDS + 1;
+/// Control records: one per rule record, and the global record's (its
+/// flood flag, `control_flags::FLOOD`).
+pub const CONTROL_RECORDS: usize = MAX_RULE_RECORDS + 1;
 /// Rules a profile may hold unless `[settings] max_rules` says more (up to
 /// `MAX_RULES`). The per-CPU statistics rings are sized for
 /// `2 * max_rules + 1` records at load: at 128 rules the default profile's
@@ -160,7 +163,7 @@ pub const PARSE_WINDOW: usize = 1024;
 
 /// Version of the pinned layout (paths, map set, record layouts). A flowctl that
 /// finds pins of another version refuses to adopt them.
-pub const LAYOUT_VERSION: u32 = 13;
+pub const LAYOUT_VERSION: u32 = 14;
 /// Root of everything flowctl pins on bpffs.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/flowctl";
 /// Root of the agents' run-time files (lock, control socket, active profile).
@@ -180,6 +183,7 @@ pub mod map_names {
     pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
     pub const DEBT: &str = "FLOWCTL_DEBT";
+    pub const SKETCHES: &str = "FLOWCTL_SKETCHES";
     pub const QUOTAS: &str = "FLOWCTL_QUOTAS";
     pub const STATS: &str = "FLOWCTL_STATS";
     pub const KEY_SAMPLES: &str = "FLOWCTL_KEY_SAMPLES";
@@ -204,7 +208,7 @@ pub mod map_names {
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -217,6 +221,7 @@ pub mod map_names {
         COUNTERS,
         CONTROL,
         DEBT,
+        SKETCHES,
         QUOTAS,
         STATS,
         KEY_SAMPLES,

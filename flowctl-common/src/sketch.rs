@@ -35,6 +35,26 @@ use crate::{keys::key_hash, BucketKey};
 /// Each row divides the false-refusal probability by about `1 / p_row`.
 pub const SKETCH_ROWS: usize = 4;
 
+/// Columns per row of each sketch of the pool (`FLOWCTL_SKETCHES`). At
+/// 2^15 a sketch is 1 MiB and keeps a new key's first-packet refusals
+/// under 1% for a flood of up to about 120,000 new-key packets per second
+/// against 5/s with a burst of 3 (10,000 against 1/s with a burst of 1) ([`flood_capacity`]; docs/algorithms.md
+/// 1.9).
+pub const SKETCH_COLUMNS: u32 = 1 << 15;
+/// Sketches in the pool the agent lends to flooded rules: so many rules
+/// can be flooded at once; a further one keeps its buckets (and its debt
+/// table) and the agent says so.
+pub const SKETCH_POOL: u32 = 4;
+/// Cells of one sketch: `SKETCH_ROWS` rows of `SKETCH_COLUMNS`.
+pub const SKETCH_CELLS: u32 = SKETCH_ROWS as u32 * SKETCH_COLUMNS;
+
+/// The index in the pool's flat array of sketch `sketch`'s cell in `row`
+/// at `column` (sketch < `SKETCH_POOL`, column < `SKETCH_COLUMNS`).
+#[inline(always)]
+pub fn cell_index(sketch: u32, row: u32, column: u32) -> u32 {
+    sketch * SKETCH_CELLS + row * SKETCH_COLUMNS + column
+}
+
 /// XORed into the load's seed, so a key's sketch cells are independent of
 /// its debt set (`debt::locate`), which hashes the same key.
 const SKETCH_SALT: u64 = 0x5ce7_c4f1_0a7e_d5e1;
@@ -128,6 +148,29 @@ pub fn columns_for(flood_pps: f64, increment_ns: u64, burst: u64, target: f64) -
     (0..=24u32)
         .map(|b| 1u32 << b)
         .find(|&w| false_refusal_bound(work / w as f64, burst, SKETCH_ROWS) <= target)
+}
+
+/// The largest flood, in unit packets per second from keys without a
+/// bucket, that a sketch of `columns` columns meets with at most `target`
+/// of new keys' first packets refused, for a rule of increment
+/// `increment_ns` and burst `burst` (the inverse of [`columns_for`], to
+/// within 1%). 0 when even a trickle would miss the target.
+#[cfg(not(target_arch = "bpf"))]
+pub fn flood_capacity(columns: u32, increment_ns: u64, burst: u64, target: f64) -> f64 {
+    if increment_ns == 0 {
+        return f64::INFINITY;
+    }
+    // rho = pps * increment / columns; the bound grows with rho.
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if false_refusal_bound(mid, burst, SKETCH_ROWS) <= target {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo * columns as f64 / (increment_ns as f64 * 1e-9)
 }
 
 #[cfg(test)]
@@ -307,5 +350,17 @@ mod tests {
         let w = columns_for(50_000.0, 200_000_000, 3, 0.01).unwrap();
         assert!(false_refusal_bound(10_000.0 / w as f64, 3, SKETCH_ROWS) <= 0.01);
         assert!(false_refusal_bound(10_000.0 / (w / 2) as f64, 3, SKETCH_ROWS) > 0.01);
+    }
+
+    #[test]
+    fn flood_capacity_inverts_the_sizing() {
+        // The pool's sketches against 5/s, burst 3: the flood they hold at 1%.
+        let pps = flood_capacity(SKETCH_COLUMNS, 200_000_000, 3, 0.01);
+        assert!(pps > 50_000.0, "{pps}");
+        assert!(columns_for(pps * 0.99, 200_000_000, 3, 0.01).unwrap() <= SKETCH_COLUMNS);
+        assert!(columns_for(pps * 1.02, 200_000_000, 3, 0.01).unwrap() > SKETCH_COLUMNS);
+        // A limit of one a minute meets even a trickle with saturated cells.
+        assert!(flood_capacity(SKETCH_COLUMNS, 60_000_000_000, 1, 0.01) < 1_000.0);
+        assert_eq!(cell_index(1, 2, 3), SKETCH_CELLS + 2 * SKETCH_COLUMNS + 3);
     }
 }

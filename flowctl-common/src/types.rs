@@ -246,7 +246,10 @@ pub struct ControlRecord {
     /// exact between the agent's 100 ms ticks: without it, a burst of SYNs
     /// within one tick would all be admitted.
     pub bbr_admitted: u32,
-    pub _pad: u32,
+    /// The flood sketch lent to this rule, as its index in the pool plus
+    /// one (0: none): keys without a bucket are decided by it and get no
+    /// bucket (`stages::sketch`; the agent's `flood` loop lends it).
+    pub sketch: u32,
 }
 
 impl ControlRecord {
@@ -333,6 +336,30 @@ impl ControlEdit<'_> {
         c.bbr_admitted = 0;
     }
 
+    /// The flood sketch: `Some(i)` lends the pool's sketch `i` to the rule
+    /// (deciding), `None` takes it back.
+    pub fn set_sketch(&mut self, sketch: Option<u32>) {
+        self.0.sketch = sketch.map(|i| i + 1).unwrap_or(0);
+        self.0.flags &= !control_flags::SKETCH_DRAINING;
+    }
+
+    /// The rule's sketch keeps only setting where new buckets start
+    /// (`control_flags::SKETCH_DRAINING`).
+    pub fn drain_sketch(&mut self) {
+        if self.0.sketch != 0 {
+            self.0.flags |= control_flags::SKETCH_DRAINING;
+        }
+    }
+
+    /// The global record's flood flag (`control_flags::FLOOD`).
+    pub fn set_flood(&mut self, on: bool) {
+        if on {
+            self.0.flags |= control_flags::FLOOD;
+        } else {
+            self.0.flags &= !control_flags::FLOOD;
+        }
+    }
+
     /// Every stage off, every field a stage reads zero (all pass): a record
     /// taken over by a new rule. The version goes on counting.
     pub fn reset(&mut self) {
@@ -370,6 +397,15 @@ pub mod control_flags {
     /// Hash the 5-tuple (with the per-load seed) for admission, so a flow is
     /// wholly in or out.
     pub const ADMISSION_PER_FLOW: u32 = 4;
+    /// In the global record's control record (`GLOBAL_COUNTER_INDEX`)
+    /// only: some rule is flooded, so new sources are classified without
+    /// a cache entry (a flood of new sources would evict the cached ones,
+    /// and with them the buckets source-keyed rules keep there).
+    pub const FLOOD: u32 = 8;
+    /// The rule's flood is over and its sketch is being taken back: new
+    /// buckets still start no earlier than its estimate, but it decides
+    /// nothing (for one burst, after which every estimate is in the past).
+    pub const SKETCH_DRAINING: u32 = 16;
 }
 
 /// What only the agent computes, for readers in other processes (`top`,
@@ -433,6 +469,12 @@ pub struct RuleCounters {
     /// Retransmitted SYNs admitted on their booking (counted as passed
     /// too, and charged nothing more).
     pub redeemed_syns: u64,
+    /// Source-cache entries this rule claimed for its buckets: with
+    /// `key_inserts`, the buckets it created (the agent's flood signal).
+    pub source_claims: u64,
+    /// Packets of keys without a bucket that the rule's flood sketch
+    /// decided (admitted or refused).
+    pub sketched_pkts: u64,
     /// Packets refused by each nested limit (counted as `rate` drops, or
     /// would-drops, too); the rule's own rate refused the rest.
     pub limit_refusals: [u64; MAX_NESTED_LIMITS],
@@ -457,6 +499,8 @@ impl RuleCounters {
         self.unparsed_pkts += o.unparsed_pkts;
         self.booked_syns += o.booked_syns;
         self.redeemed_syns += o.redeemed_syns;
+        self.source_claims += o.source_claims;
+        self.sketched_pkts += o.sketched_pkts;
         for i in 0..MAX_NESTED_LIMITS {
             self.limit_refusals[i] += o.limit_refusals[i];
         }
@@ -728,7 +772,7 @@ assert_layout!(KeySample, 56, 4);
 assert_layout!(ControlRecord, 48, 8);
 assert_layout!(ConnEntry, 16, 8);
 assert_layout!(EgressTarget, 24, 4);
-assert_layout!(RuleCounters, 272, 8);
+assert_layout!(RuleCounters, 288, 8);
 assert_layout!(AgentRecord, 64, 8);
 assert_layout!(SrcKey, 16, 4);
 assert_layout!(SrcEntry, 72, 8);

@@ -10,13 +10,13 @@ use crate::{
     accounting::counters,
     decision::{Decision, Outcome},
     maps::{
-        DST_MEMO_ENTRIES, FLOWCTL_DST_MEMO, FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS, FLOWCTL_RULES,
-        FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE,
+        DST_MEMO_ENTRIES, FLOWCTL_CONTROL, FLOWCTL_DST_MEMO, FLOWCTL_PORT_BITS, FLOWCTL_PROTO_BITS,
+        FLOWCTL_RULES, FLOWCTL_RULE_SETS, FLOWCTL_SRC_CACHE, FLOWCTL_SRC_CLASSES, FLOWCTL_SRC_TRIE,
     },
 };
 use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
 use flowctl_common::{
-    frag,
+    control_flags, frag,
     matcher::{self, AddrSets},
     reason, rule_set, trie_tag, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap,
     RuleConfig, SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
@@ -35,7 +35,7 @@ pub enum Match {
 /// The rule that applies to `meta` in the live slot of the profile, with
 /// the source's cache entry refreshed when it was stale or missing.
 #[inline(always)]
-pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
+pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Match {
     let slot = global.active_slot & 1;
     let generation = global.generation as u32;
 
@@ -104,20 +104,24 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
     };
     let record = rule.record;
 
-    // Refresh the cache entry when it was stale or missing.
+    // Refresh the cache entry when it was stale or missing; a missing one
+    // is not added while a rule is flooded (`control_flags::FLOOD`).
     if entry_ptr.is_null() {
-        let e = SrcEntry {
-            generation,
-            owner_state: 0,
-            class,
-            _pad: 0,
-            bucket: GlobalBucket::default(),
-        };
-        if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
-            if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
-                c.source_inserts += 1;
+        if !flooded(global, now) {
+            let e = SrcEntry {
+                generation,
+                owner_state: 0,
+                class,
+                _pad: 0,
+                bucket: GlobalBucket::default(),
+            };
+            if FLOWCTL_SRC_CACHE.insert(&src_key, &e, 0).is_ok() {
+                if let Some(c) = counters(GLOBAL_COUNTER_INDEX) {
+                    c.source_inserts += 1;
+                }
+                entry_ptr =
+                    FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
             }
-            entry_ptr = FLOWCTL_SRC_CACHE.get_ptr_mut(&src_key).unwrap_or(core::ptr::null_mut());
         }
     } else if !cached {
         unsafe {
@@ -126,6 +130,19 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta) -> Match {
         }
     }
     Match::Rule(rule, entry_ptr, record)
+}
+
+/// Whether the agent has flagged a flood (and is alive to take the flag
+/// back): new sources are then classified from the trie on every packet
+/// and get no cache entry, so a flood of spoofed sources cannot evict the
+/// entries of the sources already known, nor the buckets source-keyed
+/// rules keep in them. Their buckets are made in the key table meanwhile.
+#[inline(always)]
+fn flooded(global: &GlobalRecord, now: u64) -> bool {
+    match FLOWCTL_CONTROL.get(GLOBAL_COUNTER_INDEX) {
+        Some(c) => c.flags & control_flags::FLOOD != 0 && crate::stages::agent_alive(global, now),
+        None => false,
+    }
 }
 
 /// The rule for a packet whose ports the parser could not reach: every

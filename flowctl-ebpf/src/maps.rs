@@ -11,11 +11,14 @@ use aya_ebpf::{
     Global,
 };
 use flowctl_common::{
-    stats, stats::StatsClock, AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget,
-    GlobalBucket, GlobalRecord, GrantValue, PacketMeta, QuotaRing, ReportWindow, RuleBitmap,
-    RuleConfig, RuleCounters, SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES,
-    COUNTER_RECORDS, DEBT_SETS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES,
-    DEFAULT_QUOTA_ENTRIES, DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
+    sketch::{SKETCH_CELLS, SKETCH_POOL},
+    stats,
+    stats::StatsClock,
+    AgentRecord, BucketKey, ConnEntry, ControlRecord, EgressTarget, GlobalBucket, GlobalRecord,
+    GrantValue, PacketMeta, QuotaRing, ReportWindow, RuleBitmap, RuleConfig, RuleCounters,
+    SrcEntry, SrcKey, StatsBucket, TrieData, BOOKING_ENTRIES, CONTROL_RECORDS, COUNTER_RECORDS,
+    DEBT_SETS, DEFAULT_CONN_ENTRIES, DEFAULT_GLOBAL_KEY_ENTRIES, DEFAULT_QUOTA_ENTRIES,
+    DEFAULT_STATS_BUCKETS, DEFAULT_STATS_BUCKET_NS, DEFAULT_TABLE_ENTRIES,
     EGRESS_COUNTERS_PER_TARGET, HOT_KEY_RING_BYTES, KEY_SAMPLE_RING_BYTES, MAX_EGRESS_TARGETS,
     MAX_GRANTS, MAX_NESTED_LIMITS, MAX_RULE_RECORDS, MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES,
     PROTO_INDICES, RULE_CONFIGS, RULE_SETS, SLOTS, SRC_TRIE_ENTRIES,
@@ -138,11 +141,15 @@ pub static FLOWCTL_WARM: Array<flowctl_common::warm::WarmBucket> =
 /// record (`flowctl_common::debt`).
 #[map]
 pub static FLOWCTL_DEBT: Array<flowctl_common::debt::DebtSet> = Array::pinned(DEBT_SETS as u32, 0);
+/// The pool of flood sketches the agent lends to flooded rules, as one
+/// flat array of TAT cells (`flowctl_common::sketch::cell_index`).
+#[map]
+pub static FLOWCTL_SKETCHES: Array<u64> = Array::pinned(SKETCH_POOL * SKETCH_CELLS, 0);
 
 // What the agent's control loops set per rule record, and what they read.
 
 #[map]
-pub static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(MAX_RULE_RECORDS as u32, 0);
+pub static FLOWCTL_CONTROL: Array<ControlRecord> = Array::pinned(CONTROL_RECORDS as u32, 0);
 /// Agent-computed state for other readers (user space only; see AgentRecord).
 #[map]
 pub static FLOWCTL_AGENT: Array<AgentRecord> = Array::pinned(1, 0);

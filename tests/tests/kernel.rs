@@ -719,6 +719,124 @@ fn eviction_hands_no_fresh_burst_to_refused_keys() {
     assert_eq!(p.run(&fresh), XDP_PASS);
 }
 
+/// A flood of new sources on a 5/s rule (burst 3), 512 a second against
+/// 1024-entry tables, gets the rule a flood sketch from the agent's loop
+/// (`flowctl::agent::flood`, ticked here on the real counters). While it
+/// holds it: 8192 more flood sources, eight times the tables, create no
+/// bucket and no cache entry, so another rule's key keeps its entry and
+/// its bucket (two tokens left, then refused: no fresh burst); a new
+/// source of the flooded rule is admitted at once; one source sending 10
+/// packets gets its burst of 3 and no more. With the agent's heartbeat
+/// stale the kernel ignores the sketch and the flag; calm for 30 s, the
+/// loop takes the sketch back: new sources are cached again, the source
+/// the sketch refused starts its bucket from the sketch's estimate (still
+/// refused), and one burst later the sketch is free.
+fn a_flooded_rule_is_lent_a_sketch_and_evicts_nothing() {
+    use flowctl::agent::flood::FloodLoop;
+    use flowctl_common::{control_flags, map_names, SrcEntry, SrcKey, GLOBAL_COUNTER_INDEX};
+    use std::time::{Duration, Instant};
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"victim\"\nproto = \"icmp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n";
+    let set = flowctl::profile::parse("test.toml", text).unwrap();
+    let mut p = TestPlane::new(text);
+    p.set_heartbeat(true);
+    let flood = |net: u8, i: u32| {
+        let b = i.to_be_bytes();
+        V4::new([10, net, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0)
+    };
+    let victim = V4::new([10, 20, 0, 1]).build(L4::Icmp, 0);
+    assert_eq!(p.run(&victim), XDP_PASS);
+    let mut lp = FloodLoop::start(&mut p.maps, &p.state, &set).unwrap();
+    let t0 = Instant::now();
+    lp.tick(&mut p.maps, t0).unwrap();
+    for i in 0..512 {
+        p.run(&flood(31, i));
+    }
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(1)).unwrap();
+    let rec = p.record("flooded");
+    let control = |p: &TestPlane, r: u32| p.maps.control.get(&r, 0).unwrap();
+    assert_eq!(control(&p, rec).sketch, 1, "lent the pool's first sketch");
+    assert_ne!(control(&p, GLOBAL_COUNTER_INDEX).flags & control_flags::FLOOD, 0, "flagged");
+
+    let (inserts, sources) = (p.counters("flooded").key_inserts, p.unmatched().source_inserts);
+    for i in 0..8192 {
+        assert_eq!(p.run(&flood(40 + (i >> 12) as u8, i & 0xfff)), XDP_PASS, "flood source {i}");
+    }
+    let c = p.counters("flooded");
+    assert_eq!(c.sketched_pkts, 8192, "every new source decided by the sketch");
+    assert_eq!(c.key_inserts, inserts, "no bucket made");
+    assert_eq!(p.unmatched().source_inserts, sources, "no cache entry made");
+    let cache: aya::maps::HashMap<_, SrcKey, SrcEntry> = p.lru_table(map_names::SRC_CACHE);
+    let victim_key = SrcKey { addr: [0, 0, 0xffff, 0x0a14_0001] };
+    assert!(cache.get(&victim_key, 0).is_ok(), "the victim's entry stays");
+    // Its bucket holds 3 - 1 = 2 tokens: two more in, then refused.
+    let v: Vec<u32> = (0..3).map(|_| p.run(&victim)).collect();
+    assert_eq!(v, [XDP_PASS, XDP_PASS, XDP_DROP], "the victim's bucket was kept");
+    // A brand-new source, and one source's burst.
+    assert_eq!(p.run(&flood(50, 1)), XDP_PASS, "a new source's first packet");
+    let one = flood(50, 2);
+    let admitted = (0..10).filter(|_| p.run(&one) == XDP_PASS).count();
+    assert_eq!(admitted, 3, "its burst, and no more");
+
+    // A stale heartbeat: the kernel goes back to buckets and cache entries.
+    p.set_heartbeat(false);
+    let made = |p: &TestPlane| {
+        let c = p.counters("flooded");
+        c.key_inserts + c.source_claims
+    };
+    let before = made(&p);
+    assert_eq!(p.run(&flood(51, 1)), XDP_PASS);
+    assert_eq!(made(&p), before + 1, "a bucket made");
+    p.set_heartbeat(true);
+
+    // Calm: taken back after 30 s under half the threshold.
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(2)).unwrap();
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(3)).unwrap();
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(20)).unwrap();
+    assert_eq!(control(&p, rec).sketch, 1, "not yet");
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(34)).unwrap();
+    assert_eq!(control(&p, rec).sketch, 1, "draining");
+    assert_ne!(control(&p, rec).flags & control_flags::SKETCH_DRAINING, 0);
+    assert_eq!(control(&p, GLOBAL_COUNTER_INDEX).flags & control_flags::FLOOD, 0);
+    let sources = p.unmatched().source_inserts;
+    assert_eq!(p.run(&flood(52, 1)), XDP_PASS);
+    assert_eq!(p.unmatched().source_inserts, sources + 1, "new sources cached again");
+    // The source the sketch refused gets a bucket that starts from the
+    // sketch's estimate: still refused, not a fresh burst.
+    let sketched = p.counters("flooded").sketched_pkts;
+    assert_eq!(p.run(&one), XDP_DROP, "graduates from the sketch's estimate");
+    assert_eq!(p.counters("flooded").sketched_pkts, sketched, "decided by its bucket");
+    // Freed one burst (600 ms) and a period later.
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(35)).unwrap();
+    assert_eq!(control(&p, rec).sketch, 0, "taken back");
+    assert_eq!(control(&p, rec).flags & control_flags::SKETCH_DRAINING, 0);
+}
+
+/// A flood a sketch cannot hold within its 1% target (1/min with a burst
+/// of 1: about 170 packets/s fill its cells) gets none: its keys keep
+/// their buckets and the debt table.
+fn a_flood_beyond_a_sketch_keeps_its_buckets() {
+    use flowctl::agent::flood::FloodLoop;
+    use std::time::{Duration, Instant};
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n";
+    let set = flowctl::profile::parse("test.toml", text).unwrap();
+    let mut p = TestPlane::new(text);
+    p.set_heartbeat(true);
+    let mut lp = FloodLoop::start(&mut p.maps, &p.state, &set).unwrap();
+    let t0 = Instant::now();
+    lp.tick(&mut p.maps, t0).unwrap();
+    for i in 0..2048u32 {
+        let b = i.to_be_bytes();
+        p.run(&V4::new([10, 31, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
+    }
+    lp.tick(&mut p.maps, t0 + Duration::from_secs(1)).unwrap();
+    let rec = p.record("flooded");
+    assert_eq!(p.maps.control.get(&rec, 0).unwrap().sketch, 0);
+    assert_eq!(p.counters("flooded").sketched_pkts, 0);
+}
+
 /// Debts are remembered per key (`flowctl_common::debt`, tagged ways), not
 /// per hash slot: after a flood of 2000 refused sources on a rule, twice
 /// what its region holds, every brand-new source of that rule still gets
@@ -1966,6 +2084,8 @@ fn main() {
         verifier_rejection_carries_the_log_tail: [Root],
         eviction_hands_no_fresh_burst_to_refused_keys: [Root],
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
+        a_flooded_rule_is_lent_a_sketch_and_evicts_nothing: [Root],
+        a_flood_beyond_a_sketch_keeps_its_buckets: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
         warm_up_ramps_from_a_quarter_to_the_full_rate: [Root],
         shaper_stamps_departures_a_steady_rate_apart: [Root],

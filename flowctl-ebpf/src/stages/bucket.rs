@@ -7,7 +7,7 @@
 
 use super::{
     quota::{window_full, window_slot, QuotaCommit, QuotaStage},
-    verdict,
+    sketch, verdict,
 };
 use crate::{
     accounting::{counters, insert_failed},
@@ -47,14 +47,21 @@ pub fn admit<Q: QuotaStage>(
                 tat_ptr = p;
             }
             BucketRef::Missing => {
-                let Some(first) =
-                    gcra::admit(initial_tat(rule.at, record, now), now, inc, rule.burst_ns)
-                else {
-                    // Costlier than the whole bucket, or still in debt:
-                    // refused without creating state.
+                let start = sketch::flowctl_new_key(rule.at, record, now, inc, 1);
+                if start == sketch::REFUSED {
+                    // A flooded rule's sketch refused it: no bucket is made.
                     return verdict(rule, reason::RATE);
-                };
-                create = Some(unmarked(first));
+                }
+                // Admitted by the sketch (charged, no bucket), or a bucket
+                // to create from where it starts.
+                if start != sketch::ADMITTED {
+                    let Some(first) = gcra::admit(start, now, inc, rule.burst_ns) else {
+                        // Costlier than the whole bucket, or still in debt:
+                        // refused without creating state.
+                        return verdict(rule, reason::RATE);
+                    };
+                    create = Some(unmarked(first));
+                }
             }
         }
     }
@@ -291,10 +298,13 @@ fn bucket_tat(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry, now: u
             // Claim the entry, starting from the key's remembered debt (a full
             // bucket when there is none). Two CPUs may race here; both store
             // the same values.
-            let start = initial_tat(rule.at, rule.record, now);
+            let start = sketch::flowctl_new_key(rule.at, rule.record, now, 0, 0);
             unsafe {
                 (*entry).bucket.tat = start;
                 (*entry).owner_state = rule.state_id;
+            }
+            if let Some(c) = counters(rule.record) {
+                c.source_claims += 1;
             }
             return BucketRef::Ptr(unsafe { &mut (*entry).bucket.tat as *mut u64 });
         }

@@ -7,7 +7,8 @@
 //! 3. quota ([`quota`]): the key's sliding window;
 //! 4. token bucket ([`bucket`]): the key's rate, and the rule's nested
 //!    limits' ([`nested`]); for a global rule ([`global`]), at the rate of
-//!    this host's lease.
+//!    this host's lease; a flooded rule's keys without a bucket, by the
+//!    flood sketch the agent lent it ([`sketch`]).
 //!
 //! The first stage that refuses decides, and the drop is charged to its
 //! reason. The quota and the bucket commit only when every stage has
@@ -23,6 +24,7 @@ mod bucket;
 pub mod global;
 pub mod nested;
 mod quota;
+mod sketch;
 pub mod warm;
 
 use crate::{
@@ -38,7 +40,7 @@ use quota::{NoQuota, Quota};
 /// rule's stages.
 #[inline(always)]
 pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
-    let (rule, entry_ptr, record) = match classify::first_rule(global, meta) {
+    let (rule, entry_ptr, record) = match classify::first_rule(global, meta, now) {
         Match::Rule(rule, entry_ptr, record) => (rule, entry_ptr, record),
         Match::Unmatched(d) => return d,
     };
@@ -129,6 +131,6 @@ fn verdict(rule: &RuleConfig, why: usize) -> Decision {
 /// Adaptive stages fail open when the agent's heartbeat is older than the
 /// grace period (0 disables the check).
 #[inline(always)]
-fn agent_alive(global: &GlobalRecord, now: u64) -> bool {
+pub(crate) fn agent_alive(global: &GlobalRecord, now: u64) -> bool {
     global.grace_ns == 0 || now.saturating_sub(global.heartbeat_ns) <= global.grace_ns
 }

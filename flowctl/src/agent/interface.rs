@@ -11,6 +11,7 @@ use crate::{
     agent::{
         bbr::BbrLoop,
         breakers::BreakerAgent,
+        flood::{self, FloodLoop},
         heavy::{self, KeyWatcher},
         klimiter::KlimiterLoop,
         leases::LeaseLoop,
@@ -66,6 +67,9 @@ struct Loops {
     syns: Every,
     syn_counter: SynCounter,
     next_walk: Instant,
+    flood: Every,
+    /// `None` when its maps could not be set up (said in the log).
+    flood_loop: Option<FloodLoop>,
     published: AgentRecord,
     watcher: Option<KeyWatcher>,
 }
@@ -73,7 +77,7 @@ struct Loops {
 impl<'a> InterfaceAgent<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        maps: Maps,
+        mut maps: Maps,
         state: AttachState,
         set: RuleSet,
         cpu: CpuSignal,
@@ -83,6 +87,7 @@ impl<'a> InterfaceAgent<'a> {
         cgroup: Option<PathBuf>,
     ) -> Self {
         let klimiter_loop = KlimiterLoop::new(&set);
+        let flood_loop = start_flood_loop(&mut maps, &state, &set);
         let watcher = match KeyWatcher::open(&state.id) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -105,6 +110,8 @@ impl<'a> InterfaceAgent<'a> {
             syns: Every::new(SynCounter::period(&state.stats)),
             syn_counter: SynCounter::new(&state),
             next_walk: Instant::now(),
+            flood: Every::new(flood::PERIOD),
+            flood_loop,
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
         };
@@ -250,6 +257,9 @@ impl<'a> InterfaceAgent<'a> {
         }
         self.loops.klimiter.set_period(period_of(next.as_ref()));
         self.loops.klimiter_loop = next;
+        // Sketches lent under the old rules are taken back; the new rules
+        // are watched from here.
+        self.loops.flood_loop = start_flood_loop(&mut self.maps, &self.state, &self.set);
         // The global rules: new limits for the same store, else a new loop
         // (its leases start over; the keys run at their default share
         // until they are granted again).
@@ -297,6 +307,16 @@ pub fn record_source(state: &mut AttachState, f: &Follower) {
 }
 
 /// KLimiter's sample period (1 s while there is none, unused then).
+fn start_flood_loop(maps: &mut Maps, state: &AttachState, set: &RuleSet) -> Option<FloodLoop> {
+    match FloodLoop::start(maps, state, set) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::error!("flood sketches: {e:#} (flooded rules keep their buckets)");
+            None
+        }
+    }
+}
+
 fn period_of(k: Option<&KlimiterLoop>) -> Duration {
     k.map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1))
 }
@@ -359,6 +379,13 @@ impl Service for InterfaceAgent<'_> {
                 }
             }
         }
+        if l.flood.due(now) {
+            if let Some(f) = l.flood_loop.as_mut() {
+                if let Err(e) = f.tick(maps, now.into_std()) {
+                    tracing::warn!("flood loop: {e:#}");
+                }
+            }
+        }
         if l.syns.due(now) {
             if let Err(e) = l.syn_counter.tick(maps, &self.state) {
                 tracing::warn!("counting SYNs: {e:#}");
@@ -379,8 +406,14 @@ impl Service for InterfaceAgent<'_> {
                 }
             }
         }
-        let mut next =
-            l.beat.next().min(l.next_walk).min(l.cpu.next()).min(l.keys.next()).min(l.syns.next());
+        let mut next = l
+            .beat
+            .next()
+            .min(l.next_walk)
+            .min(l.cpu.next())
+            .min(l.keys.next())
+            .min(l.syns.next())
+            .min(l.flood.next());
         if let Some(g) = self.leases.as_mut() {
             next = next.min(Instant::from_std(g.tick()));
         }
@@ -448,6 +481,13 @@ impl Service for InterfaceAgent<'_> {
         }
         if let Some(w) = self.loops.watcher.as_mut() {
             let _ = w.stop(&mut self.maps);
+        }
+        // A kept data plane goes on without sketches: no loop takes them
+        // back when the flood ends.
+        if let Some(f) = self.loops.flood_loop.as_mut() {
+            if let Err(e) = f.clear(&mut self.maps) {
+                tracing::warn!("taking the flood sketches back: {e:#}");
+            }
         }
         // The SYN totals as far as the ring has settled, for a next agent
         // (or `status`) of a kept data plane.

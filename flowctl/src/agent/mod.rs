@@ -10,6 +10,7 @@ pub mod bbr;
 pub mod breakers;
 pub mod cgroup;
 pub mod exposition;
+pub mod flood;
 pub mod heavy;
 pub mod interface;
 pub mod klimiter;

@@ -63,8 +63,31 @@ pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
     for b in &set.breakers {
         out!("  breaker {:<12} {:<40} {}", b.name, b.target.to_string(), breaker_text(b));
     }
+    flood_defence(&set)?;
     for advice in set.rules.iter().filter_map(|r| r.advice()) {
         out!("note: {advice}");
     }
     Ok(fits)
+}
+
+/// What the flood sketches hold for each rule that can be lent one
+/// (agent/flood.rs; docs/design.md, "The flood sketch").
+fn flood_defence(set: &profile::RuleSet) -> Result<()> {
+    use crate::agent::flood;
+    use flowctl_common::sketch::{SKETCH_CELLS, SKETCH_POOL};
+    let eligible: Vec<_> = set.rules.iter().filter(|r| flood::eligible(r)).collect();
+    if eligible.is_empty() {
+        return Ok(());
+    }
+    let s = &set.settings;
+    out!(
+        "flood sketches: {SKETCH_POOL} of {} (in the memory above), lent to a rule that creates over {:.0} buckets/s, while its flood stays under (at most {}% of new keys' first packets refused):",
+        human_bytes(SKETCH_CELLS as u64 * 8),
+        flood::threshold(s.key_table_entries, s.source_cache_entries),
+        flood::FALSE_REFUSAL_TARGET * 100.0
+    );
+    for r in eligible {
+        out!("  {:<20} {:.0} packets/s from keys without a bucket", r.name, flood::capacity(r));
+    }
+    Ok(())
 }

@@ -161,6 +161,7 @@ pub fn counters_json(name: &str, c: &RuleCounters) -> serde_json::Value {
         "non_ip_pkts": c.non_ip_pkts, "malformed_pkts": c.malformed_pkts, "fragment_pkts": c.fragment_pkts,
         "unparsed_pkts": c.unparsed_pkts,
         "booked_syns": c.booked_syns, "redeemed_syns": c.redeemed_syns,
+        "source_claims": c.source_claims, "sketched_pkts": c.sketched_pkts,
         "limit_refusals": c.limit_refusals,
     })
 }

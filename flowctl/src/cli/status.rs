@@ -40,6 +40,12 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                                 "warm_up_s": w.warm_up_ns as f64 / 1e9,
                             });
                         }
+                        // The flood sketch lent to the rule (agent/flood.rs).
+                        let lent = m.control.get(&r.record, 0).map(|c| c.sketch).unwrap_or(0);
+                        j["flood_sketch"] = match lent {
+                            0 => serde_json::Value::Null,
+                            n => (n - 1).into(),
+                        };
                         rules.push(j);
                     }
                     syns = t;
@@ -171,6 +177,13 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             out!("  {line}");
         }
         for r in a["rules"].as_array().unwrap() {
+            if let Some(sketch) = r["flood_sketch"].as_u64() {
+                out!(
+                    "  rule `{}`: flooded; its keys without a bucket are decided by flood sketch {sketch} ({} packets so far)",
+                    r["rule"].as_str().unwrap_or("?"),
+                    r["sketched_pkts"]
+                );
+            }
             let w = &r["warm_up"];
             if let Some(share) = w["share"].as_f64() {
                 out!(

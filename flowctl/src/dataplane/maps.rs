@@ -28,6 +28,8 @@ pub struct Maps {
     pub counters: PerCpuArray<MapData, RuleCounters>,
     pub control: Array<MapData, ControlRecord>,
     pub debt: Array<MapData, flowctl_common::debt::DebtSet>,
+    /// The pool of flood sketches (written by the agent's flood loop).
+    pub sketches: Array<MapData, u64>,
     pub stats: PerCpuArray<MapData, StatsBucket>,
     pub agent: Array<MapData, AgentRecord>,
     /// BBR rules' open-connection rings (see `OPEN_BUCKETS`).
@@ -84,6 +86,7 @@ impl Maps {
             counters: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(&d, names::COUNTERS)?))?,
             control: Array::try_from(Map::Array(open_pinned(&d, names::CONTROL)?))?,
             debt: Array::try_from(Map::Array(open_pinned(&d, names::DEBT)?))?,
+            sketches: Array::try_from(Map::Array(open_pinned(&d, names::SKETCHES)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(&d, names::STATS)?))?,
             agent: Array::try_from(Map::Array(open_pinned(&d, names::AGENT)?))?,
             open: Array::try_from(Map::Array(open_pinned(&d, names::OPEN)?))?,

@@ -34,7 +34,7 @@
 
 mod apply;
 mod attach;
-mod batch;
+pub mod batch;
 mod control;
 mod egress;
 mod global_keys;

@@ -45,8 +45,9 @@ pub fn fixed_table_bytes_on(cpus: u64) -> u64 {
     use flowctl_common::*;
     let arrays = SLOTS * (PROTO_INDICES + PORT_INDICES + MAX_SRC_CLASSES) * size_of::<RuleBitmap>()
         + RULE_CONFIGS * size_of::<RuleConfig>()
-        + MAX_RULE_RECORDS * size_of::<ControlRecord>()
+        + CONTROL_RECORDS * size_of::<ControlRecord>()
         + DEBT_SETS * size_of::<debt::DebtSet>()
+        + (sketch::SKETCH_POOL * sketch::SKETCH_CELLS) as usize * size_of::<u64>()
         + MAX_RULE_RECORDS * size_of::<warm::WarmBucket>()
         + MAX_RULE_RECORDS * OPEN_BUCKETS * size_of::<u64>()
         + HOT_KEY_RING_BYTES as usize
@@ -165,8 +166,8 @@ mod tests {
         let ok = parse("p", "[[rule]]\nname = \"a\"\nrate = \"1/s\"").unwrap();
         // Default tables: two 1M-entry LRU hashes (the source cache's
         // 72-byte entries hold a global rule's bucket), the quota and
-        // connection tables, the shaper's flow table and the statistics
-        // rings: 383 MiB on 2 CPUs.
+        // connection tables, the shaper's flow table, the flood sketches
+        // (4 MiB) and the statistics rings: 387 MiB on 2 CPUs.
         let mem = ok.settings.kernel_memory_bytes_on(2);
         assert!(mem > 350 << 20 && mem < 400 << 20, "{mem}");
         // The per-CPU maps grow with the CPUs, the rest not: 2.9 MiB per
@@ -178,18 +179,18 @@ mod tests {
         // The defaults fit a 128-CPU host in the default 1 GiB budget.
         let on_128 = ok.settings.kernel_memory_bytes_on(128);
         assert!(on_128 <= ok.settings.memory_budget, "{on_128}");
-        assert_eq!(super::human_bytes(on_128), "747.5 MiB");
+        assert_eq!(super::human_bytes(on_128), "752.5 MiB");
         // A list of a million prefixes: two slots of 144 bytes each, 275 MiB.
         let listed = Settings { list_prefixes: 1_000_000, ..ok.settings.clone() };
         assert_eq!(listed.kernel_memory_bytes_on(2) - mem, 288_000_000);
-        // All 256 rules: rings for 513 records, 5.6 MiB per CPU: 1.07 GiB,
+        // All 256 rules: rings for 513 records, 5.6 MiB per CPU: 1.08 GiB,
         // over the budget on 128 CPUs (as before max_rules existed).
         let all = parse("p", "[settings]\nmax_rules = 256\n[[rule]]\nname = \"a\"\nrate = \"1/s\"")
             .unwrap();
         let per_cpu_all =
             all.settings.kernel_memory_bytes_on(3) - all.settings.kernel_memory_bytes_on(2);
         assert!(per_cpu_all > 5 << 20 && per_cpu_all < 6 << 20, "{per_cpu_all}");
-        assert_eq!(super::human_bytes(all.settings.kernel_memory_bytes_on(128)), "1.07 GiB");
+        assert_eq!(super::human_bytes(all.settings.kernel_memory_bytes_on(128)), "1.08 GiB");
     }
 
     #[test]

@@ -181,3 +181,95 @@ pub fn a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit() {
     server.stop();
     agent.stop();
 }
+
+/// A SYN flood from 200,000 spoofed sources (two passes, about 40,000
+/// SYNs/s, at most 30 s) against a per-source limit of 5/s with a burst
+/// of 3, with 64k-entry tables, three times smaller than the flood: the
+/// agent sees the rule creating buckets far faster than the tables turn
+/// over and lends it a flood sketch (`status` says so), which holds such a
+/// flood within 1% of new keys refused. Meanwhile:
+/// - another rule's key, admitted once before the flood (burst 3), keeps
+///   its source-cache entry and its bucket: two more in, then refused
+///   (with buckets, the flood evicts it and it comes back with a full
+///   burst: three);
+/// - 200 brand-new client addresses connect, at most 1% of them refused at
+///   their first SYN;
+/// - the flood's sources are decided by the sketch, not given buckets.
+pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
+    const SOURCES: u32 = 200_000;
+    let lab = Lab::new("fsk", 252);
+    blackhole_replies(&lab);
+    let prof = TempFile::profile(
+        "[settings]\nsource_cache_entries = 65536\nkey_table_entries = 65536\n\
+[[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7520\nunit = \"connections\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n\
+[[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7521\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
+    );
+    let server = TcpServer::start(&lab, 7520);
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let (sent_before, _, _) = blast(&lab, 7521, 200, 1.0, 1);
+    assert_eq!(sent_before, 1);
+    assert_eq!(rule(&lab.veth_srv, "other")["passed_pkts"].as_u64(), Some(1));
+    let addrs: Vec<String> = (20..220).map(|h| format!("10.201.252.{h}")).collect();
+    for a in &addrs {
+        lab.add_client_address(a);
+    }
+    let dropped_before = tx_dropped(&lab.ns_cli, &lab.veth_cli);
+    let (sent, clients, lent) = std::thread::scope(|s| {
+        static PROGRESS: AtomicU64 = AtomicU64::new(0);
+        let flood = s.spawn(|| syn_flood(&lab, 7520, (SOURCES, 2, 40_000), 30.0, &PROGRESS));
+        // The clients connect once the flood has run for a while (the
+        // agent reads the counters every 250 ms).
+        let wait = Instant::now();
+        while PROGRESS.load(Ordering::Relaxed) < SOURCES as u64 / 4 && wait.elapsed().as_secs() < 20
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let lent = rule(&lab.veth_srv, "syn")["flood_sketch"].clone();
+        let clients = clients_from(&lab, addrs.clone(), 7520, Duration::from_millis(10));
+        (flood.join().unwrap(), clients, lent)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let r = rule(&lab.veth_srv, "syn");
+    let got = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    let flood_in = nstat(&lab.ns_srv, "TcpExtListenDrops");
+    let veth_drops = tx_dropped(&lab.ns_cli, &lab.veth_cli) - dropped_before;
+    let silent = veth_drops.saturating_sub(sent.refused_sends) as i64;
+    let flood_refused = sent.frames as i64 - flood_in as i64;
+    let clients_refused = got("syn_dropped") as i64 - flood_refused + silent;
+    println!(
+        "flood: {} frames in {:.1} s ({:.0}/s) from {SOURCES} sources; sketch {lent} during it, {} now; the rule passed {} SYNs, dropped {}, made {} buckets ({} claimed entries), its sketch decided {}; {flood_in} reached the listener; clients {clients:?}, at most {clients_refused} refused",
+        sent.frames,
+        sent.secs,
+        sent.frames as f64 / sent.secs,
+        r["flood_sketch"],
+        got("syn_passed"),
+        got("syn_dropped"),
+        got("key_inserts"),
+        got("source_claims"),
+        got("sketched_pkts"),
+    );
+    assert_eq!(lent.as_u64(), Some(0), "lent the pool's first sketch during the flood");
+    assert!(
+        got("sketched_pkts") >= sent.frames / 2,
+        "most of the flood decided by the sketch: {} of {}",
+        got("sketched_pkts"),
+        sent.frames
+    );
+    assert!(
+        got("key_inserts") + got("source_claims") < SOURCES as u64 / 2,
+        "the flood's sources mostly got no bucket"
+    );
+    assert!(
+        clients_refused as f64 <= 0.01 * clients.attempts as f64,
+        "{clients_refused} of {} new clients' SYNs refused",
+        clients.attempts
+    );
+    assert_eq!(clients.established, clients.attempts, "every new client connects");
+    // The other rule's key kept its bucket: two of its three left.
+    let (sent_after, _, _) = blast(&lab, 7521, 200, 1.0, 3);
+    assert_eq!(sent_after, 3);
+    let other = rule(&lab.veth_srv, "other");
+    assert_eq!(other["passed_pkts"].as_u64(), Some(3), "no fresh burst: {other}");
+    server.stop();
+    agent.stop();
+}

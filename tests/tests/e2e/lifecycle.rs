@@ -152,11 +152,11 @@ pub fn error_paths_say_how_to_fix() {
     let fits = on(&defaults, "128");
     assert!(
         fits.status.success()
-            && text(&fits).contains("on 128 CPUs: 747.5 MiB preallocated, within"),
+            && text(&fits).contains("on 128 CPUs: 752.5 MiB preallocated, within"),
         "{}",
         text(&fits)
     );
-    for (p, cpus, need) in [(&defaults, "256", "1.09 GiB"), (&all_rules, "128", "1.07 GiB")] {
+    for (p, cpus, need) in [(&defaults, "256", "1.10 GiB"), (&all_rules, "128", "1.08 GiB")] {
         let over = on(p, cpus);
         assert_eq!(over.status.code(), Some(1), "{}", text(&over));
         assert!(
