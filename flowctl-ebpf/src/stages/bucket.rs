@@ -48,20 +48,25 @@ pub fn admit<Q: QuotaStage>(
             }
             BucketRef::Missing => {
                 let start = sketch::flowctl_new_key(rule.at, record, now, inc, 1);
-                if start == sketch::REFUSED {
-                    // A flooded rule's sketch refused it: no bucket is made.
-                    return verdict(rule, reason::RATE);
-                }
-                // Admitted by the sketch (charged, no bucket), or a bucket
-                // to create from where it starts.
-                if start != sketch::ADMITTED {
-                    let Some(first) = gcra::admit(start, now, inc, rule.burst_ns) else {
-                        // Costlier than the whole bucket, or still in debt:
-                        // refused without creating state.
-                        return verdict(rule, reason::RATE);
+                if start == sketch::ADMITTED {
+                    // A flooded rule's sketch admitted it (charged, and no
+                    // bucket is made): the quota commits, and that is all.
+                    // A path of its own to the end: joined to the bucket's
+                    // below, it cost 6.1's verifier 232k instructions
+                    // (466,256 against 234,342, 2026-12-07).
+                    return match quota.commit(cost) {
+                        QuotaCommit::Done => Decision::of(rule, Outcome::Pass),
+                        QuotaCommit::Full => verdict(rule, reason::QUOTA),
+                        QuotaCommit::Contended => verdict(rule, reason::CONTENDED),
                     };
-                    create = Some(unmarked(first));
                 }
+                // `REFUSED` (the sketch's) is `u64::MAX`, refused here too.
+                let Some(first) = gcra::admit(start, now, inc, rule.burst_ns) else {
+                    // Costlier than the whole bucket, or still in debt:
+                    // refused without creating state.
+                    return verdict(rule, reason::RATE);
+                };
+                create = Some(unmarked(first));
             }
         }
     }

@@ -182,27 +182,29 @@ pub fn a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit() {
     agent.stop();
 }
 
-/// A SYN flood from 200,000 spoofed sources (two passes, about 40,000
-/// SYNs/s, at most 30 s) against a per-source limit of 5/s with a burst
-/// of 3, with 64k-entry tables, three times smaller than the flood: the
+/// A SYN flood from 1,000,000 spoofed sources (one SYN each, about
+/// 100,000/s, at most 30 s) against a per-source limit of 5/s with a burst
+/// of 3, with 64k-entry tables, sixteen times smaller than the flood: the
 /// agent sees the rule creating buckets far faster than the tables turn
 /// over and lends it a flood sketch (`status` says so), which holds such a
-/// flood within 1% of new keys refused. Meanwhile:
-/// - another rule's key, admitted once before the flood (burst 3), keeps
-///   its source-cache entry and its bucket: two more in, then refused
-///   (with buckets, the flood evicts it and it comes back with a full
-///   burst: three);
+/// flood (rho 0.61 per cell) within 1% of new keys refused. Meanwhile:
+/// - another rule's key (1/h, burst 3: no refill within the test, which
+///   takes 90 s in a TCG guest), admitted once before the flood, keeps its
+///   source-cache entry and its bucket: two more in, then refused (with
+///   buckets, the flood evicts it and it comes back with a full burst:
+///   three; checked by hand);
 /// - 200 brand-new client addresses connect, at most 1% of them refused at
 ///   their first SYN;
-/// - the flood's sources are decided by the sketch, not given buckets.
+/// - the flood's sources are decided by the sketch, not given buckets, and
+///   get in at most `sources * (burst + rate * t)`.
 pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
-    const SOURCES: u32 = 200_000;
+    const SOURCES: u32 = 1_000_000;
     let lab = Lab::new("fsk", 252);
     blackhole_replies(&lab);
     let prof = TempFile::profile(
         "[settings]\nsource_cache_entries = 65536\nkey_table_entries = 65536\n\
 [[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7520\nunit = \"connections\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n\
-[[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7521\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n",
+[[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7521\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\n",
     );
     let server = TcpServer::start(&lab, 7520);
     let agent = Agent::start(&lab, prof.path(), &[]);
@@ -216,11 +218,12 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
     let dropped_before = tx_dropped(&lab.ns_cli, &lab.veth_cli);
     let (sent, clients, lent) = std::thread::scope(|s| {
         static PROGRESS: AtomicU64 = AtomicU64::new(0);
-        let flood = s.spawn(|| syn_flood(&lab, 7520, (SOURCES, 2, 40_000), 30.0, &PROGRESS));
+        let flood = s.spawn(|| syn_flood(&lab, 7520, (SOURCES, 1, 100_000), 30.0, &PROGRESS));
         // The clients connect once the flood has run for a while (the
         // agent reads the counters every 250 ms).
         let wait = Instant::now();
-        while PROGRESS.load(Ordering::Relaxed) < SOURCES as u64 / 4 && wait.elapsed().as_secs() < 20
+        while PROGRESS.load(Ordering::Relaxed) < SOURCES as u64 / 10
+            && wait.elapsed().as_secs() < 20
         {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -235,7 +238,12 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
     let veth_drops = tx_dropped(&lab.ns_cli, &lab.veth_cli) - dropped_before;
     let silent = veth_drops.saturating_sub(sent.refused_sends) as i64;
     let flood_refused = sent.frames as i64 - flood_in as i64;
-    let clients_refused = got("syn_dropped") as i64 - flood_refused + silent;
+    // Two bounds on the clients' SYNs the limiter refused: every refusal
+    // of the rule, and those less the flood's (which counts the SYNs the
+    // veth dropped untold as refused: at 100,000/s its queue overflows now
+    // and then).
+    let clients_refused =
+        (got("syn_dropped") as i64).min(got("syn_dropped") as i64 - flood_refused + silent);
     println!(
         "flood: {} frames in {:.1} s ({:.0}/s) from {SOURCES} sources; sketch {lent} during it, {} now; the rule passed {} SYNs, dropped {}, made {} buckets ({} claimed entries), its sketch decided {}; {flood_in} reached the listener; clients {clients:?}, at most {clients_refused} refused",
         sent.frames,
@@ -265,6 +273,8 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
         clients.attempts
     );
     assert_eq!(clients.established, clients.attempts, "every new client connects");
+    let bound = SOURCES as f64 * (3.0 + 5.0 * sent.secs);
+    assert!((flood_in as f64) <= bound, "the flood got {flood_in} SYNs in, bound {bound:.0}");
     // The other rule's key kept its bucket: two of its three left.
     let (sent_after, _, _) = blast(&lab, 7521, 200, 1.0, 3);
     assert_eq!(sent_after, 3);
