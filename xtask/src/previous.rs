@@ -11,11 +11,13 @@ use crate::{root, run};
 use anyhow::{bail, Context, Result};
 use std::{path::PathBuf, process::Command};
 
-/// The last commit whose pins had the layout before this one (v11: the
-/// commit before lists grew the source trie and took v12). Move it on with
-/// each layout bump.
-pub const COMMIT: &str = "2fe81a2f733e3fb1f6faa4557ba5cd583606a6ff";
-pub const LAYOUT: u32 = 11;
+/// The last commit whose pins had the layout before this one (v13: the
+/// commit before the flood sketches grew the counter records and the
+/// control map and took v14). Move it on with each layout bump (it stayed
+/// at v11 through v12 and v13, so the upgrade test's check of
+/// `LAYOUT_VERSION - 1` pins failed under `--full` meanwhile).
+pub const COMMIT: &str = "f57a104bcd6101a018f8ef84cf92376636d8ddbd";
+pub const LAYOUT: u32 = 13;
 
 /// The previous layout's flowctl, built once.
 pub fn flowctl() -> Result<PathBuf> {
