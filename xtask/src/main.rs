@@ -6,6 +6,7 @@
 //! `demo` call `setup` first.
 
 mod bench;
+mod disk;
 mod kernels;
 mod matrix;
 mod package;

@@ -93,6 +93,7 @@ fn cargo_executables(args: &[&str]) -> Result<Vec<Artifact>> {
 
 pub fn test(sel: Selection) -> Result<()> {
     setup::setup()?;
+    crate::disk::preflight(&crate::disk::target_dir(&root()))?;
     let mut runs: Vec<KernelRun> = Vec::new();
     let t_host = Instant::now();
     let mut host_rows = Vec::new();
