@@ -813,6 +813,60 @@ fn a_flooded_rule_is_lent_a_sketch_and_evicts_nothing() {
     assert_eq!(control(&p, rec).flags & control_flags::SKETCH_DRAINING, 0);
 }
 
+/// A lent sketch is taken back when its flood stays beyond twice what the
+/// sketch holds for `GROWN_FOR`, not on one short read's spike: the loop
+/// reads every 50 ms, and a single read's rate covers only that long.
+/// (Simulated time: the loop's rates are the real counters over the
+/// `now` it is given.)
+fn a_spike_beyond_a_sketch_does_not_take_it_back() {
+    use flowctl::agent::flood::{self, FloodLoop, GROWN_FOR};
+    use flowctl_common::control_flags;
+    use std::time::{Duration, Instant};
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n";
+    let set = flowctl::profile::parse("test.toml", text).unwrap();
+    let mut p = TestPlane::new(text);
+    p.set_heartbeat(true);
+    let mut lp = FloodLoop::start(&mut p.maps, &p.state, &set).unwrap();
+    let period = lp.period();
+    assert_eq!(period, flood::MIN_PERIOD, "one rule on this machine's CPUs");
+    let t0 = Instant::now();
+    lp.tick(&mut p.maps, t0).unwrap();
+    for i in 0..512u32 {
+        let b = i.to_be_bytes();
+        p.run(&V4::new([10, 31, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
+    }
+    let mut now = t0 + Duration::from_secs(1);
+    lp.tick(&mut p.maps, now).unwrap();
+    let rec = p.record("flooded");
+    let draining = |p: &TestPlane| {
+        let c = p.maps.control.get(&rec, 0).unwrap();
+        assert_eq!(c.sketch, 1, "lent");
+        c.flags & control_flags::SKETCH_DRAINING != 0
+    };
+    assert!(!draining(&p));
+    // One source without a bucket: every packet of it is the sketch's.
+    let spike = V4::new([10, 60, 0, 1]).build(L4::Udp { sport: 1, dport: 2 }, 0);
+    let beyond = (2.2 * flood::capacity(&set.rules[0]) * period.as_secs_f64()) as u32;
+    // A spike: one period's read beyond twice the capacity, then calm.
+    p.run_repeat(&spike, beyond);
+    now += period;
+    lp.tick(&mut p.maps, now).unwrap();
+    assert!(!draining(&p), "one read beyond is a spike");
+    now += period;
+    lp.tick(&mut p.maps, now).unwrap();
+    assert!(!draining(&p));
+    // Sustained: read after read beyond, until GROWN_FOR is covered.
+    let reads = GROWN_FOR.as_nanos().div_ceil(period.as_nanos()) as u32;
+    for read in 1..=reads {
+        p.run_repeat(&spike, beyond);
+        now += period;
+        lp.tick(&mut p.maps, now).unwrap();
+        assert_eq!(draining(&p), read == reads, "read {read} of {reads} beyond");
+    }
+    assert_eq!(p.counters("flooded").sketched_pkts as u32, beyond * (reads + 1));
+}
+
 /// A flood a sketch cannot hold within its 1% target (1/min with a burst
 /// of 1: about 170 packets/s fill its cells) gets none: its keys keep
 /// their buckets and the debt table.
@@ -2086,6 +2140,7 @@ fn main() {
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         a_flooded_rule_is_lent_a_sketch_and_evicts_nothing: [Root],
         a_flood_beyond_a_sketch_keeps_its_buckets: [Root],
+        a_spike_beyond_a_sketch_does_not_take_it_back: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
         warm_up_ramps_from_a_quarter_to_the_full_rate: [Root],
         shaper_stamps_departures_a_steady_rate_apart: [Root],

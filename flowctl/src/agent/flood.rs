@@ -2,12 +2,13 @@
 //! rules whose new keys would turn the tables over, and takes them back
 //! when the flood ends (docs/design.md, "The flood sketch").
 //!
-//! Every `PERIOD` it reads each eligible rule's buckets created
+//! Every period (`period_for`: 50 ms, longer when a read would copy more
+//! than `READ_BUDGET` allows) it reads each eligible rule's buckets created
 //! (`key_inserts + source_claims`) and packets its sketch decided
 //! (`sketched_pkts`). A rule is **flooded** when it creates buckets faster
 //! than the smaller of the key table and the source cache turns over in
-//! `TURNOVER`. A flooded rule is lent a sketch, zeroed first, when the
-//! sketch can hold its flood within the false-refusal target
+//! `TURNOVER`. A flooded rule is lent a clean sketch when the sketch can
+//! hold its flood within the false-refusal target
 //! (`sketch::flood_capacity`, `FALSE_REFUSAL_TARGET`): beyond that a sketch
 //! would refuse more new legitimate keys than the buckets and the debt
 //! table do, so the rule keeps them, and the agent says so. While any rule
@@ -16,7 +17,8 @@
 //!
 //! A sketch is taken back when its rule's keys without a bucket come slower
 //! than half the threshold for `CALM`, or when they come faster than twice
-//! what the sketch holds (then it is held off for `HOLD_OFF`). Taken back,
+//! what the sketch holds for `GROWN_FOR` (then it is held off for
+//! `HOLD_OFF`). Taken back,
 //! it first drains for one burst (`SKETCH_DRAINING`): it decides nothing,
 //! the flag is cleared, and new buckets start no earlier than its
 //! estimate, so a key it refused does not come out with a full bucket; a
@@ -25,6 +27,16 @@
 //! of the flood flag; it clears all of them when it starts (a previous
 //! agent's) and when the agent stops, and the kernel ignores them once the
 //! agent's heartbeat is older than the grace period.
+//!
+//! **Clean sketches.** A cell is a TAT, and a TAT in the past is a full
+//! bucket, so a sketch is as good as zeroed once its rule's burst has
+//! passed since it last decided: a drained sketch is clean when it is
+//! freed. Zeroing one (`BPF_MAP_UPDATE_BATCH` of its 131,072 cells) took
+//! 48 ms under a 100,000/s flood on this project's 2-CPU machine, half the
+//! time a flood's sources got entries before the sketch was lent, so it is
+//! done ahead: a sketch whose state is unknown (a previous agent's) is
+//! zeroed by a read with nothing else to do, and only a sketch not yet
+//! clean is zeroed as it is lent.
 
 use crate::{
     dataplane::{batch, state::AttachState, Maps},
@@ -32,11 +44,29 @@ use crate::{
     system::{clock::monotonic_ns, log},
 };
 use anyhow::{Context, Result};
-use flowctl_common::{key_kind, sketch, unit, GLOBAL_COUNTER_INDEX, MAX_RULE_RECORDS};
+use flowctl_common::{
+    key_kind, sketch, unit, RuleCounters, GLOBAL_COUNTER_INDEX, MAX_RULE_RECORDS,
+};
 use std::time::{Duration, Instant};
 
-/// How often the loop reads the counters.
-pub const PERIOD: Duration = Duration::from_millis(250);
+/// The shortest period between two reads of the counters. A flood is seen
+/// at the first read after it starts (a read's rate covers one period, and
+/// a flood crosses the threshold within one at any rate worth a sketch), so
+/// this is the time its sources get buckets and cache entries, evicting
+/// others', before the sketch decides them: 250 ms at first, which let
+/// 10,000-17,000 of a 95,000/s flood's sources in (e2e
+/// `a_flooded_rule_is_lent_a_sketch_and_spares_other_keys`).
+pub const MIN_PERIOD: Duration = Duration::from_millis(50);
+/// The longest, for profiles whose reads would copy the most.
+pub const MAX_PERIOD: Duration = Duration::from_millis(250);
+/// What the loop may copy per second out of the per-CPU counters: a read
+/// copies one `RuleCounters` per possible CPU per eligible rule (10 rules
+/// on 128 CPUs: 369 kB, every 50 ms; 512 rules: 18.9 MB, every 250 ms,
+/// over the budget, as before the period adapted).
+pub const READ_BUDGET: f64 = 8e6;
+/// A flood beyond twice what its sketch holds, for this long, takes the
+/// sketch back: a 50 ms read alone would take it back on a spike.
+pub const GROWN_FOR: Duration = Duration::from_millis(250);
 /// A rule is flooded when it would turn the smaller table over this fast.
 pub const TURNOVER: Duration = Duration::from_secs(60);
 /// Below half the threshold this long, a rule's flood is over.
@@ -63,6 +93,8 @@ struct Watched {
     /// hold a TAT in the future.
     burst: Duration,
     calm_since: Option<Instant>,
+    /// Since when its flood has been beyond twice what the sketch holds.
+    grown_since: Option<Instant>,
     held_off_until: Option<Instant>,
     /// Said once per episode that the flood is beyond a sketch.
     said_beyond: bool,
@@ -70,9 +102,14 @@ struct Watched {
 
 pub struct FloodLoop {
     rules: Vec<Watched>,
+    /// Between two reads (`period_for`).
+    period: Duration,
     /// New buckets per second that make a rule flooded.
     threshold: f64,
     last: Option<Instant>,
+    /// From when each sketch of the pool holds no TAT in the future (None:
+    /// unknown, zeroed before it is lent).
+    clean_from: [Option<Instant>; sketch::SKETCH_POOL as usize],
     flagged: bool,
     said_pool_full: bool,
 }
@@ -94,6 +131,14 @@ pub fn eligible(rule: &Rule) -> bool {
 /// The creation rate that makes a rule flooded for tables of these sizes.
 pub fn threshold(key_table_entries: u32, source_cache_entries: u32) -> f64 {
     key_table_entries.min(source_cache_entries) as f64 / TURNOVER.as_secs_f64()
+}
+
+/// The loop's period for `rules` eligible rules on `cpus` possible CPUs:
+/// as short as `MIN_PERIOD` while a read copies no more than `READ_BUDGET`
+/// allows, never longer than `MAX_PERIOD`.
+pub fn period_for(rules: usize, cpus: usize) -> Duration {
+    let bytes = (rules * cpus * size_of::<RuleCounters>()) as f64;
+    Duration::from_secs_f64(bytes / READ_BUDGET).clamp(MIN_PERIOD, MAX_PERIOD)
 }
 
 /// What a sketch of the pool holds of `rule`'s flood (unit packets per
@@ -127,14 +172,20 @@ impl FloodLoop {
                 draining_until: None,
                 burst: Duration::from_nanos(r.burst_ns),
                 calm_since: None,
+                grown_since: None,
                 held_off_until: None,
                 said_beyond: false,
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // Unknown, the count of possible CPUs is taken as large enough
+        // for the longest period.
+        let cpus = aya::util::nr_cpus().unwrap_or(usize::MAX / 4096);
         let mut l = FloodLoop {
+            period: period_for(rules.len(), cpus),
             rules,
             threshold: threshold(state.key_table_entries, state.source_cache_entries),
             last: None,
+            clean_from: [None; sketch::SKETCH_POOL as usize],
             flagged: true,
             said_pool_full: false,
         };
@@ -142,12 +193,32 @@ impl FloodLoop {
         Ok(l)
     }
 
+    /// The loop for a new profile: this one's sketches taken back (clean
+    /// once their rules' bursts have passed), the new rules watched.
+    pub fn restart(mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet) -> Result<Self> {
+        self.clear(maps)?;
+        let mut next = Self::start(maps, state, set)?;
+        next.clean_from = self.clean_from;
+        Ok(next)
+    }
+
+    /// How often `tick` wants to be called.
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
     /// Every record's sketch taken back, and the flag cleared.
     pub fn clear(&mut self, maps: &mut Maps) -> Result<()> {
-        let now = monotonic_ns();
+        let (now, at) = (monotonic_ns(), Instant::now());
         for record in 0..MAX_RULE_RECORDS as u32 {
-            if maps.control.get(&record, 0).map(|c| c.sketch != 0).unwrap_or(false) {
+            let lent = maps.control.get(&record, 0).map(|c| c.sketch).unwrap_or(0);
+            if lent != 0 {
                 maps.update_control(record, now, |e| e.set_sketch(None))?;
+                let s = lent - 1;
+                if let Some(c) = self.clean_from.get_mut(s as usize) {
+                    // Clean one burst on if it is ours, else unknown.
+                    *c = self.rules.iter().find(|w| w.lent == Some(s)).map(|w| at + w.burst);
+                }
             }
         }
         for w in &mut self.rules {
@@ -191,7 +262,23 @@ impl FloodLoop {
             }
         }
         let any = self.rules.iter().any(|w| w.lent.is_some() && w.draining_until.is_none());
-        self.set_flag(maps, any)
+        self.set_flag(maps, any)?;
+        self.zero_one_unknown(maps, now)
+    }
+
+    /// Zeroes one free sketch whose state is unknown, if there is one.
+    fn zero_one_unknown(&mut self, maps: &mut Maps, now: Instant) -> Result<()> {
+        if self.rules.is_empty() {
+            return Ok(()); // nothing to lend them to
+        }
+        let taken: Vec<u32> = self.rules.iter().filter_map(|w| w.lent).collect();
+        if let Some(s) = (0..sketch::SKETCH_POOL)
+            .find(|s| !taken.contains(s) && self.clean_from[*s as usize].is_none())
+        {
+            zero(maps, s)?;
+            self.clean_from[s as usize] = Some(now);
+        }
+        Ok(())
     }
 
     fn consider_lending(
@@ -222,7 +309,9 @@ impl FloodLoop {
             return Ok(());
         }
         let taken: Vec<u32> = self.rules.iter().filter_map(|w| w.lent).collect();
-        let Some(free) = (0..sketch::SKETCH_POOL).find(|s| !taken.contains(s)) else {
+        let is_clean = |s: u32| self.clean_from[s as usize].is_some_and(|t| t <= now);
+        let free = (0..sketch::SKETCH_POOL).filter(|s| !taken.contains(s));
+        let Some(free) = free.clone().find(|s| is_clean(*s)).or_else(|| free.clone().next()) else {
             if !self.said_pool_full {
                 self.said_pool_full = true;
                 log::warning(format_args!(
@@ -234,10 +323,10 @@ impl FloodLoop {
             return Ok(());
         };
         self.said_pool_full = false;
-        // Zeroed before it is lent: TAT 0 is a full bucket, as a new key's.
-        let zeros = vec![0u64; sketch::SKETCH_CELLS as usize];
-        batch::set_range(&mut maps.sketches, free * sketch::SKETCH_CELLS, &zeros)
-            .context("zeroing a flood sketch")?;
+        if !is_clean(free) {
+            zero(maps, free)?;
+        }
+        self.clean_from[free as usize] = None;
         let w = &mut self.rules[i];
         maps.update_control(w.record, monotonic_ns(), |e| e.set_sketch(Some(free)))?;
         w.lent = Some(free);
@@ -257,14 +346,21 @@ impl FloodLoop {
         rate: f64,
         now: Instant,
     ) -> Result<()> {
-        let threshold = self.threshold;
+        let (threshold, period) = (self.threshold, self.period);
         let w = &mut self.rules[i];
+        if rate <= 2.0 * w.capacity {
+            w.grown_since = None;
+        }
         let why = if rate > 2.0 * w.capacity {
-            w.held_off_until = Some(now + HOLD_OFF);
-            Some(format!(
-                "its flood grew to {rate:.0}/s, beyond the {:.0}/s the sketch holds",
-                w.capacity
-            ))
+            // The first read beyond covers one period already.
+            let since = *w.grown_since.get_or_insert(now);
+            (now.saturating_duration_since(since) + period >= GROWN_FOR).then(|| {
+                w.held_off_until = Some(now + HOLD_OFF);
+                format!(
+                    "its flood grew to {rate:.0}/s, beyond the {:.0}/s the sketch holds",
+                    w.capacity
+                )
+            })
         } else if rate < threshold / 2.0 {
             let since = *w.calm_since.get_or_insert(now);
             (now.saturating_duration_since(since) >= CALM).then(|| {
@@ -278,13 +374,14 @@ impl FloodLoop {
         // It decides nothing from here, but new buckets start no earlier
         // than its estimate until every estimate is in the past: one burst.
         maps.update_control(w.record, monotonic_ns(), |e| e.drain_sketch())?;
-        w.draining_until = Some(now + w.burst + PERIOD);
+        w.draining_until = Some(now + w.burst + period);
         w.calm_since = None;
+        w.grown_since = None;
         log::warning(format_args!(
             "rule {}: flood sketch {} taken back ({why}); freed in {:.1} s",
             w.name,
             w.lent.unwrap_or(0),
-            (w.burst + PERIOD).as_secs_f64()
+            (w.burst + period).as_secs_f64()
         ));
         Ok(())
     }
@@ -306,6 +403,10 @@ impl FloodLoop {
             ));
         } else if w.draining_until.is_some_and(|t| now >= t) {
             maps.update_control(w.record, monotonic_ns(), |e| e.set_sketch(None))?;
+            // Drained for its burst: every cell is in the past.
+            if let Some(s) = w.lent {
+                self.clean_from[s as usize] = Some(now);
+            }
             w.lent = None;
             w.draining_until = None;
         }
@@ -313,9 +414,29 @@ impl FloodLoop {
     }
 }
 
+/// Sketch `s` of the pool zeroed: TAT 0 is a full bucket, as a new key's.
+fn zero(maps: &mut Maps, s: u32) -> Result<()> {
+    let zeros = vec![0u64; sketch::SKETCH_CELLS as usize];
+    batch::set_range(&mut maps.sketches, s * sketch::SKETCH_CELLS, &zeros)
+        .context("zeroing a flood sketch")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_period_is_short_unless_a_read_copies_more_than_the_budget() {
+        let bytes = size_of::<RuleCounters>();
+        assert_eq!(period_for(0, 128), MIN_PERIOD);
+        assert_eq!(period_for(10, 128), MIN_PERIOD, "369 kB a read");
+        // At the budget, exactly: 100 ms.
+        let rules = (READ_BUDGET / 10.0) as usize / (bytes * 64);
+        let p = period_for(rules, 64);
+        assert!(p > MIN_PERIOD && p <= Duration::from_millis(100), "{p:?}");
+        assert_eq!(period_for(512, 128), MAX_PERIOD);
+        assert_eq!(period_for(1, usize::MAX / 4096), MAX_PERIOD, "CPUs unknown");
+    }
 
     #[test]
     fn the_threshold_turns_the_smaller_table_over_in_a_minute() {

@@ -87,7 +87,7 @@ impl<'a> InterfaceAgent<'a> {
         cgroup: Option<PathBuf>,
     ) -> Self {
         let klimiter_loop = KlimiterLoop::new(&set);
-        let flood_loop = start_flood_loop(&mut maps, &state, &set);
+        let flood_loop = flood_loop_or_log(FloodLoop::start(&mut maps, &state, &set));
         let watcher = match KeyWatcher::open(&state.id) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -110,7 +110,7 @@ impl<'a> InterfaceAgent<'a> {
             syns: Every::new(SynCounter::period(&state.stats)),
             syn_counter: SynCounter::new(&state),
             next_walk: Instant::now(),
-            flood: Every::new(flood::PERIOD),
+            flood: Every::new(flood_period(&flood_loop)),
             flood_loop,
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
@@ -259,7 +259,11 @@ impl<'a> InterfaceAgent<'a> {
         self.loops.klimiter_loop = next;
         // Sketches lent under the old rules are taken back; the new rules
         // are watched from here.
-        self.loops.flood_loop = start_flood_loop(&mut self.maps, &self.state, &self.set);
+        self.loops.flood_loop = flood_loop_or_log(match self.loops.flood_loop.take() {
+            Some(old) => old.restart(&mut self.maps, &self.state, &self.set),
+            None => FloodLoop::start(&mut self.maps, &self.state, &self.set),
+        });
+        self.loops.flood.set_period(flood_period(&self.loops.flood_loop));
         // The global rules: new limits for the same store, else a new loop
         // (its leases start over; the keys run at their default share
         // until they are granted again).
@@ -306,9 +310,13 @@ pub fn record_source(state: &mut AttachState, f: &Follower) {
     }
 }
 
-/// KLimiter's sample period (1 s while there is none, unused then).
-fn start_flood_loop(maps: &mut Maps, state: &AttachState, set: &RuleSet) -> Option<FloodLoop> {
-    match FloodLoop::start(maps, state, set) {
+/// The flood loop's period (the longest while there is none, unused then).
+fn flood_period(l: &Option<FloodLoop>) -> Duration {
+    l.as_ref().map_or(flood::MAX_PERIOD, FloodLoop::period)
+}
+
+fn flood_loop_or_log(started: anyhow::Result<FloodLoop>) -> Option<FloodLoop> {
+    match started {
         Ok(l) => Some(l),
         Err(e) => {
             tracing::error!("flood sketches: {e:#} (flooded rules keep their buckets)");
@@ -317,6 +325,7 @@ fn start_flood_loop(maps: &mut Maps, state: &AttachState, set: &RuleSet) -> Opti
     }
 }
 
+/// KLimiter's sample period (1 s while there is none, unused then).
 fn period_of(k: Option<&KlimiterLoop>) -> Duration {
     k.map(|k| k.sample_period()).unwrap_or(Duration::from_secs(1))
 }

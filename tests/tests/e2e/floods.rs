@@ -226,7 +226,7 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
         while PROGRESS.load(Ordering::Relaxed) < 20_000 && wait.elapsed().as_secs() < 20 {
             std::thread::sleep(Duration::from_millis(20));
         }
-        // The agent reads the counters every 250 ms.
+        // The agent reads the counters every 50 ms.
         let mut lent = rule(&lab.veth_srv, "syn")["flood_sketch"].clone();
         while lent.is_null() && wait.elapsed().as_secs() < 20 {
             std::thread::sleep(Duration::from_millis(50));
