@@ -815,7 +815,8 @@ fn a_flooded_rule_is_lent_a_sketch_and_evicts_nothing() {
 
 /// A lent sketch is taken back when its flood stays beyond twice what the
 /// sketch holds for `GROWN_FOR`, not on one short read's spike: the loop
-/// reads every 50 ms, and a single read's rate covers only that long.
+/// reads every 50 ms, and a single read's rate covers only that long. A
+/// spike does end a calm, as it did when it took the sketch back.
 /// (Simulated time: the loop's rates are the real counters over the
 /// `now` it is given.)
 fn a_spike_beyond_a_sketch_does_not_take_it_back() {
@@ -855,7 +856,19 @@ fn a_spike_beyond_a_sketch_does_not_take_it_back() {
     assert!(!draining(&p), "one read beyond is a spike");
     now += period;
     lp.tick(&mut p.maps, now).unwrap();
-    assert!(!draining(&p));
+    assert!(!draining(&p), "calm from here");
+    // A spike also ends a calm: 29 s calm, a spike, and calm again is not
+    // 30 s of calm a second later.
+    now += Duration::from_secs(29);
+    lp.tick(&mut p.maps, now).unwrap();
+    p.run_repeat(&spike, beyond);
+    now += period;
+    lp.tick(&mut p.maps, now).unwrap();
+    now += period;
+    lp.tick(&mut p.maps, now).unwrap();
+    now += Duration::from_millis(1500);
+    lp.tick(&mut p.maps, now).unwrap();
+    assert!(!draining(&p), "the calm started again after the spike");
     // Sustained: read after read beyond, until GROWN_FOR is covered.
     let reads = GROWN_FOR.as_nanos().div_ceil(period.as_nanos()) as u32;
     for read in 1..=reads {
@@ -864,7 +877,7 @@ fn a_spike_beyond_a_sketch_does_not_take_it_back() {
         lp.tick(&mut p.maps, now).unwrap();
         assert_eq!(draining(&p), read == reads, "read {read} of {reads} beyond");
     }
-    assert_eq!(p.counters("flooded").sketched_pkts as u32, beyond * (reads + 1));
+    assert_eq!(p.counters("flooded").sketched_pkts as u32, beyond * (reads + 2));
 }
 
 /// A flood a sketch cannot hold within its 1% target (1/min with a burst

@@ -35,7 +35,7 @@
 //! 48 ms under a 100,000/s flood on this project's 2-CPU machine, half the
 //! time a flood's sources got entries before the sketch was lent, so it is
 //! done ahead: a sketch whose state is unknown (a previous agent's) is
-//! zeroed by a read with nothing else to do, and only a sketch not yet
+//! zeroed by a read that lent none (one a read), and only a sketch not yet
 //! clean is zeroed as it is lent.
 
 use crate::{
@@ -112,6 +112,7 @@ pub struct FloodLoop {
     clean_from: [Option<Instant>; sketch::SKETCH_POOL as usize],
     flagged: bool,
     said_pool_full: bool,
+    said_zero_failed: bool,
 }
 
 /// Whether a rule can be lent a sketch: a local rule that keeps a bucket
@@ -137,8 +138,12 @@ pub fn threshold(key_table_entries: u32, source_cache_entries: u32) -> f64 {
 /// as short as `MIN_PERIOD` while a read copies no more than `READ_BUDGET`
 /// allows, never longer than `MAX_PERIOD`.
 pub fn period_for(rules: usize, cpus: usize) -> Duration {
-    let bytes = (rules * cpus * size_of::<RuleCounters>()) as f64;
-    Duration::from_secs_f64(bytes / READ_BUDGET).clamp(MIN_PERIOD, MAX_PERIOD)
+    if rules == 0 {
+        return MAX_PERIOD; // nothing to read
+    }
+    let bytes = rules as f64 * cpus as f64 * size_of::<RuleCounters>() as f64;
+    let secs = bytes / READ_BUDGET;
+    Duration::from_secs_f64(secs.clamp(MIN_PERIOD.as_secs_f64(), MAX_PERIOD.as_secs_f64()))
 }
 
 /// What a sketch of the pool holds of `rule`'s flood (unit packets per
@@ -177,9 +182,9 @@ impl FloodLoop {
                 said_beyond: false,
             })
             .collect::<Vec<_>>();
-        // Unknown, the count of possible CPUs is taken as large enough
-        // for the longest period.
-        let cpus = aya::util::nr_cpus().unwrap_or(usize::MAX / 4096);
+        // Unknown, the count of possible CPUs is taken as the kernel's
+        // largest configurable (NR_CPUS up to 8192): the longest period.
+        let cpus = aya::util::nr_cpus().unwrap_or(8192);
         let mut l = FloodLoop {
             period: period_for(rules.len(), cpus),
             rules,
@@ -188,6 +193,7 @@ impl FloodLoop {
             clean_from: [None; sketch::SKETCH_POOL as usize],
             flagged: true,
             said_pool_full: false,
+            said_zero_failed: false,
         };
         l.clear(maps)?;
         Ok(l)
@@ -209,15 +215,15 @@ impl FloodLoop {
 
     /// Every record's sketch taken back, and the flag cleared.
     pub fn clear(&mut self, maps: &mut Maps) -> Result<()> {
-        let (now, at) = (monotonic_ns(), Instant::now());
+        let now = monotonic_ns();
         for record in 0..MAX_RULE_RECORDS as u32 {
             let lent = maps.control.get(&record, 0).map(|c| c.sketch).unwrap_or(0);
             if lent != 0 {
                 maps.update_control(record, now, |e| e.set_sketch(None))?;
-                let s = lent - 1;
-                if let Some(c) = self.clean_from.get_mut(s as usize) {
-                    // Clean one burst on if it is ours, else unknown.
-                    *c = self.rules.iter().find(|w| w.lent == Some(s)).map(|w| at + w.burst);
+                // Taken back without a drain, its cells may be in the
+                // future: zeroed before it is lent again.
+                if let Some(c) = self.clean_from.get_mut(lent as usize - 1) {
+                    *c = None;
                 }
             }
         }
@@ -241,6 +247,7 @@ impl FloodLoop {
     pub fn tick(&mut self, maps: &mut Maps, now: Instant) -> Result<()> {
         let dt = self.last.map(|t| now.saturating_duration_since(t).as_secs_f64());
         self.last = Some(now);
+        let lent_before = self.rules.iter().filter(|w| w.lent.is_some()).count();
         for i in 0..self.rules.len() {
             let c = maps.counters(self.rules[i].record)?;
             let created = c.key_inserts + c.source_claims;
@@ -263,22 +270,45 @@ impl FloodLoop {
         }
         let any = self.rules.iter().any(|w| w.lent.is_some() && w.draining_until.is_none());
         self.set_flag(maps, any)?;
-        self.zero_one_unknown(maps, now)
+        // A read that lent a sketch may have zeroed one already.
+        if self.rules.iter().filter(|w| w.lent.is_some()).count() <= lent_before {
+            self.zero_one_unknown(maps, now);
+        }
+        Ok(())
     }
 
     /// Zeroes one free sketch whose state is unknown, if there is one.
-    fn zero_one_unknown(&mut self, maps: &mut Maps, now: Instant) -> Result<()> {
+    fn zero_one_unknown(&mut self, maps: &mut Maps, now: Instant) {
         if self.rules.is_empty() {
-            return Ok(()); // nothing to lend them to
+            return; // nothing to lend them to
         }
         let taken: Vec<u32> = self.rules.iter().filter_map(|w| w.lent).collect();
         if let Some(s) = (0..sketch::SKETCH_POOL)
             .find(|s| !taken.contains(s) && self.clean_from[*s as usize].is_none())
         {
-            zero(maps, s)?;
-            self.clean_from[s as usize] = Some(now);
+            if self.zeroed(maps, s) {
+                self.clean_from[s as usize] = Some(now);
+            }
         }
-        Ok(())
+    }
+
+    /// Sketch `s` zeroed; a failure is said once until one succeeds.
+    fn zeroed(&mut self, maps: &mut Maps, s: u32) -> bool {
+        match zero(maps, s) {
+            Ok(()) => {
+                self.said_zero_failed = false;
+                true
+            }
+            Err(e) => {
+                if !self.said_zero_failed {
+                    self.said_zero_failed = true;
+                    log::warning(format_args!(
+                        "{e:#}: flood sketch {s} is not lent until it can be zeroed"
+                    ));
+                }
+                false
+            }
+        }
     }
 
     fn consider_lending(
@@ -323,8 +353,8 @@ impl FloodLoop {
             return Ok(());
         };
         self.said_pool_full = false;
-        if !is_clean(free) {
-            zero(maps, free)?;
+        if !is_clean(free) && !self.zeroed(maps, free) {
+            return Ok(());
         }
         self.clean_from[free as usize] = None;
         let w = &mut self.rules[i];
@@ -350,6 +380,8 @@ impl FloodLoop {
         let w = &mut self.rules[i];
         if rate <= 2.0 * w.capacity {
             w.grown_since = None;
+        } else {
+            w.calm_since = None;
         }
         let why = if rate > 2.0 * w.capacity {
             // The first read beyond covers one period already.
@@ -374,7 +406,11 @@ impl FloodLoop {
         // It decides nothing from here, but new buckets start no earlier
         // than its estimate until every estimate is in the past: one burst.
         maps.update_control(w.record, monotonic_ns(), |e| e.drain_sketch())?;
-        w.draining_until = Some(now + w.burst + period);
+        // It decided until this write landed, which may be well after the
+        // read's `now` (the agent's other loops ran first); the period is
+        // the margin for packets already in flight.
+        let taken_at = now.max(Instant::now());
+        w.draining_until = Some(taken_at + w.burst + period);
         w.calm_since = None;
         w.grown_since = None;
         log::warning(format_args!(
@@ -428,14 +464,15 @@ mod tests {
     #[test]
     fn the_period_is_short_unless_a_read_copies_more_than_the_budget() {
         let bytes = size_of::<RuleCounters>();
-        assert_eq!(period_for(0, 128), MIN_PERIOD);
+        assert_eq!(period_for(0, 128), MAX_PERIOD, "nothing to read");
         assert_eq!(period_for(10, 128), MIN_PERIOD, "369 kB a read");
         // At the budget, exactly: 100 ms.
         let rules = (READ_BUDGET / 10.0) as usize / (bytes * 64);
         let p = period_for(rules, 64);
         assert!(p > MIN_PERIOD && p <= Duration::from_millis(100), "{p:?}");
         assert_eq!(period_for(512, 128), MAX_PERIOD);
-        assert_eq!(period_for(1, usize::MAX / 4096), MAX_PERIOD, "CPUs unknown");
+        assert_eq!(period_for(1, 8192), MAX_PERIOD, "CPUs unknown: 2.4 MB a read");
+        assert_eq!(period_for(usize::MAX, usize::MAX), MAX_PERIOD, "no overflow");
     }
 
     #[test]
