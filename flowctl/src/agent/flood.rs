@@ -34,9 +34,9 @@
 //! freed. Zeroing one (`BPF_MAP_UPDATE_BATCH` of its 131,072 cells) took
 //! 48 ms under a 100,000/s flood on this project's 2-CPU machine, half the
 //! time a flood's sources got entries before the sketch was lent, so it is
-//! done ahead: a sketch whose state is unknown (a previous agent's) is
-//! zeroed by a read that lent none (one a read), and only a sketch not yet
-//! clean is zeroed as it is lent.
+//! done ahead: a sketch whose state is unknown (a previous agent's, or one
+//! taken back without a drain) is zeroed by a read that lent none (one a
+//! read), and only a sketch not yet clean is zeroed as it is lent.
 
 use crate::{
     dataplane::{batch, state::AttachState, Maps},
