@@ -199,8 +199,9 @@ impl FloodLoop {
         Ok(l)
     }
 
-    /// The loop for a new profile: this one's sketches taken back (clean
-    /// once their rules' bursts have passed), the new rules watched.
+    /// The loop for a new profile: this one's sketches taken back (of
+    /// unknown state, zeroed ahead; freed drained sketches stay clean),
+    /// the new rules watched.
     pub fn restart(mut self, maps: &mut Maps, state: &AttachState, set: &RuleSet) -> Result<Self> {
         self.clear(maps)?;
         let mut next = Self::start(maps, state, set)?;
