@@ -5,6 +5,10 @@
 //!   LRU hash and nothing else, with the same compare-and-swap update as
 //!   flowctl (`flowctl_common::gcra`).
 //! - `bench_bare_small`: the same with a 64k-entry table (section 1l).
+//! - `bench_own_table`, `bench_cache_then_own_table`: per-rule key tables
+//!   (an array of maps, one LRU hash per rule): what a rule whose keys no
+//!   other rule's flood can evict would cost, without and with the source
+//!   cache lookup that classification makes first (section 1n).
 //! - `bench_spread`: rewrites the IPv4 source to walk N keys, then tail-calls
 //!   the program under test, so BPF_PROG_TEST_RUN covers many keys.
 //! - `bench_gen`: the live-frames generator: walks N sources and redirects
@@ -18,8 +22,9 @@
 
 use aya_ebpf::{
     bindings::xdp_action,
+    btf_maps::{ArrayOfMaps, LruHashMap as BtfLruHashMap},
     helpers::{bpf_ktime_get_ns, bpf_redirect},
-    macros::{map, xdp},
+    macros::{btf_map, map, xdp},
     maps::{Array, LruHashMap, PerCpuArray, ProgramArray},
     programs::XdpContext,
 };
@@ -40,6 +45,17 @@ static BENCH_NEXT: ProgramArray = ProgramArray::with_max_entries(1, 0);
 static BENCH_BARE_KEYS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1 << 20, 0);
 #[map]
 static BENCH_BARE_SMALL_KEYS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1 << 16, 0);
+
+/// Per-rule key tables: the benchmark fills slot 0 with an LRU hash of its
+/// own size (the template's single entry is only the inner maps' shape:
+/// a hash map's size may differ from it).
+#[btf_map]
+static BENCH_RULE_TABLES: ArrayOfMaps<BtfLruHashMap<[u32; 4], u64, 1>, 4> = ArrayOfMaps::new();
+/// Stands in for flowctl's source cache (its key and value sizes). One
+/// entry unless the benchmark sizes it (to 1M): the tests load this object
+/// too, and should not preallocate 136 MiB for it.
+#[map]
+static BENCH_SOURCE_CACHE: LruHashMap<[u32; 4], [u64; 9]> = LruHashMap::with_max_entries(1, 0);
 
 #[xdp]
 pub fn bench_pass(_ctx: XdpContext) -> u32 {
@@ -117,6 +133,68 @@ pub fn bench_bare_small(ctx: XdpContext) -> u32 {
     bare(&ctx, &BENCH_BARE_SMALL_KEYS)
 }
 
+#[xdp]
+pub fn bench_own_table(ctx: XdpContext) -> u32 {
+    own_table(&ctx, false)
+}
+
+#[xdp]
+pub fn bench_cache_then_own_table(ctx: XdpContext) -> u32 {
+    own_table(&ctx, true)
+}
+
+/// The bare reference's bucket in rule 0's own table, keyed as flowctl
+/// keys a source (16 bytes), after the source cache's lookup when `cached`
+/// (a miss inserts there, as classification does).
+#[inline(always)]
+fn own_table(ctx: &XdpContext, cached: bool) -> u32 {
+    let p = ctx.data() + SRC_OFF;
+    if p + 4 > ctx.data_end() {
+        return xdp_action::XDP_PASS;
+    }
+    let src = u32::from_be_bytes(unsafe { *(p as *const [u8; 4]) });
+    let key = [0, 0, 0xffff_u32.to_be(), src];
+    if cached && BENCH_SOURCE_CACHE.get_ptr(&key).is_none() {
+        let _ = BENCH_SOURCE_CACHE.insert(&key, &[0; 9], 0);
+    }
+    let Some(table) = BENCH_RULE_TABLES.get(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    let (Some(t), Some(b)) = (BENCH_LIMIT.get(0), BENCH_LIMIT.get(1)) else {
+        return xdp_action::XDP_PASS;
+    };
+    let (interval, burst) = (*t, *b);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let inc = gcra::increment_ns(interval, 1);
+    let Some(tat) = table.get_ptr_mut(&key) else {
+        let _ = table.insert(&key, &(now + inc), 1);
+        return xdp_action::XDP_PASS;
+    };
+    swap_tat(tat, now, inc, burst)
+}
+
+/// The bucket's compare-and-swap, as flowctl's.
+#[inline(always)]
+fn swap_tat(tat: *mut u64, now: u64, inc: u64, burst: u64) -> u32 {
+    let mut tries = 0;
+    while tries < 4 {
+        let old = unsafe { core::ptr::read_volatile(tat) };
+        let Some(new) = gcra::admit(old, now, inc, burst) else {
+            return xdp_action::XDP_DROP;
+        };
+        let (_, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                tat, old, new,
+            )
+        };
+        if ok {
+            return xdp_action::XDP_PASS;
+        }
+        tries += 1;
+    }
+    xdp_action::XDP_DROP
+}
+
 #[inline(always)]
 fn bare(ctx: &XdpContext, keys: &LruHashMap<u32, u64>) -> u32 {
     let p = ctx.data() + SRC_OFF;
@@ -135,23 +213,7 @@ fn bare(ctx: &XdpContext, keys: &LruHashMap<u32, u64>) -> u32 {
         let _ = keys.insert(&src, &first, 1);
         return xdp_action::XDP_PASS;
     };
-    let mut tries = 0;
-    while tries < 4 {
-        let old = unsafe { core::ptr::read_volatile(tat) };
-        let Some(new) = gcra::admit(old, now, inc, burst) else {
-            return xdp_action::XDP_DROP;
-        };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat, old, new,
-            )
-        };
-        if ok {
-            return xdp_action::XDP_PASS;
-        }
-        tries += 1;
-    }
-    xdp_action::XDP_DROP
+    swap_tat(tat, now, inc, burst)
 }
 
 #[xdp]

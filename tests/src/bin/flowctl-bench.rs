@@ -8,6 +8,9 @@
 //!    admitted and drop paths with the committed bench/profile.toml (40
 //!    rules; the measured rule is in the middle, keyed by source IP). flowctl
 //!    runs with its shipped counters on.
+//!    Its subsections (1b-1n, docs/benchmarks.md) measure one stage each;
+//!    1n (`own-table` alone) measures per-rule key tables on the reference
+//!    programs (`bench_own_table`, `bench_cache_then_own_table`).
 //! 2. Rule-count independence: flowctl's admitted path with 8 and 256 rules.
 //! 3. Kernel bytes per key of flowctl's tables, from fdinfo memlock.
 //! 4. Drop rate through a veth pair: `bench_gen` in live-frames mode walks N
@@ -34,7 +37,7 @@
 //!    per-packet cost alone, `fleet lab` the lab alone.
 
 use aya::{
-    maps::{Array, ProgramArray},
+    maps::{Array, ArrayOfMaps, MapData, ProgramArray},
     programs::{ProgramFd, TestRun, TestRunOptions, Xdp},
     Ebpf, EbpfLoader,
 };
@@ -51,12 +54,38 @@ struct Refs {
 
 impl Refs {
     fn load() -> Self {
-        let mut ebpf =
-            EbpfLoader::new().load(flowctl_bench::bench_object()).expect("load bench object");
-        for p in ["bench_pass", "bench_spread", "bench_bare", "bench_bare_small"] {
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries("BENCH_SOURCE_CACHE", 1 << 20)
+            .load(flowctl_bench::bench_object())
+            .expect("load bench object");
+        for p in [
+            "bench_pass",
+            "bench_spread",
+            "bench_bare",
+            "bench_bare_small",
+            "bench_own_table",
+            "bench_cache_then_own_table",
+        ] {
             let prog: &mut Xdp = ebpf.program_mut(p).unwrap().try_into().unwrap();
             prog.load().unwrap_or_else(|e| panic!("{p}: {e}"));
         }
+        // Rule 0's own table, as large as the bare reference's; the outer
+        // array holds a reference to it, so this handle may go.
+        let table = MapData::create(
+            aya_obj::Map::new_from_params(
+                aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_LRU_HASH as u32,
+                16,
+                8,
+                1 << 20,
+                0,
+            ),
+            "bench_rule0",
+            None,
+        )
+        .expect("create rule 0's own table");
+        let mut tables: ArrayOfMaps<_, MapData> =
+            ArrayOfMaps::try_from(ebpf.map_mut("BENCH_RULE_TABLES").unwrap()).unwrap();
+        tables.set(0, &table, 0).expect("set rule 0's own table");
         Self { ebpf }
     }
 
@@ -259,6 +288,16 @@ fn main() {
         flowctl_tests::testrun::pin_to_cpu(0);
         let mut refs = Refs::load();
         fleet_section(&mut refs, &bench_profile(), &bench_frame(), quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "own-table") {
+        // `flowctl-bench own-table [quick]`: section 1n alone.
+        flowctl_tests::testrun::pin_to_cpu(0);
+        let mut refs = Refs::load();
+        let set = flowctl::profile::parse("bench", &bench_profile()).unwrap();
+        let m = set.rules.iter().position(|r| r.name == "measured").unwrap();
+        refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
+        own_table_section(&mut refs, &bench_frame(), quick, if quick { 100_000 } else { 300_000 });
         return;
     }
     if std::env::args().any(|a| a == "agent") {
@@ -480,6 +519,8 @@ fn main() {
     refs.set_keys(10_000);
     drop((cached, bucketed, sketched));
 
+    own_table_section(&mut refs, &frame, quick, repeat);
+
     println!("\n1i. Lists: the admitted path without and with a list of 1M /32s interleaved with the measured sources (every fourth address of 10.0.0.0/8 from 10.0.0.1, named by a `pass` rule after `measured`, so a trie lookup walks to full depth): sources in the cache (10k keys), and missing it (a 64k-entry source cache)");
     let list_file = million_list("src", [10, 0, 0, 1]);
     let listed = |p: &str| {
@@ -682,6 +723,33 @@ fn main() {
 }
 
 /// `measured` with a 16-bucket quota that never binds (section 1b).
+/// Section 1n: the data plane's cost of per-rule key tables (issue 17's
+/// isolation), measured on the reference programs.
+fn own_table_section(refs: &mut Refs, frame: &[u8], quick: bool, repeat: u32) {
+    println!("\n1n. Per-rule key tables (issue 17's isolation, the data plane's half, in the reference programs): the bare reference's bucket in rule 0's own LRU hash (an array of maps: one more array lookup, and flowctl's 16-byte source key), then after a lookup in a 1M-entry source cache (classification's, which a source-keyed rule's bucket shares today); admitted, keys as section 1");
+    let own_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    for &n in own_counts {
+        refs.set_keys(n);
+        let fds = [
+            refs.fd("bench_bare"),
+            refs.fd("bench_own_table"),
+            refs.fd("bench_cache_then_own_table"),
+        ];
+        let (om, verdicts) = refs.interleaved(&fds, frame, n, repeat);
+        assert!(verdicts.iter().all(|v| *v == flowctl_common::XDP_PASS), "all admit: {verdicts:?}");
+        println!(
+            "  {n:>9} keys: bare {:.1}   own table {:.1} ({:.2}x)   source cache then own table {:.1} ({:.2}x, {:+.1} ns)",
+            om[0],
+            om[1],
+            om[1] / om[0],
+            om[2],
+            om[2] / om[0],
+            om[2] - om[0]
+        );
+    }
+    refs.set_keys(10_000);
+}
+
 fn quota_profile(profile: &str) -> String {
     let text = profile.replace(
         "rate = \"100G/s\"",
@@ -781,14 +849,13 @@ fn agent_cpu(seconds: u64) {
     // A million keys in each table, written from here (as traffic from a
     // million sources would leave them).
     let fill = Instant::now();
-    let mut keys: aya::maps::HashMap<_, BucketKey, u64> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(id.pin_dir().join(map_names::KEYS)).unwrap(),
-        ))
-        .unwrap();
+    let mut keys: aya::maps::HashMap<_, BucketKey, u64> = aya::maps::HashMap::try_from(
+        aya::maps::Map::LruHashMap(MapData::from_pin(id.pin_dir().join(map_names::KEYS)).unwrap()),
+    )
+    .unwrap();
     let mut srcs: aya::maps::HashMap<_, SrcKey, SrcEntry> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(id.pin_dir().join(map_names::SRC_CACHE)).unwrap(),
+            MapData::from_pin(id.pin_dir().join(map_names::SRC_CACHE)).unwrap(),
         ))
         .unwrap();
     for i in 0..1_000_000u32 {
