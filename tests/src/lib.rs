@@ -17,6 +17,7 @@ pub mod fleet_bench;
 pub mod fleet_lab;
 pub mod flood;
 pub mod fuzz;
+pub mod jit_profile;
 pub mod lab;
 pub mod need;
 pub mod overload;

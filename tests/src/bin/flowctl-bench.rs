@@ -249,6 +249,22 @@ fn main() {
         std::process::exit(2);
     }
     let quick = std::env::args().any(|a| a == "quick");
+    if args.get(1).map(String::as_str) == Some("annotate") {
+        // `perf script -F ip -i DATA | flowctl-bench annotate DIR [MIN_SHARE]`:
+        // the samples of a `spin ... --jit DIR` run, per function and
+        // instruction (`flowctl_tests::jit_profile`).
+        let dir = std::path::Path::new(args.get(2).expect("annotate DIR [MIN_SHARE]"));
+        let min_share = args.get(3).map_or(0.02, |m| m.parse().expect("MIN_SHARE: a fraction"));
+        let samples = std::io::read_to_string(std::io::stdin()).expect("read the samples");
+        match flowctl_tests::jit_profile::annotate(dir, &samples, min_share) {
+            Ok(report) => print!("{report}"),
+            Err(e) => {
+                eprintln!("bench: annotate: {e:#}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if std::env::args().any(|a| a == "overload") {
         println!("6. Overload: BBR on and off against a CPU-bound service at 3x its capacity");
         let bin = std::env::var_os(flowctl_tests::cli::BIN_ENV)
@@ -322,7 +338,7 @@ fn main() {
     );
 
     if let Some(i) = args.iter().position(|a| a == "spin") {
-        // `flowctl-bench spin VARIANT SECONDS`: one path (floor, bare, full,
+        // `flowctl-bench spin VARIANT SECONDS [--jit DIR]`: one path (floor, bare, full,
         // nomatch: parse and classify only, or quota: full with section 1b's
         // quota) run for SECONDS on CPU 0, for
         // a profiler to attribute its time to the program's functions
@@ -353,6 +369,12 @@ fn main() {
             (None, _) => refs.fd("bench_pass"),
         };
         refs.set_target(&fd);
+        // `--jit DIR`: the spun program's JIT image, for `annotate`.
+        if let Some(dir) = args.iter().position(|a| a == "--jit").map(|j| &args[j + 1]) {
+            use std::os::fd::AsFd as _;
+            flowctl_tests::jit_profile::dump(fd.as_fd(), std::path::Path::new(dir))
+                .unwrap_or_else(|e| panic!("bench: dump the JIT image: {e:#}"));
+        }
         let t = std::time::Instant::now();
         let mut n = 0;
         let mut sum = 0.0;
