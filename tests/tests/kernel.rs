@@ -886,6 +886,51 @@ fn a_spike_beyond_a_sketch_does_not_take_it_back() {
     assert_eq!(p.counters("flooded").sketched_pkts as u32, beyond * (reads + 2));
 }
 
+/// Between the loop's reads, a watch every 10 ms lends a sketch to a rule
+/// whose flood has created at least `WATCH_MIN_KEYS` buckets since the
+/// last watch at the threshold's rate: fewer, however fast, wait for the
+/// loop's read. (Simulated time, as above.)
+fn a_strong_flood_is_lent_a_sketch_at_the_next_watch() {
+    use flowctl::agent::flood::{FloodLoop, WATCH_MIN_KEYS, WATCH_PERIOD};
+    use flowctl_common::{control_flags, GLOBAL_COUNTER_INDEX};
+    use std::time::Instant;
+    let text = "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+        flood_watch = true\n\
+        [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n";
+    let set = flowctl::profile::parse("test.toml", text).unwrap();
+    let unset = flowctl::profile::parse("test.toml", &text.replace("flood_watch = true\n", ""));
+    let mut p = TestPlane::new(text);
+    p.set_heartbeat(true);
+    let off = FloodLoop::start(&mut p.maps, &p.state, &unset.unwrap()).unwrap();
+    assert_eq!(off.watch_period(), None, "off unless the profile asks");
+    let mut lp = FloodLoop::start(&mut p.maps, &p.state, &set).unwrap();
+    assert_eq!(lp.watch_period(), Some(WATCH_PERIOD), "one rule: within the read budget");
+    let sources = |p: &mut TestPlane, from: u32, n: u32| {
+        for i in from..from + n {
+            let b = i.to_be_bytes();
+            p.run(&V4::new([10, 31, b[2], b[3]]).build(L4::Udp { sport: 1, dport: 2 }, 0));
+        }
+    };
+    let rec = p.record("flooded");
+    let lent = |p: &TestPlane| p.maps.control.get(&rec, 0).unwrap().sketch;
+    let t0 = Instant::now();
+    lp.watch(&mut p.maps, t0).unwrap();
+    // 6,300 new keys/s, 370 times the threshold, but a handful.
+    sources(&mut p, 0, WATCH_MIN_KEYS as u32 - 1);
+    lp.watch(&mut p.maps, t0 + WATCH_PERIOD).unwrap();
+    assert_eq!(lent(&p), 0, "fewer than WATCH_MIN_KEYS in a watch");
+    sources(&mut p, 1000, WATCH_MIN_KEYS as u32);
+    lp.watch(&mut p.maps, t0 + 2 * WATCH_PERIOD).unwrap();
+    assert_eq!(lent(&p), 1, "lent the pool's first sketch at the watch");
+    let flags = p.maps.control.get(&GLOBAL_COUNTER_INDEX, 0).unwrap().flags;
+    assert_ne!(flags & control_flags::FLOOD, 0, "flagged");
+    // The loop's next read carries on from there (the flood goes on: kept).
+    sources(&mut p, 2000, 200);
+    lp.tick(&mut p.maps, t0 + 3 * WATCH_PERIOD).unwrap();
+    assert_eq!(lent(&p), 1, "still lent");
+    assert!(p.counters("flooded").sketched_pkts >= 200, "the sketch decides");
+}
+
 /// A flood a sketch cannot hold within its 1% target (1/min with a burst
 /// of 1: about 170 packets/s fill its cells) gets none: its keys keep
 /// their buckets and the debt table.
@@ -2159,6 +2204,7 @@ fn main() {
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         a_flooded_rule_is_lent_a_sketch_and_evicts_nothing: [Root],
         a_flood_beyond_a_sketch_keeps_its_buckets: [Root],
+        a_strong_flood_is_lent_a_sketch_at_the_next_watch: [Root],
         a_spike_beyond_a_sketch_does_not_take_it_back: [Root],
         nested_limits_each_bind_and_refusals_spend_nothing: [Root],
         warm_up_ramps_from_a_quarter_to_the_full_rate: [Root],

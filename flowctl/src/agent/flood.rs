@@ -15,6 +15,13 @@
 //! holds a sketch the global control record's `FLOOD` flag is set, so new
 //! sources get no cache entry (`classify::flooded`).
 //!
+//! With `flood_watch` in the profile's settings, `watch` also reads the
+//! rules without a sketch every `WATCH_PERIOD` (10 ms) and lends to one
+//! whose new buckets since its last watch are a flood
+//! (`WATCH_MIN_KEYS` of them, at the threshold's rate): a strong flood
+//! then gets buckets for about 10 ms instead of up to a period. Off by
+//! default for its cost: the wake-ups (docs/design.md, "Reaction time").
+//!
 //! A sketch is taken back when its rule's keys without a bucket come slower
 //! than half the threshold for `CALM`, or when they come faster than twice
 //! what the sketch holds for `GROWN_FOR` (then it is held off for
@@ -59,6 +66,15 @@ use std::time::{Duration, Instant};
 pub const MIN_PERIOD: Duration = Duration::from_millis(50);
 /// The longest, for profiles whose reads would copy the most.
 pub const MAX_PERIOD: Duration = Duration::from_millis(250);
+/// Between two watches (`FloodLoop::watch`): the reads in between the
+/// loop's that look only for a strong flood's start on rules without a
+/// sketch, so one is lent within about this long rather than a period.
+pub const WATCH_PERIOD: Duration = Duration::from_millis(10);
+/// Buckets one watch must see created, besides the threshold's rate, to
+/// lend: a handful of new keys in 10 ms is a rate over the threshold of
+/// small tables (11 at 64k entries) without being a flood. Floods slower
+/// than this many per watch (6,400/s) are left to the loop's period.
+pub const WATCH_MIN_KEYS: u64 = 64;
 /// What the loop may copy per second out of the per-CPU counters: a read
 /// copies one `RuleCounters` per possible CPU per eligible rule (10 rules
 /// on 128 CPUs: 369 kB, every 50 ms; 512 rules: 18.9 MB, every 250 ms,
@@ -86,6 +102,9 @@ struct Watched {
     /// Buckets and sketched packets counted at the last read.
     created: u64,
     sketched: u64,
+    /// When the last watch (`FloodLoop::watch`) read the rule, and the
+    /// buckets it counted; None while it holds a sketch (unwatched).
+    watched: Option<(Instant, u64)>,
     lent: Option<u32>,
     /// Taken back, deciding nothing: freed at this time (`SKETCH_DRAINING`).
     draining_until: Option<Instant>,
@@ -104,6 +123,9 @@ pub struct FloodLoop {
     rules: Vec<Watched>,
     /// Between two reads (`period_for`).
     period: Duration,
+    /// Between two watches: `WATCH_PERIOD`, or None when the watches'
+    /// reads would copy more than `READ_BUDGET` allows.
+    watch_period: Option<Duration>,
     /// New buckets per second that make a rule flooded.
     threshold: f64,
     last: Option<Instant>,
@@ -141,9 +163,22 @@ pub fn period_for(rules: usize, cpus: usize) -> Duration {
     if rules == 0 {
         return MAX_PERIOD; // nothing to read
     }
-    let bytes = rules as f64 * cpus as f64 * size_of::<RuleCounters>() as f64;
-    let secs = bytes / READ_BUDGET;
+    let secs = read_bytes(rules, cpus) / READ_BUDGET;
     Duration::from_secs_f64(secs.clamp(MIN_PERIOD.as_secs_f64(), MAX_PERIOD.as_secs_f64()))
+}
+
+/// `WATCH_PERIOD` when watching `rules` eligible rules on `cpus` possible
+/// CPUs copies no more than `READ_BUDGET` allows (a watch copies what a
+/// read does), else None: the loop's reads alone.
+pub fn watch_period_for(rules: usize, cpus: usize) -> Option<Duration> {
+    let per_s = read_bytes(rules, cpus) / WATCH_PERIOD.as_secs_f64();
+    (rules > 0 && per_s <= READ_BUDGET).then_some(WATCH_PERIOD)
+}
+
+/// What one read copies out of the per-CPU counters: a `RuleCounters` per
+/// possible CPU per eligible rule.
+fn read_bytes(rules: usize, cpus: usize) -> f64 {
+    rules as f64 * cpus as f64 * size_of::<RuleCounters>() as f64
 }
 
 /// What a sketch of the pool holds of `rule`'s flood (unit packets per
@@ -173,6 +208,7 @@ impl FloodLoop {
                 capacity: capacity(r),
                 created: 0,
                 sketched: 0,
+                watched: None,
                 lent: None,
                 draining_until: None,
                 burst: Duration::from_nanos(r.burst_ns),
@@ -185,8 +221,10 @@ impl FloodLoop {
         // Unknown, the count of possible CPUs is taken as the kernel's
         // largest configurable (NR_CPUS up to 8192): the longest period.
         let cpus = aya::util::nr_cpus().unwrap_or(8192);
+        let watch_period = watch_period_for(rules.len(), cpus).filter(|_| set.settings.flood_watch);
         let mut l = FloodLoop {
             period: period_for(rules.len(), cpus),
+            watch_period,
             rules,
             threshold: threshold(state.key_table_entries, state.source_cache_entries),
             last: None,
@@ -212,6 +250,40 @@ impl FloodLoop {
     /// How often `tick` wants to be called.
     pub fn period(&self) -> Duration {
         self.period
+    }
+
+    /// How often `watch` wants to be called (None: not at all).
+    pub fn watch_period(&self) -> Option<Duration> {
+        self.watch_period
+    }
+
+    /// A read between the loop's (every `WATCH_PERIOD`) of the rules
+    /// without a sketch only: one that created at least `WATCH_MIN_KEYS`
+    /// buckets since the last watch, at the threshold's rate or faster, is
+    /// considered for a sketch at once, as `tick` would at its next read.
+    /// A strong flood's sources then get buckets and cache entries for
+    /// about 10 ms instead of up to a period (50 ms).
+    pub fn watch(&mut self, maps: &mut Maps, now: Instant) -> Result<()> {
+        let lent_before = self.rules.iter().filter(|w| w.lent.is_some()).count();
+        for i in 0..self.rules.len() {
+            if self.rules[i].lent.is_some() {
+                self.rules[i].watched = None;
+                continue;
+            }
+            let c = maps.counters(self.rules[i].record)?;
+            let created = c.key_inserts + c.source_claims;
+            let w = &mut self.rules[i];
+            let Some((at, before)) = w.watched.replace((now, created)) else { continue };
+            let (new, dt) = (created.saturating_sub(before), now.saturating_duration_since(at));
+            let rate = new as f64 / dt.as_secs_f64().max(1e-6);
+            if new >= WATCH_MIN_KEYS && rate >= self.threshold {
+                self.consider_lending(maps, i, rate, now)?;
+            }
+        }
+        if self.rules.iter().filter(|w| w.lent.is_some()).count() > lent_before {
+            self.set_flag(maps, true)?;
+        }
+        Ok(())
     }
 
     /// Every record's sketch taken back, and the flag cleared.
@@ -474,6 +546,16 @@ mod tests {
         assert_eq!(period_for(512, 128), MAX_PERIOD);
         assert_eq!(period_for(1, 8192), MAX_PERIOD, "CPUs unknown: 2.4 MB a read");
         assert_eq!(period_for(usize::MAX, usize::MAX), MAX_PERIOD, "no overflow");
+    }
+
+    #[test]
+    fn watches_run_only_within_the_read_budget() {
+        assert_eq!(watch_period_for(0, 2), None, "nothing to watch");
+        assert_eq!(watch_period_for(2, 2), Some(WATCH_PERIOD), "1.2 kB a watch");
+        // 288 B x 128 CPUs x 2 rules every 10 ms: 7.4 MB/s; 3 rules: 11 MB/s.
+        assert_eq!(watch_period_for(2, 128), Some(WATCH_PERIOD));
+        assert_eq!(watch_period_for(3, 128), None);
+        assert_eq!(watch_period_for(usize::MAX, usize::MAX), None, "no overflow");
     }
 
     #[test]

@@ -68,6 +68,8 @@ struct Loops {
     syn_counter: SynCounter,
     next_walk: Instant,
     flood: Every,
+    /// The flood loop's watches (`FloodLoop::watch`), when it has them.
+    flood_watch: Every,
     /// `None` when its maps could not be set up (said in the log).
     flood_loop: Option<FloodLoop>,
     published: AgentRecord,
@@ -111,6 +113,7 @@ impl<'a> InterfaceAgent<'a> {
             syn_counter: SynCounter::new(&state),
             next_walk: Instant::now(),
             flood: Every::new(flood_period(&flood_loop)),
+            flood_watch: Every::new(watch_period(&flood_loop).unwrap_or(flood::MAX_PERIOD)),
             flood_loop,
             published: AgentRecord { cpu_permille: NO_CPU_SIGNAL, ..Default::default() },
             watcher,
@@ -264,6 +267,9 @@ impl<'a> InterfaceAgent<'a> {
             None => FloodLoop::start(&mut self.maps, &self.state, &self.set),
         });
         self.loops.flood.set_period(flood_period(&self.loops.flood_loop));
+        self.loops
+            .flood_watch
+            .set_period(watch_period(&self.loops.flood_loop).unwrap_or(flood::MAX_PERIOD));
         // The global rules: new limits for the same store, else a new loop
         // (its leases start over; the keys run at their default share
         // until they are granted again).
@@ -313,6 +319,10 @@ pub fn record_source(state: &mut AttachState, f: &Follower) {
 /// The flood loop's period (the longest while there is none, unused then).
 fn flood_period(l: &Option<FloodLoop>) -> Duration {
     l.as_ref().map_or(flood::MAX_PERIOD, FloodLoop::period)
+}
+
+fn watch_period(l: &Option<FloodLoop>) -> Option<Duration> {
+    l.as_ref().and_then(FloodLoop::watch_period)
 }
 
 fn flood_loop_or_log(started: anyhow::Result<FloodLoop>) -> Option<FloodLoop> {
@@ -388,9 +398,17 @@ impl Service for InterfaceAgent<'_> {
                 }
             }
         }
+        // A read of the loop's stands for a watch too.
+        let watch_due = l.flood_watch.due(now);
         if l.flood.due(now) {
             if let Some(f) = l.flood_loop.as_mut() {
                 if let Err(e) = f.tick(maps, now.into_std()) {
+                    tracing::warn!("flood loop: {e:#}");
+                }
+            }
+        } else if watch_due {
+            if let Some(f) = l.flood_loop.as_mut().filter(|f| f.watch_period().is_some()) {
+                if let Err(e) = f.watch(maps, now.into_std()) {
                     tracing::warn!("flood loop: {e:#}");
                 }
             }
@@ -423,6 +441,9 @@ impl Service for InterfaceAgent<'_> {
             .min(l.keys.next())
             .min(l.syns.next())
             .min(l.flood.next());
+        if watch_period(&l.flood_loop).is_some() {
+            next = next.min(l.flood_watch.next());
+        }
         if let Some(g) = self.leases.as_mut() {
             next = next.min(Instant::from_std(g.tick()));
         }

@@ -89,5 +89,12 @@ fn flood_defence(set: &profile::RuleSet) -> Result<()> {
     for r in eligible {
         out!("  {:<20} {:.0} packets/s from keys without a bucket", r.name, flood::capacity(r));
     }
+    if s.flood_watch {
+        out!(
+            "  flood_watch: a strong flood is looked for every {} ms (while those reads copy at most {:.0} MB/s)",
+            flood::WATCH_PERIOD.as_millis(),
+            flood::READ_BUDGET / 1e6
+        );
+    }
     Ok(())
 }

@@ -345,6 +345,17 @@ key = "src"
     }
 
     #[test]
+    fn flood_watch_is_off_unless_asked_for_and_a_boolean() {
+        let rule = "[[rule]]\nname = \"a\"\nrate = \"1/s\"\n";
+        assert!(!parse("p", rule).unwrap().settings.flood_watch);
+        let on = parse("p", &format!("[settings]\nflood_watch = true\n{rule}")).unwrap();
+        assert!(on.settings.flood_watch);
+        let e = parse("p", &format!("[settings]\nflood_watch = \"yes\"\n{rule}")).unwrap_err();
+        assert_eq!(e.line, 2, "{e}");
+        assert!(e.to_string().contains("boolean"), "{e}");
+    }
+
+    #[test]
     fn bbr_and_admission_settings() {
         let tcp =
             "[[rule]]\nname = \"w\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"100/s\"\n";

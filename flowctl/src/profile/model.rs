@@ -113,6 +113,9 @@ pub struct Settings {
     pub stats: StatsSettings,
     /// Where the CPU signal comes from (`crate::controllers::cpu`).
     pub cpu_source: CpuSource,
+    /// Whether the agent's flood loop also watches for a flood's start
+    /// every 10 ms (`crate::agent::flood::FloodLoop::watch`).
+    pub flood_watch: bool,
     /// Not a profile key: whether the XDP object is loaded with its kernel
     /// events on (`flowctl-ebpf/src/events.rs`). The agent sets it when its
     /// log shows `flowctl::kernel` at debug (`system::log::kernel_events`);
@@ -137,6 +140,7 @@ impl Default for Settings {
             grace_ns: 3_000_000_000,
             stats: StatsSettings::default(),
             cpu_source: CpuSource::Host,
+            flood_watch: false,
             kernel_events: false,
             list_prefixes: 0,
         }

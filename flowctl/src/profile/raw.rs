@@ -79,6 +79,7 @@ pub struct RawSettings {
     pub statistics_buckets: Option<Spanned<i64>>,
     pub max_rules: Option<Spanned<i64>>,
     pub cpu: Option<Spanned<String>>,
+    pub flood_watch: Option<Spanned<bool>>,
 }
 
 /// A protocol by name (`"tcp"`) or number (`47`, or `"47"`).

@@ -56,6 +56,9 @@ pub fn settings(cx: &Ctx, s: &RawSettings) -> Result<Settings, ProfileError> {
             "use \"full\" or \"control\" (only what the control loops read)",
         )?;
     }
+    if let Some(v) = &s.flood_watch {
+        out.flood_watch = *v.get_ref();
+    }
     if let Some(v) = &s.cpu {
         out.cpu_source = CpuSource::parse(v.get_ref()).map_err(|e| cx.err(v.span(), e))?;
     }

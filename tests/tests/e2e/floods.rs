@@ -185,8 +185,9 @@ pub fn a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit() {
 /// A SYN flood from 1,000,000 spoofed sources (one SYN each, about
 /// 100,000/s, at most 30 s) against a per-source limit of 5/s with a burst
 /// of 3, with 64k-entry tables, sixteen times smaller than the flood: the
-/// agent sees the rule creating buckets far faster than the tables turn
-/// over and lends it a flood sketch (`status` says so), which holds such a
+/// agent (with `flood_watch`, so within about 10 ms) sees the rule
+/// creating buckets far faster than the tables turn over and lends it a
+/// flood sketch (`status` says so), which holds such a
 /// flood (rho 0.61 per cell) within 1% of new keys refused. Meanwhile:
 /// - another rule's key (1/h, burst 3: no refill within the test, which
 ///   takes 90 s in a TCG guest), admitted once before the flood, keeps its
@@ -202,7 +203,7 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
     let lab = Lab::new("fsk", 252);
     blackhole_replies(&lab);
     let prof = TempFile::profile(
-        "[settings]\nsource_cache_entries = 65536\nkey_table_entries = 65536\n\
+        "[settings]\nsource_cache_entries = 65536\nkey_table_entries = 65536\nflood_watch = true\n\
 [[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7520\nunit = \"connections\"\nrate = \"5/s\"\nburst = 3\nkey = \"src\"\n\
 [[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7521\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\n",
     );
@@ -226,7 +227,7 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
         while PROGRESS.load(Ordering::Relaxed) < 20_000 && wait.elapsed().as_secs() < 20 {
             std::thread::sleep(Duration::from_millis(20));
         }
-        // The agent reads the counters every 50 ms.
+        // The agent watches for the flood every 10 ms (`flood_watch`).
         let mut lent = rule(&lab.veth_srv, "syn")["flood_sketch"].clone();
         while lent.is_null() && wait.elapsed().as_secs() < 20 {
             std::thread::sleep(Duration::from_millis(50));
