@@ -45,19 +45,37 @@ pub fn blast_between(
     secs: f64,
     max: u64,
 ) -> (u64, Instant, Instant) {
+    let (first, last, sent) = blast_timed(lab, src, dst, dport, pps, secs, max);
+    (sent.len() as u64, first, last)
+}
+
+/// `blast_between`, with when each packet the socket took was sent: a
+/// sender stalled (a TCG guest's threads stop for hundreds of ms) sends
+/// in bursts after, and a bucket admits less of bursts than of a steady
+/// stream; `admitted_by_bucket` gives what it admits of these times.
+pub fn blast_timed(
+    lab: &Lab,
+    src: &str,
+    dst: &str,
+    dport: u16,
+    pps: u64,
+    secs: f64,
+    max: u64,
+) -> (Instant, Instant, Vec<Instant>) {
     let (src, dst) = (src.to_string(), format!("{dst}:{dport}"));
     Lab::in_ns(&lab.ns_cli, move || {
         let s = UdpSocket::bind(format!("{src}:0")).unwrap();
         let gap = Duration::from_secs_f64(1.0 / pps as f64);
         let first = Instant::now();
         let mut last = first;
-        let (mut n, mut attempts) = (0, 0u64);
+        let mut sent = Vec::new();
+        let mut attempts = 0u64;
         while attempts < max && first.elapsed().as_secs_f64() < secs {
             // Only what the socket took counts as sent; the pacing goes
             // by attempts.
             attempts += 1;
             if s.send_to(b"flowctl-e2e", &dst).is_ok() {
-                n += 1;
+                sent.push(Instant::now());
             }
             last = Instant::now();
             let next = first + gap * attempts as u32;
@@ -65,8 +83,28 @@ pub fn blast_between(
                 std::thread::sleep(d);
             }
         }
-        (n, first, last)
+        (first, last, sent)
     })
+}
+
+/// How many packets sent at `times` a token bucket of `interval_fp` and
+/// `burst_ns` (a rule's, as the profile compiles it) admits, by the
+/// kernel's own GCRA (`flowctl_common::gcra`) on the send times: the
+/// kernel sees each packet a little later, never in another order.
+pub fn admitted_by_bucket(times: &[Instant], interval_fp: u64, burst_ns: u64) -> u64 {
+    let Some(&first) = times.first() else { return 0 };
+    let increment = flowctl_common::gcra::increment_ns(interval_fp, 1);
+    let mut tat = 0u64;
+    let mut admitted = 0;
+    for t in times {
+        // From 1 s on, so a TAT of 0 (a new bucket) is a full one.
+        let now = 1_000_000_000 + t.duration_since(first).as_nanos() as u64;
+        if let Some(next) = flowctl_common::gcra::admit(tat, now, increment, burst_ns) {
+            tat = next;
+            admitted += 1;
+        }
+    }
+    admitted
 }
 
 /// Paced UDP streams from the client namespace to each of `ports`, one
