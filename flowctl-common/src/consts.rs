@@ -87,6 +87,11 @@ pub use crate::debt::{DEBT_SETS, DEBT_SETS_PER_RULE};
 
 /// Default and hard limits of the key tables (entries).
 pub const DEFAULT_TABLE_ENTRIES: u32 = 1 << 20;
+/// Default entries of an isolated rule's own bucket table
+/// (`isolate = true`), and its bounds.
+pub const DEFAULT_OWN_TABLE_ENTRIES: u32 = 1 << 16;
+pub const MIN_OWN_TABLE_ENTRIES: u32 = 1 << 10;
+pub const MAX_OWN_TABLE_ENTRIES: u32 = 1 << 24;
 /// Default entries of the quota table (one window ring per key).
 pub const DEFAULT_QUOTA_ENTRIES: u32 = 1 << 16;
 /// Most buckets a quota window may have (K); the ring holds K + 1 slots.
@@ -180,6 +185,8 @@ pub mod map_names {
     pub const SRC_CLASSES: &str = "FLOWCTL_SRC_CLASSES";
     pub const SRC_CACHE: &str = "FLOWCTL_SRC_CACHE";
     pub const KEYS: &str = "FLOWCTL_KEYS";
+    /// Isolated rules' own bucket tables, an array of maps by counter record.
+    pub const RULE_TABLES: &str = "FLOWCTL_RULE_TABLES";
     pub const COUNTERS: &str = "FLOWCTL_COUNTERS";
     pub const CONTROL: &str = "FLOWCTL_CONTROL";
     pub const DEBT: &str = "FLOWCTL_DEBT";
@@ -208,7 +215,7 @@ pub mod map_names {
     pub const BREAKER_COUNTS: &str = "FLOWCTL_BREAKER_COUNTS";
     pub const BREAKER_DEADLINE: &str = "FLOWCTL_BREAKER_DEADLINE";
     /// Every map the XDP object declares, in the order `status` reports them.
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 32] = [
         GLOBAL,
         RULES,
         PROTO_BITS,
@@ -218,6 +225,7 @@ pub mod map_names {
         SRC_CLASSES,
         SRC_CACHE,
         KEYS,
+        RULE_TABLES,
         COUNTERS,
         CONTROL,
         DEBT,

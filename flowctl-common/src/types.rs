@@ -41,6 +41,18 @@ pub mod key_kind {
     pub const FIVE_TUPLE: u8 = 5;
 }
 
+/// Where a rule's buckets live (`RuleConfig::bucket_table`).
+pub mod bucket_table {
+    /// No token bucket (a quota-only rule).
+    pub const NONE: u8 = 0;
+    /// The shared tables: the source's cache entry for a source-keyed
+    /// rule that owns it, else `FLOWCTL_KEYS`.
+    pub const SHARED: u8 = 1;
+    /// The rule's own LRU hash (`isolate = true`), at its counter record in
+    /// `FLOWCTL_RULE_TABLES`: no other rule's keys can evict its buckets.
+    pub const OWN: u8 = 2;
+}
+
 /// Why a packet was dropped (or would have been, in dry-run). Index into the
 /// per-reason counter arrays; a new reason takes the next index before `COUNT`.
 pub mod reason {
@@ -147,8 +159,9 @@ pub struct RuleConfig {
     pub prefix_v6: u8,
     /// 1 when the rule constrains the destination port.
     pub has_ports: u8,
-    /// 1 when the rule has a token bucket (0: quota only).
-    pub has_bucket: u8,
+    /// Whether the rule has a token bucket and where its keys' buckets
+    /// live (`bucket_table::*`).
+    pub bucket_table: u8,
     /// `bbr_flags::*`: the BBR stage and connection tracking.
     pub bbr: u8,
     /// This rule's own index in the rules array (slot * MAX_RULES + index).

@@ -16,7 +16,7 @@ use crate::{
 };
 use aya_ebpf::{bindings::xdp_action, maps::lpm_trie::Key};
 use flowctl_common::{
-    control_flags, frag,
+    bucket_table, control_flags, frag,
     matcher::{self, AddrSets},
     reason, rule_set, trie_tag, unparsed, GlobalBucket, GlobalRecord, PacketMeta, RuleBitmap,
     RuleConfig, SrcEntry, SrcKey, TrieData, GLOBAL_COUNTER_INDEX, MAX_RULES, MAX_SRC_CLASSES,
@@ -105,9 +105,11 @@ pub fn first_rule(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Match {
     let record = rule.record;
 
     // Refresh the cache entry when it was stale or missing; a missing one
-    // is not added while a rule is flooded (`control_flags::FLOOD`).
+    // is not added while a rule is flooded (`control_flags::FLOOD`), nor
+    // for an isolated rule (`bucket_table::OWN`), whose new sources would
+    // otherwise evict other rules' sources and the buckets they hold.
     if entry_ptr.is_null() {
-        if !flooded(global, now) {
+        if rule.bucket_table != bucket_table::OWN && !flooded(global, now) {
             let e = SrcEntry {
                 generation,
                 owner_state: 0,

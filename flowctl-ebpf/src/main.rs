@@ -30,6 +30,7 @@
 #![allow(internal_features)]
 
 mod accounting;
+mod atomic;
 mod classify;
 mod conntrack;
 mod decision;

@@ -6,7 +6,8 @@
 //! attachment made by the previous build.
 
 use aya_ebpf::{
-    macros::map,
+    btf_maps::{ArrayOfMaps, LruHashMap as BtfLruHashMap},
+    macros::{btf_map, map},
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     Global,
 };
@@ -79,6 +80,15 @@ pub static FLOWCTL_SRC_CACHE: LruHashMap<SrcKey, SrcEntry> =
 /// Every other key's bucket (its TAT).
 #[map]
 pub static FLOWCTL_KEYS: LruHashMap<BucketKey, u64> = LruHashMap::pinned(DEFAULT_TABLE_ENTRIES, 0);
+/// Isolated rules' own bucket tables (`bucket_table::OWN`), one LRU hash
+/// per rule at its counter record: the agent creates each with the rule's
+/// `table_entries` and drops it with the rule. The template's one entry is
+/// only the inner maps' shape (a hash map's size may differ from it). A
+/// BTF-defined map, as aya declares maps of maps; pinned by the loader
+/// (`map_pin_path`), since BTF map definitions carry no pinning here.
+#[btf_map]
+pub static FLOWCTL_RULE_TABLES: ArrayOfMaps<BtfLruHashMap<BucketKey, u64, 1>, MAX_RULE_RECORDS> =
+    ArrayOfMaps::new();
 /// Quota window rings, one per key of every quota rule.
 #[map]
 pub static FLOWCTL_QUOTAS: LruHashMap<BucketKey, QuotaRing> =
@@ -104,7 +114,9 @@ pub static FLOWCTL_GLOBAL_SCRATCH: PerCpuArray<GlobalScratch> = PerCpuArray::wit
 /// The nested limits' stage's scratch, per CPU (`stages::nested`): the key
 /// of the limit at hand, built here rather than on the stack (as the global
 /// stage's is), and the TAT each limit's take wrote, which its give-back
-/// needs. Not pinned: it holds nothing past one packet.
+/// needs. The isolated stage (`stages::isolated`) builds its key here too:
+/// an isolated rule has no nested limits, so one packet never needs both.
+/// Not pinned: it holds nothing past one packet.
 #[repr(C)]
 pub struct LimitScratch {
     pub key: BucketKey,

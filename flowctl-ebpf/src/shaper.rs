@@ -10,7 +10,6 @@ use crate::{
     outbound::{self, Outbound},
 };
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     gcra,
     keys::in_prefix,
@@ -87,11 +86,7 @@ fn pace(ctx: &TcContext, i: u32, c: &ShaperConfig, p: &Outbound) -> i32 {
             }
             return if dry { TC_ACT_OK } else { TC_ACT_SHOT };
         };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                next_ptr, old, next,
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(next_ptr, old, next) };
         if ok {
             if depart > now {
                 if let Some(n) = counts {

@@ -719,6 +719,120 @@ fn eviction_hands_no_fresh_burst_to_refused_keys() {
     assert_eq!(p.run(&fresh), XDP_PASS);
 }
 
+/// An isolated rule (`isolate = true`) keeps its keys in a table of its
+/// own. A flood of new sources on another rule, eight times the shared
+/// tables, evicts none of them: a key used once keeps its two tokens,
+/// where the other rule's key used once comes back with a fresh burst. A
+/// flood on the isolated rule evicts nothing of another rule's (its
+/// sources get no cache entry). An apply that keeps the rule keeps its
+/// table and buckets; a new size is a new table; dropping `isolate` drops
+/// it. Lent a flood sketch, its new keys get none. A packet that meets no
+/// table is admitted and counted.
+fn an_isolated_rule_keeps_its_keys_through_floods() {
+    let profile = |isolate: &str| {
+        format!(
+            "[settings]\nkey_table_entries = 1024\nsource_cache_entries = 1024\n\
+            [[rule]]\nname = \"victim\"\nproto = \"icmp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n{isolate}\
+            [[rule]]\nname = \"flooded\"\nproto = \"udp\"\nrate = \"1/min\"\nburst = 3\nkey = \"src\"\n"
+        )
+    };
+    let isolated = profile("isolate = true\ntable_entries = 1024\n");
+    let mut p = TestPlane::new(&isolated);
+    let rec = p.record("victim");
+    let table_id = |p: &TestPlane| {
+        let t = p.maps.rule_tables.as_ref().expect("the table array is pinned");
+        t.get(rec).unwrap().map(|m| (m.info().unwrap().id(), m.info().unwrap().max_entries()))
+    };
+    let (id, entries) = table_id(&p).expect("the victim's own table");
+    assert_eq!(entries, 1024);
+    let icmp = |net: u8, i: u32| V4::new([10, net, (i >> 8) as u8, i as u8]).build(L4::Icmp, 0);
+    let udp = |net: u8, i: u32| {
+        V4::new([10, net, (i >> 8) as u8, i as u8]).build(L4::Udp { sport: 1, dport: 2 }, 0)
+    };
+    let three = |p: &TestPlane, f: &[u8]| -> Vec<u32> { (0..3).map(|_| p.run(f)).collect() };
+
+    // 1. A flood on the shared rule.
+    assert_eq!(p.run(&icmp(20, 1)), XDP_PASS);
+    assert_eq!(p.run(&udp(21, 1)), XDP_PASS);
+    for i in 0..8192u32 {
+        p.run(&udp(30 + (i >> 12) as u8, i & 0xfff));
+    }
+    assert_eq!(
+        three(&p, &icmp(20, 1)),
+        [XDP_PASS, XDP_PASS, XDP_DROP],
+        "the isolated key kept its bucket"
+    );
+    assert_eq!(
+        three(&p, &udp(21, 1)),
+        [XDP_PASS, XDP_PASS, XDP_PASS],
+        "the shared rule's key was evicted and came back with a fresh burst (why isolate exists)"
+    );
+
+    // 2. A flood on the isolated rule.
+    assert_eq!(p.run(&udp(22, 1)), XDP_PASS);
+    let (cached, inserts) = (p.unmatched().source_inserts, p.counters("victim").key_inserts);
+    for i in 0..8192u32 {
+        p.run(&icmp(40 + (i >> 12) as u8, i & 0xfff));
+    }
+    assert_eq!(
+        p.unmatched().source_inserts,
+        cached,
+        "no cache entry for the isolated rule's sources"
+    );
+    assert_eq!(p.counters("victim").key_inserts, inserts + 8192, "a bucket each, in its own table");
+    assert_eq!(p.counters("victim").insert_failures, 0);
+    assert_eq!(
+        three(&p, &udp(22, 1)),
+        [XDP_PASS, XDP_PASS, XDP_DROP],
+        "the shared rule's key kept its bucket"
+    );
+    // The drained key, evicted by its own rule's flood, is still refused.
+    assert_eq!(p.run(&icmp(20, 1)), XDP_DROP);
+
+    // 3. Applies.
+    assert_eq!(p.run(&icmp(20, 2)), XDP_PASS);
+    p.apply(&isolated);
+    assert_eq!(table_id(&p), Some((id, 1024)), "the same table");
+    assert_eq!(three(&p, &icmp(20, 2)), [XDP_PASS, XDP_PASS, XDP_DROP], "and its buckets");
+    p.apply(&profile("isolate = true\ntable_entries = 2048\n"));
+    let (id2, entries2) = table_id(&p).expect("a table of the new size");
+    assert_ne!(id2, id);
+    assert_eq!(entries2, 2048);
+    p.apply(&profile(""));
+    assert_eq!(table_id(&p), None, "dropped with isolate");
+
+    // 4. Lent a flood sketch (by hand here; the agent's flood loop at the
+    // rule's own table's threshold), its new keys are decided by the
+    // sketch and get no bucket; its keys with one keep it.
+    p.apply(&isolated);
+    let rec = p.record("victim");
+    p.set_heartbeat(true);
+    assert_eq!(p.run(&icmp(20, 4)), XDP_PASS, "a bucket before the sketch");
+    p.maps
+        .update_control(rec, flowctl::system::clock::monotonic_ns(), |e| e.set_sketch(Some(0)))
+        .unwrap();
+    let (inserts, sketched) =
+        (p.counters("victim").key_inserts, p.counters("victim").sketched_pkts);
+    for i in 0..100u32 {
+        assert_eq!(p.run(&icmp(60, i)), XDP_PASS, "new source {i}, by the sketch");
+    }
+    assert_eq!(p.counters("victim").key_inserts, inserts, "no bucket made");
+    assert_eq!(p.counters("victim").sketched_pkts, sketched + 100);
+    assert_eq!(three(&p, &icmp(20, 4)), [XDP_PASS, XDP_PASS, XDP_DROP], "its bucket, kept");
+    p.maps
+        .update_control(rec, flowctl::system::clock::monotonic_ns(), |e| e.set_sketch(None))
+        .unwrap();
+
+    // 5. No table (only a packet of a slot an apply has just retired meets
+    // this): admitted without a bucket, and counted.
+    p.maps.rule_tables.as_mut().unwrap().retire(&[]).unwrap();
+    assert_eq!(table_id(&p), None);
+    let failures = p.counters("victim").insert_failures;
+    let v: Vec<u32> = (0..4).map(|_| p.run(&icmp(20, 3))).collect();
+    assert_eq!(v, [XDP_PASS; 4]);
+    assert_eq!(p.counters("victim").insert_failures, failures + 4);
+}
+
 /// A flood of new sources on a 5/s rule (burst 3), 512 a second against
 /// 1024-entry tables, gets the rule a flood sketch from the agent's loop
 /// (`flowctl::agent::flood`, ticked here on the real counters). While it
@@ -2201,6 +2315,7 @@ fn main() {
         exact_under_concurrency: [Root],
         verifier_rejection_carries_the_log_tail: [Root],
         eviction_hands_no_fresh_burst_to_refused_keys: [Root],
+        an_isolated_rule_keeps_its_keys_through_floods: [Root],
         a_flood_of_refused_sources_leaves_new_sources_their_burst: [Root],
         a_flooded_rule_is_lent_a_sketch_and_evicts_nothing: [Root],
         a_flood_beyond_a_sketch_keeps_its_buckets: [Root],

@@ -148,11 +148,7 @@ pub fn bench_cache_then_own_table(ctx: XdpContext) -> u32 {
 /// (a miss inserts there, as classification does).
 #[inline(always)]
 fn own_table(ctx: &XdpContext, cached: bool) -> u32 {
-    let p = ctx.data() + SRC_OFF;
-    if p + 4 > ctx.data_end() {
-        return xdp_action::XDP_PASS;
-    }
-    let src = u32::from_be_bytes(unsafe { *(p as *const [u8; 4]) });
+    let Some(src) = frame_source(ctx) else { return xdp_action::XDP_PASS };
     let key = [0, 0, 0xffff_u32.to_be(), src];
     if cached && BENCH_SOURCE_CACHE.get_ptr(&key).is_none() {
         let _ = BENCH_SOURCE_CACHE.insert(&key, &[0; 9], 0);
@@ -160,10 +156,7 @@ fn own_table(ctx: &XdpContext, cached: bool) -> u32 {
     let Some(table) = BENCH_RULE_TABLES.get(0) else {
         return xdp_action::XDP_PASS;
     };
-    let (Some(t), Some(b)) = (BENCH_LIMIT.get(0), BENCH_LIMIT.get(1)) else {
-        return xdp_action::XDP_PASS;
-    };
-    let (interval, burst) = (*t, *b);
+    let Some((interval, burst)) = limit() else { return xdp_action::XDP_PASS };
     let now = unsafe { bpf_ktime_get_ns() };
     let inc = gcra::increment_ns(interval, 1);
     let Some(tat) = table.get_ptr_mut(&key) else {
@@ -171,6 +164,22 @@ fn own_table(ctx: &XdpContext, cached: bool) -> u32 {
         return xdp_action::XDP_PASS;
     };
     swap_tat(tat, now, inc, burst)
+}
+
+/// The frame's IPv4 source address (None: the frame is too short).
+#[inline(always)]
+fn frame_source(ctx: &XdpContext) -> Option<u32> {
+    let p = ctx.data() + SRC_OFF;
+    if p + 4 > ctx.data_end() {
+        return None;
+    }
+    Some(u32::from_be_bytes(unsafe { *(p as *const [u8; 4]) }))
+}
+
+/// The reference bucket's emission interval and depth (`BENCH_LIMIT`).
+#[inline(always)]
+fn limit() -> Option<(u64, u64)> {
+    Some((*BENCH_LIMIT.get(0)?, *BENCH_LIMIT.get(1)?))
 }
 
 /// The bucket's compare-and-swap, as flowctl's.
@@ -197,15 +206,8 @@ fn swap_tat(tat: *mut u64, now: u64, inc: u64, burst: u64) -> u32 {
 
 #[inline(always)]
 fn bare(ctx: &XdpContext, keys: &LruHashMap<u32, u64>) -> u32 {
-    let p = ctx.data() + SRC_OFF;
-    if p + 4 > ctx.data_end() {
-        return xdp_action::XDP_PASS;
-    }
-    let src = u32::from_be_bytes(unsafe { *(p as *const [u8; 4]) });
-    let (Some(t), Some(b)) = (BENCH_LIMIT.get(0), BENCH_LIMIT.get(1)) else {
-        return xdp_action::XDP_PASS;
-    };
-    let (interval, burst) = (*t, *b);
+    let Some(src) = frame_source(ctx) else { return xdp_action::XDP_PASS };
+    let Some((interval, burst)) = limit() else { return xdp_action::XDP_PASS };
     let now = unsafe { bpf_ktime_get_ns() };
     let inc = gcra::increment_ns(interval, 1);
     let Some(tat) = keys.get_ptr_mut(&src) else {

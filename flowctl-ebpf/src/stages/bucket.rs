@@ -1,6 +1,7 @@
 //! Stage 4: the key's token bucket (GCRA, algorithms.md section 1),
 //! one TAT per key: in the source's cache entry for a source-keyed rule
-//! that owns it, else in the shared key table (`FLOWCTL_KEYS`). A refused
+//! that owns it, else in the shared key table (`FLOWCTL_KEYS`); an
+//! isolated rule's, in its own table (`super::isolated`). A refused
 //! key's debt is remembered in its own tagged way of `FLOWCTL_DEBT`
 //! (`flowctl_common::debt`), so eviction never hands it a fresh burst and
 //! no other key starts with it (docs/design.md, "Where bucket state lives").
@@ -14,10 +15,9 @@ use crate::{
     decision::{Decision, Outcome},
     maps::{packet, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_KEYS, FLOWCTL_RULES},
 };
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    booking, debt, gcra, key_kind, keys::bucket_key, reason, PacketMeta, RuleConfig, SrcEntry,
-    CAS_RETRIES,
+    booking, bucket_table, debt, gcra, key_kind, keys::bucket_key, reason, PacketMeta, RuleConfig,
+    SrcEntry, CAS_RETRIES,
 };
 
 /// Stage 4 (and the commit of stage 3): look at the bucket, commit the
@@ -37,7 +37,7 @@ pub fn admit<Q: QuotaStage>(
     let inc = gcra::increment_ns(rule.interval_fp, cost);
     let mut tat_ptr: *mut u64 = core::ptr::null_mut();
     let mut create: Option<u64> = None;
-    if rule.has_bucket != 0 {
+    if rule.bucket_table != bucket_table::NONE {
         match bucket_tat(rule, meta, entry_ptr, now) {
             BucketRef::Ptr(p) => {
                 let old = unsafe { core::ptr::read_volatile(p) };
@@ -110,11 +110,7 @@ pub fn admit<Q: QuotaStage>(
         };
         // Admitting moves the TAT: clear the mark by rounding up to even.
         let new = unmarked(new);
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr, old, new,
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, new) };
         if ok {
             return Decision::of(rule, Outcome::Pass);
         }
@@ -141,13 +137,7 @@ pub(super) fn book(
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
         let (new, slot) = booking::book(old, now, inc, rule.burst_ns, booking::HORIZON_NS)?;
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr,
-                old,
-                unmarked(new),
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, unmarked(new)) };
         if ok {
             return Some(slot);
         }
@@ -167,11 +157,7 @@ pub(super) fn refund(rule: &RuleConfig, meta: &PacketMeta, entry: *mut SrcEntry,
     let inc = gcra::increment_ns(rule.interval_fp, 1);
     let old = unsafe { core::ptr::read_volatile(tat_ptr) };
     unsafe {
-        let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-            tat_ptr,
-            old,
-            unmarked(old.saturating_sub(inc)),
-        );
+        let _ = crate::atomic::cxchg(tat_ptr, old, unmarked(old.saturating_sub(inc)));
     }
 }
 
@@ -202,11 +188,7 @@ pub(super) fn refuse_key_at(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u
 fn note_debt(rule_at: u32, record: u32, tat_ptr: *mut u64, old: u64, now: u64) {
     flowctl_remember_debt(rule_at, record, old, now, 0);
     unsafe {
-        let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-            tat_ptr,
-            old,
-            old | DEBT_MARK,
-        );
+        let _ = crate::atomic::cxchg(tat_ptr, old, old | DEBT_MARK);
     }
 }
 

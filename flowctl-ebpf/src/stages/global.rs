@@ -26,7 +26,7 @@ use crate::{
     },
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
-use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
 use flowctl_common::{
     action, gcra, grant, key_kind, keys, keys::bucket_key, reason, unit, BucketKey, GlobalBucket,
     HotKey, PacketMeta, RuleConfig, SrcEntry, SrcKey, CAS_RETRIES,
@@ -119,11 +119,7 @@ pub fn fast(
     if half_share_spent(leased, new, now, burst_ns) && hot_due(b, now) {
         return None;
     }
-    let (_, ok) = unsafe {
-        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-            tat_ptr, old, new,
-        )
-    };
+    let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, new) };
     if !ok {
         return None;
     }
@@ -297,11 +293,7 @@ fn spend(
             QuotaCommit::Contended => return code::CONTENDED,
         }
         let new = unmarked(new);
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr, old, new,
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, new) };
         if ok {
             if half_share_spent(leased, new, now, burst_ns) {
                 report_hot(b, record, key, grant::hot::HALF_SHARE, now);
@@ -425,11 +417,7 @@ fn current_grant(b: &mut GlobalBucket, key: &BucketKey, share: (u64, u64), now: 
         let tat = unsafe { core::ptr::read_volatile(&b.tat) };
         let moved = unmarked_down(gcra::retarget(tat, now, from, to));
         if moved != tat {
-            let (_, ok) = unsafe {
-                atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                    &mut b.tat, tat, moved,
-                )
-            };
+            let (_, ok) = unsafe { crate::atomic::cxchg(&mut b.tat, tat, moved) };
             if !ok {
                 return cached;
             }

@@ -5,7 +5,8 @@
 //! 2. BBR ([`bbr`]): new connections beyond what the service carries while
 //!    it is overloaded;
 //! 3. quota ([`quota`]): the key's sliding window;
-//! 4. token bucket ([`bucket`]): the key's rate, and the rule's nested
+//! 4. token bucket ([`bucket`]; an isolated rule's in its own table,
+//!    [`isolated`]): the key's rate, and the rule's nested
 //!    limits' ([`nested`]); for a global rule ([`global`]), at the rate of
 //!    this host's lease; a flooded rule's keys without a bucket, by the
 //!    flood sketch the agent lent it ([`sketch`]).
@@ -22,6 +23,7 @@ pub mod bbr;
 pub mod booking;
 mod bucket;
 pub mod global;
+pub mod isolated;
 pub mod nested;
 mod quota;
 mod sketch;
@@ -32,7 +34,8 @@ use crate::{
     decision::{packed, Decision, Outcome},
 };
 use flowctl_common::{
-    action, reason, tcp_flags, unit, GlobalRecord, PacketMeta, RuleConfig, BLOCK_INTERVAL_FP,
+    action, bucket_table, reason, tcp_flags, unit, GlobalRecord, PacketMeta, RuleConfig,
+    BLOCK_INTERVAL_FP,
 };
 use quota::{NoQuota, Quota};
 
@@ -80,9 +83,13 @@ pub fn enforce(global: &GlobalRecord, meta: &PacketMeta, now: u64) -> Decision {
     // source key's admission, or its refusal once reported, decided here
     // (`global::fast`). One branch for both: each branch here is walked
     // once per path into it (a second cost 6.1 70k instructions).
-    // A warm-up rule's ramp (`warm`) runs in the nested limits' place.
-    if rule.global | rule.nested | rule.cold_factor != 0 {
-        if rule.nested | rule.cold_factor != 0 {
+    // A warm-up rule's ramp (`warm`) runs in the nested limits' place, and
+    // so does an isolated rule's bucket (`isolated`): its own table's
+    // function on this frame, with the debt's or the sketch's on top, would
+    // pass 512 bytes too.
+    let own = rule.bucket_table & bucket_table::OWN;
+    if rule.global | rule.nested | rule.cold_factor | own != 0 {
+        if rule.nested | rule.cold_factor | own != 0 {
             return Decision::of(rule, Outcome::Beside(packed::NESTED));
         }
         if let Some(d) = global::fast(rule, meta, record, entry_ptr, cost, now) {

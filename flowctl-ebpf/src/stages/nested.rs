@@ -44,17 +44,17 @@ use crate::{
     maps::{packet, LimitScratch, FLOWCTL_KEYS, FLOWCTL_LIMIT_SCRATCH, FLOWCTL_RULES},
 };
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns};
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
-    action, debt::QUOTA_DOMAIN, gcra, keys::bucket_key, nested_limit_at, reason, unit, RuleConfig,
-    CAS_RETRIES, MAX_NESTED_LIMITS,
+    action, bucket_table, debt::QUOTA_DOMAIN, gcra, keys::bucket_key, nested_limit_at, reason,
+    unit, RuleConfig, CAS_RETRIES, MAX_NESTED_LIMITS,
 };
 
 /// Limits a rule with nested limits has at most: its own and the nested.
 const MAX_LIMITS: u32 = 1 + MAX_NESTED_LIMITS as u32;
 
 /// Decides, counts (`flowctl_account`) and packs, as the decision would
-/// have, the packet the decision packed with `packed::NESTED`.
+/// have, the packet the decision packed with `packed::NESTED`: a rule with
+/// nested limits, a warm-up ramp, or its own table (`isolated`).
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_nested_decide(v: u64) -> u64 {
@@ -66,7 +66,17 @@ pub extern "C" fn flowctl_nested_decide(v: u64) -> u64 {
     // What the rule's unit counts: the stages before let only SYNs of a
     // `connections` rule through to here.
     let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
-    let verdict = if rule.cold_factor != 0 {
+    let verdict = if rule.bucket_table == bucket_table::OWN {
+        match super::isolated::flowctl_own_admit(rule_at, record, cost, now) {
+            // No table (a rule of the slot an apply has just retired):
+            // admitted without a bucket, and counted as a failed insert.
+            super::isolated::NO_TABLE => {
+                insert_failed(record);
+                0
+            }
+            v => v,
+        }
+    } else if rule.cold_factor != 0 {
         super::warm::flowctl_warm_admit(rule_at, record, cost, now)
     } else {
         flowctl_nested_admit(rule_at, record, cost, now)
@@ -346,13 +356,7 @@ fn charge(
             refuse_key_at(limit.at, record, tat_ptr, old, now);
             return take::REFUSED;
         };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr,
-                old,
-                unmarked(new),
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, unmarked(new)) };
         if ok {
             note_written(scratch, i, unmarked(new));
             return take::DONE;
@@ -383,13 +387,8 @@ pub extern "C" fn flowctl_limit_give_back(rule_at: u32, i: u32, cost: u64) -> u3
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let old = unsafe { core::ptr::read_volatile(tat_ptr) };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr,
-                old,
-                unmarked(old.saturating_sub(back)),
-            )
-        };
+        let (_, ok) =
+            unsafe { crate::atomic::cxchg(tat_ptr, old, unmarked(old.saturating_sub(back))) };
         if ok {
             break;
         }

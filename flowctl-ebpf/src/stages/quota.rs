@@ -13,7 +13,6 @@ use crate::{
     accounting::insert_failed,
     maps::{FLOWCTL_QUOTAS, FLOWCTL_ZERO_RING},
 };
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     debt::QUOTA_DOMAIN,
     keys::bucket_key,
@@ -232,11 +231,7 @@ impl QuotaStage for Quota {
                 return QuotaCommit::Full;
             }
             let new = window::bumped(old, self.epoch, cost as u32);
-            let (_, ok) = unsafe {
-                atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                    cur, old, new,
-                )
-            };
+            let (_, ok) = unsafe { crate::atomic::cxchg(cur, old, new) };
             if ok {
                 self.committed = true;
                 return QuotaCommit::Done;
@@ -260,11 +255,7 @@ impl QuotaStage for Quota {
         let (e, c) = window::unpack(old);
         if e == self.epoch as u32 && (c as u64) >= cost {
             unsafe {
-                let _ = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                    cur,
-                    old,
-                    window::pack(self.epoch, c - cost as u32),
-                );
+                let _ = crate::atomic::cxchg(cur, old, window::pack(self.epoch, c - cost as u32));
             }
         }
         self.committed = false;

@@ -15,7 +15,6 @@ use crate::{
         packet, FLOWCTL_CONTROL, FLOWCTL_DEBT, FLOWCTL_GLOBAL, FLOWCTL_RULES, FLOWCTL_SKETCHES,
     },
 };
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{
     control_flags, debt, gcra,
     keys::bucket_key,
@@ -119,11 +118,7 @@ fn raise(cell: *mut u64, new: u64) {
         if sketch::raised(old, new) == old {
             return;
         }
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                cell, old, new,
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(cell, old, new) };
         if ok {
             return;
         }

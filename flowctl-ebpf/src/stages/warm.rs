@@ -14,7 +14,6 @@
 //! bounds hold whatever the interleaving.
 
 use crate::maps::{FLOWCTL_RULES, FLOWCTL_WARM};
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 use flowctl_common::{gcra, reason, warm::Ramp, CAS_RETRIES};
 
 /// The warm-up bucket's verdict on a packet of `cost` units of the rule at
@@ -47,11 +46,7 @@ pub extern "C" fn flowctl_warm_admit(rule_at: u32, record: u32, cost: u64, now: 
         let Some(step) = ramp.admit(old, stored, now, inc, rule.burst_ns) else {
             return 1 + reason::RATE as u32;
         };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                tat_ptr, old, step.tat,
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(tat_ptr, old, step.tat) };
         if ok {
             settle_stored(&ramp, stored_ptr, &step);
             return 0;
@@ -69,13 +64,7 @@ fn settle_stored(ramp: &Ramp, stored_ptr: *mut u64, step: &flowctl_common::warm:
     let mut tries = 0;
     while tries < CAS_RETRIES {
         let cur = unsafe { core::ptr::read_volatile(stored_ptr) };
-        let (_, ok) = unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                stored_ptr,
-                cur,
-                ramp.after(cur, step),
-            )
-        };
+        let (_, ok) = unsafe { crate::atomic::cxchg(stored_ptr, cur, ramp.after(cur, step)) };
         if ok {
             return;
         }

@@ -108,6 +108,8 @@ struct Watched {
     lent: Option<u32>,
     /// Taken back, deciding nothing: freed at this time (`SKETCH_DRAINING`).
     draining_until: Option<Instant>,
+    /// New buckets per second that make it flooded (`threshold_of`).
+    threshold: f64,
     /// The rule's burst: how long after its last admission a cell can still
     /// hold a TAT in the future.
     burst: Duration,
@@ -126,8 +128,6 @@ pub struct FloodLoop {
     /// Between two watches: `WATCH_PERIOD`, or None when the watches'
     /// reads would copy more than `READ_BUDGET` allows.
     watch_period: Option<Duration>,
-    /// New buckets per second that make a rule flooded.
-    threshold: f64,
     last: Option<Instant>,
     /// From when each sketch of the pool holds no TAT in the future (None:
     /// unknown, zeroed before it is lent).
@@ -154,6 +154,15 @@ pub fn eligible(rule: &Rule) -> bool {
 /// The creation rate that makes a rule flooded for tables of these sizes.
 pub fn threshold(key_table_entries: u32, source_cache_entries: u32) -> f64 {
     key_table_entries.min(source_cache_entries) as f64 / TURNOVER.as_secs_f64()
+}
+
+/// The rule's own: an isolated rule (`isolate`) turns over its own table,
+/// and no other.
+pub fn threshold_of(rule: &Rule, key_table_entries: u32, source_cache_entries: u32) -> f64 {
+    match rule.own_table {
+        Some(entries) => threshold(entries, entries),
+        None => threshold(key_table_entries, source_cache_entries),
+    }
 }
 
 /// The loop's period for `rules` eligible rules on `cpus` possible CPUs:
@@ -206,6 +215,7 @@ impl FloodLoop {
                 name: r.name.clone(),
                 record: rs.record,
                 capacity: capacity(r),
+                threshold: threshold_of(r, state.key_table_entries, state.source_cache_entries),
                 created: 0,
                 sketched: 0,
                 watched: None,
@@ -226,7 +236,6 @@ impl FloodLoop {
             period: period_for(rules.len(), cpus),
             watch_period,
             rules,
-            threshold: threshold(state.key_table_entries, state.source_cache_entries),
             last: None,
             clean_from: [None; sketch::SKETCH_POOL as usize],
             flagged: true,
@@ -276,7 +285,7 @@ impl FloodLoop {
             let Some((at, before)) = w.watched.replace((now, created)) else { continue };
             let (new, dt) = (created.saturating_sub(before), now.saturating_duration_since(at));
             let rate = new as f64 / dt.as_secs_f64().max(1e-6);
-            if new >= WATCH_MIN_KEYS && rate >= self.threshold {
+            if new >= WATCH_MIN_KEYS && rate >= w.threshold {
                 self.consider_lending(maps, i, rate, now)?;
             }
         }
@@ -391,8 +400,8 @@ impl FloodLoop {
         rate: f64,
         now: Instant,
     ) -> Result<()> {
-        let threshold = self.threshold;
         let w = &mut self.rules[i];
+        let threshold = w.threshold;
         if rate < threshold || w.held_off_until.is_some_and(|t| now < t) {
             if rate < threshold {
                 w.said_beyond = false;
@@ -449,8 +458,9 @@ impl FloodLoop {
         rate: f64,
         now: Instant,
     ) -> Result<()> {
-        let (threshold, period) = (self.threshold, self.period);
+        let period = self.period;
         let w = &mut self.rules[i];
+        let threshold = w.threshold;
         if rate <= 2.0 * w.capacity {
             w.grown_since = None;
         } else {
@@ -498,8 +508,8 @@ impl FloodLoop {
     /// A sketch being taken back: lent again as it is if the flood resumes
     /// (and the sketch still holds it), else freed once drained.
     fn drain(&mut self, maps: &mut Maps, i: usize, rate: f64, now: Instant) -> Result<()> {
-        let threshold = self.threshold;
         let w = &mut self.rules[i];
+        let threshold = w.threshold;
         let resumed =
             rate >= threshold && rate <= w.capacity && w.held_off_until.is_none_or(|t| now >= t);
         if resumed {

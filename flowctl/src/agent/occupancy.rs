@@ -28,12 +28,18 @@ pub fn next_walk_after(took: Duration) -> Duration {
     MIN_WALK_PERIOD.max(took.div_f64(WALK_CPU_SHARE))
 }
 
-/// Key-table inserts by every rule of the attachment, and source-cache inserts.
+/// Key-table inserts by every rule of the attachment (an isolated rule's
+/// go into its own table), and source-cache inserts.
 fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
+    let shared = |i: usize| {
+        maps.active_rule(i).map_or(true, |c| c.bucket_table != flowctl_common::bucket_table::OWN)
+    };
     let keys = state
         .rules
         .iter()
-        .filter_map(|r| maps.counters(r.record).ok())
+        .enumerate()
+        .filter(|(i, _)| shared(*i))
+        .filter_map(|(_, r)| maps.counters(r.record).ok())
         .map(|c| c.key_inserts)
         .sum();
     let sources = maps.counters(GLOBAL_COUNTER_INDEX).map(|c| c.source_inserts).unwrap_or(0);

@@ -50,6 +50,13 @@ pub fn check(path: &Path, cpus: Option<u64>) -> Result<bool> {
     }
     for r in &set.rules {
         out!("  {:<20} {:<40} {}", r.name, r.match_text(), limit_text(r));
+        if let Some(entries) = r.own_table {
+            out!(
+                "  {:<20} isolated: its own table of {entries} keys, {} (in the memory above)",
+                "",
+                human_bytes(profile::own_table_bytes(entries))
+            );
+        }
     }
     for l in &set.lists {
         let n = l.prefixes.prefixes.len() as u64;
@@ -81,13 +88,18 @@ fn flood_defence(set: &profile::RuleSet) -> Result<()> {
     }
     let s = &set.settings;
     out!(
-        "flood sketches: {SKETCH_POOL} of {} (in the memory above), lent to a rule that creates over {:.0} buckets/s, while its flood stays under (at most {}% of new keys' first packets refused):",
+        "flood sketches: {SKETCH_POOL} of {} (in the memory above), lent to a rule that creates buckets faster than its tables turn over in {} s, while its flood stays under what a sketch holds (at most {}% of new keys' first packets refused):",
         human_bytes(SKETCH_CELLS as u64 * 8),
-        flood::threshold(s.key_table_entries, s.source_cache_entries),
+        flood::TURNOVER.as_secs(),
         flood::FALSE_REFUSAL_TARGET * 100.0
     );
     for r in eligible {
-        out!("  {:<20} {:.0} packets/s from keys without a bucket", r.name, flood::capacity(r));
+        out!(
+            "  {:<20} over {:.0} new keys/s, up to {:.0} packets/s from keys without a bucket",
+            r.name,
+            flood::threshold_of(r, s.key_table_entries, s.source_cache_entries),
+            flood::capacity(r)
+        );
     }
     if s.flood_watch {
         out!(

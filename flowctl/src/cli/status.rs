@@ -46,6 +46,11 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
                             0 => serde_json::Value::Null,
                             n => (n - 1).into(),
                         };
+                        // An isolated rule's own table (dataplane/own_tables.rs).
+                        let own = m.rule_tables.as_ref().and_then(|t| t.entries(r.record).ok());
+                        if let Some(Some(entries)) = own {
+                            j["own_table_entries"] = entries.into();
+                        }
                         rules.push(j);
                     }
                     syns = t;
@@ -177,6 +182,12 @@ pub fn status(json: bool, netns: &Option<String>) -> Result<()> {
             out!("  {line}");
         }
         for r in a["rules"].as_array().unwrap() {
+            if let Some(entries) = r["own_table_entries"].as_u64() {
+                out!(
+                    "  rule `{}`: isolated, its buckets in a table of its own ({entries} keys)",
+                    r["rule"].as_str().unwrap_or("?")
+                );
+            }
             if let Some(sketch) = r["flood_sketch"].as_u64() {
                 out!(
                     "  rule `{}`: flooded; its keys without a bucket are decided by flood sketch {sketch} ({} packets so far)",

@@ -5,6 +5,7 @@
 
 use super::{
     maps::Maps,
+    own_tables::OwnTable,
     state::{AttachState, ListState, RuleState},
 };
 use crate::{profile::RuleSet, system::clock::monotonic_ns};
@@ -14,7 +15,7 @@ use aya::{
     Pod,
 };
 use flowctl_common::{
-    nested_limit_at, nested_state_id,
+    bucket_table, nested_limit_at, nested_state_id,
     tables::{self, Source},
     RuleConfig, RuleCounters, StatsBucket, TrieData, DEBT_SETS_PER_RULE, LAYOUT_VERSION, MAX_RULES,
     MAX_SRC_CLASSES, OPEN_BUCKETS, PORT_INDICES, PROTO_INDICES, RULE_SETS, STATE_IDS_PER_RULE,
@@ -115,7 +116,11 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             prefix_v4: r.prefix_v4,
             prefix_v6: r.prefix_v6,
             has_ports: r.spec.ports.is_some() as u8,
-            has_bucket: (r.interval_fp != 0) as u8,
+            bucket_table: match (r.interval_fp, r.own_table) {
+                (0, _) => bucket_table::NONE,
+                (_, Some(_)) => bucket_table::OWN,
+                (_, None) => bucket_table::SHARED,
+            },
             bbr: r.bbr.as_ref().map(|b| b.kernel_flags()).unwrap_or(0),
             at: slot * MAX_RULES as u32 + i as u32,
             global: r.global.is_some() as u8,
@@ -143,7 +148,7 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
                 key_kind: l.key_kind,
                 prefix_v4: l.prefix_v4,
                 prefix_v6: l.prefix_v6,
-                has_bucket: 1,
+                bucket_table: bucket_table::SHARED,
                 at: nested_limit_at(c.at, i as u32),
                 state_id: nested_state_id(c.state_id, i as u32),
                 nested: 0,
@@ -201,6 +206,19 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
             }
         })?;
     }
+    // Isolated rules' tables, before the flip: the new slot's rules find
+    // theirs from their first packet.
+    let own: Vec<OwnTable> = set
+        .rules
+        .iter()
+        .zip(&planned)
+        .filter_map(|(r, s)| r.own_table.map(|entries| OwnTable { record: s.record, entries }))
+        .collect();
+    match (&mut maps.rule_tables, own.is_empty()) {
+        (Some(t), _) => t.prepare(&own)?,
+        (None, true) => {}
+        (None, false) => bail!("this attachment's data plane has no table array for isolated rules (it was loaded by an older flowctl): `flowctl attach --replace` loads one that has"),
+    }
     // The flip, on the record as it is now: the agent's heartbeat may have
     // moved during a long write (`write_trie`).
     let hash_seed = g.hash_seed;
@@ -213,6 +231,11 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
     g.fragment_verdict = set.settings.fragment_verdict;
     g.grace_ns = set.settings.grace_ns;
     maps.global.set(0, g, 0)?;
+    // The old slot's isolated rules lose their tables once nothing reads
+    // their slot; a packet that still does uses the shared tables.
+    if let Some(t) = &mut maps.rule_tables {
+        t.retire(&own)?;
+    }
     state.rules = planned;
     state.next_state_id = next;
     state.lists = list_states(set);

@@ -81,8 +81,11 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
     let stats_records = settings.stats.records();
     // aya-log's load-time level: 0 prunes every kernel event.
     let kernel_log_level: u8 = if settings.kernel_events { aya_log::Level::Debug as u8 } else { 0 };
+    // A BTF-defined map carries no pinning attribute here: pinned by name.
+    let rule_tables = dir.join(names::RULE_TABLES);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(&dir)
+        .map_pin_path(names::RULE_TABLES, rule_tables.as_path())
         .map_max_entries(names::SRC_CACHE, settings.source_cache_entries)
         .map_max_entries(names::KEYS, settings.key_table_entries)
         .map_max_entries(names::QUOTAS, settings.quota_table_entries)

@@ -43,6 +43,10 @@ pub struct Maps {
     pub shapers: Array<MapData, flowctl_common::shaper::ShaperConfig>,
     pub shaper_next: Array<MapData, u64>,
     pub shaper_counts: PerCpuArray<MapData, flowctl_common::shaper::ShaperCounters>,
+    /// Isolated rules' own tables; `None` in a data plane an older build
+    /// loaded, which has no such array (an apply with isolated rules then
+    /// says to re-attach).
+    pub rule_tables: Option<super::own_tables::RuleTables>,
     /// What this process last wrote into each slot of the source trie, so
     /// an apply writes only what changed (a list of a million that gains
     /// one address costs one insert); `None` when not known (another
@@ -102,6 +106,7 @@ impl Maps {
                 &d,
                 names::SHAPER_COUNTS,
             )?))?,
+            rule_tables: super::own_tables::RuleTables::open(id).ok(),
             trie_written: [None, None],
             classes_written: [None, None],
             agent_heartbeat: false,

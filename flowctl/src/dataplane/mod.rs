@@ -46,6 +46,7 @@ mod maps;
 mod mode;
 pub mod multiprog;
 pub mod object;
+pub mod own_tables;
 pub mod pins;
 mod samples;
 pub mod state;

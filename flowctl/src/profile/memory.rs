@@ -101,8 +101,10 @@ impl Settings {
                 size_of::<BucketKey>(),
                 size_of::<flowctl_common::GlobalBucket>(),
             );
+        let own = self.own_table_entries * own_table_bytes(1);
         cache
             + list_trie_bytes(self.list_prefixes)
+            + own
             + keys
             + quotas
             + conns
@@ -110,6 +112,12 @@ impl Settings {
             + fixed_table_bytes_on(cpus)
             + self.stats.kernel_bytes_on(cpus)
     }
+}
+
+/// Kernel bytes of an isolated rule's own table of `entries` keys
+/// (`isolate`, `table_entries`): an LRU hash of the key table's shape.
+pub fn own_table_bytes(entries: u32) -> u64 {
+    entries as u64 * lru_bytes_per_entry(size_of::<BucketKey>(), size_of::<u64>())
 }
 
 /// Kernel bytes per list prefix in one slot of the source trie: its node
@@ -133,7 +141,7 @@ pub fn check_budget(cx: &Ctx, settings: &Settings, span: Span) -> Result<(), Pro
         return Err(cx.err(
             span,
             format!(
-                "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries, shorten the lists, or raise settings.memory_budget)",
+                "the tables need {} of kernel memory, over the budget of {} (lower key_table_entries/source_cache_entries or isolated rules' table_entries, shorten the lists, or raise settings.memory_budget)",
                 human_bytes(need),
                 human_bytes(settings.memory_budget)
             ),

@@ -33,7 +33,10 @@ mod settings;
 pub mod shaper;
 
 pub use error::{line_col_of, ProfileError};
-pub use memory::{fixed_table_bytes, host_cpus, human_bytes, list_trie_bytes, lru_bytes_per_entry};
+pub use memory::{
+    fixed_table_bytes, host_cpus, human_bytes, list_trie_bytes, lru_bytes_per_entry,
+    own_table_bytes,
+};
 // The model's types where callers name them; the breaker and KLimiter
 // ones are named from `breaker` and `klimiter`.
 pub use model::{
@@ -131,7 +134,8 @@ fn parse_with(file: &str, text: &str, files: list::Files<'_>) -> Result<RuleSet,
             ));
         }
     }
-    let settings = Settings { list_prefixes, ..settings };
+    let own_table_entries = rules.iter().filter_map(|r| r.own_table).map(u64::from).sum();
+    let settings = Settings { list_prefixes, own_table_entries, ..settings };
     let klimiter = match &raw.klimiter {
         Some(k) => klimiter::settings(&cx, k.get_ref())?,
         None => Default::default(),

@@ -124,6 +124,9 @@ pub struct Settings {
     /// Not a profile key: the prefixes of the profile's lists, whose trie
     /// entries cost kernel memory (`super::memory`).
     pub list_prefixes: u64,
+    /// Not a profile key: the entries of the isolated rules' own tables
+    /// together (`isolate`, `table_entries`), which cost kernel memory too.
+    pub own_table_entries: u64,
 }
 
 impl Default for Settings {
@@ -143,6 +146,7 @@ impl Default for Settings {
             flood_watch: false,
             kernel_events: false,
             list_prefixes: 0,
+            own_table_entries: 0,
         }
     }
 }
@@ -243,6 +247,10 @@ pub struct Rule {
     /// `warm_up` (and `cold_factor`): the rule's aggregate bucket ramps
     /// from `rate / cold_factor` to its rate (docs/algorithms.md, 1.8).
     pub warm_up: Option<WarmUp>,
+    /// `isolate = true`: the rule's buckets live in a table of their own
+    /// of this many entries (`table_entries`), which no other rule's keys
+    /// can evict (docs/design.md, "Where bucket state lives").
+    pub own_table: Option<u32>,
     /// `action = "block"`: every packet is dropped (a `drop` rule whose
     /// bucket never holds a token).
     pub block: bool,
@@ -322,7 +330,7 @@ impl Rule {
             self.quota_bucket_ns,
             self.quota_buckets,
             limits
-        )
+        ) + &self.own_table.map_or(String::new(), |n| format!("|own {n}"))
     }
 
     pub fn key_name(&self) -> String {

@@ -134,6 +134,8 @@ pub struct RawRule {
     pub book_retransmits: Option<Spanned<bool>>,
     pub warm_up: Option<Spanned<String>>,
     pub cold_factor: Option<Spanned<i64>>,
+    pub isolate: Option<Spanned<bool>>,
+    pub table_entries: Option<Spanned<i64>>,
     #[serde(default)]
     pub limit: Vec<Spanned<RawLimit>>,
 }

@@ -60,6 +60,7 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>, lists: &[List]) -> Result<Rule, Pr
         book_retransmits: false,
         limits: Vec::new(),
         warm_up: None,
+        own_table: None,
         block: false,
     };
     if action == action::PASS {
@@ -101,7 +102,53 @@ pub fn rule(cx: &Ctx, raw: &Spanned<RawRule>, lists: &[List]) -> Result<Rule, Pr
     rule.book_retransmits = book_retransmits(cx, r, &rule)?;
     rule.limits = nested_limits(cx, r, &rule)?;
     rule.warm_up = warm_up(cx, r, &rule)?;
+    rule.own_table = own_table(cx, r, &rule)?;
     Ok(rule)
+}
+
+/// `isolate = true` (with `table_entries`, default
+/// `DEFAULT_OWN_TABLE_ENTRIES`): the rule's buckets in a table of their own.
+/// For a local per-key rule's token bucket: the stages that keep per-key
+/// state elsewhere (a quota's window, nested limits, a booking, a lease,
+/// BBR's connections) or none per key (a ramp) would leave part of the
+/// rule in the shared tables.
+fn own_table(cx: &Ctx, r: &RawRule, rule: &Rule) -> Result<Option<u32>, ProfileError> {
+    use flowctl_common::{DEFAULT_OWN_TABLE_ENTRIES, MAX_OWN_TABLE_ENTRIES, MIN_OWN_TABLE_ENTRIES};
+    let isolate = r.isolate.as_ref().is_some_and(|i| *i.get_ref());
+    let Some(i) = r.isolate.as_ref().filter(|_| isolate) else {
+        if let Some(t) = &r.table_entries {
+            return Err(cx.err(t.span(), "`table_entries` sizes an isolated rule's own table: add isolate = true, or drop it (other rules share key_table_entries)"));
+        }
+        return Ok(None);
+    };
+    let why = if rule.interval_fp == 0 {
+        "isolate keeps the rule's token buckets in a table of their own: the rule needs a `rate`"
+    } else if rule.key_kind == key_kind::RULE {
+        "isolate is for per-key rules: a rule with key = \"rule\" has one bucket, which no flood evicts; give it a `key`, or drop isolate"
+    } else if rule.quota_bucket_ns != 0 {
+        "isolate does not combine with a quota (its windows live in the shared quota table): drop one of them"
+    } else if !rule.limits.is_empty() {
+        "isolate does not combine with nested limits ([[rule.limit]], whose buckets live in the shared key table): drop one of them"
+    } else if rule.book_retransmits {
+        "isolate does not combine with book_retransmits: drop one of them"
+    } else if rule.global.is_some() {
+        "isolate is for local rules (a global rule's keys live in the global key table)"
+    } else if rule.warm_up.is_some() {
+        "isolate does not combine with warm_up (a ramp is one bucket for the rule)"
+    } else if rule.bbr.is_some() {
+        "isolate does not combine with bbr (its connections are tracked in the shared connection table): drop one of them"
+    } else {
+        ""
+    };
+    if !why.is_empty() {
+        return Err(cx.err(i.span(), why));
+    }
+    let entries = match &r.table_entries {
+        None => DEFAULT_OWN_TABLE_ENTRIES,
+        Some(t) if (MIN_OWN_TABLE_ENTRIES as i64..=MAX_OWN_TABLE_ENTRIES as i64).contains(t.get_ref()) => *t.get_ref() as u32,
+        Some(t) => return Err(cx.err(t.span(), format!("table_entries must be {MIN_OWN_TABLE_ENTRIES} to {MAX_OWN_TABLE_ENTRIES}: the most keys of this rule live at once"))),
+    };
+    Ok(Some(entries))
 }
 
 /// `warm_up = "30s"` with `cold_factor` (default 3): for a local rule's
@@ -402,6 +449,8 @@ fn nothing_to_limit(cx: &Ctx, r: &RawRule, word: &str) -> Result<(), ProfileErro
         ("key", r.key.as_ref().map(|x| x.span())),
         ("quota", r.quota.as_ref().map(|x| x.span())),
         ("[[rule.limit]]", r.limit.first().map(|x| x.span())),
+        ("isolate", r.isolate.as_ref().map(|x| x.span())),
+        ("table_entries", r.table_entries.as_ref().map(|x| x.span())),
     ];
     if word == "block" {
         // A block rule drops every packet of its match: anything that would
@@ -816,6 +865,47 @@ mod tests {
             assert_eq!(e.line, line, "{text}: {e}");
             assert!(e.to_string().contains(needle), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn isolate_gives_a_per_key_rule_its_own_table_and_refuses_what_would_leak() {
+        let base = "[[rule]]\nname = \"i\"\nrate = \"100/s\"\nkey = \"src\"\n";
+        let p = parse("p", &format!("{base}isolate = true\n")).unwrap();
+        assert_eq!(p.rules[0].own_table, Some(flowctl_common::DEFAULT_OWN_TABLE_ENTRIES));
+        assert_eq!(p.settings.own_table_entries, 1 << 16);
+        let p = parse("p", &format!("{base}isolate = true\ntable_entries = 4096\n")).unwrap();
+        assert_eq!(p.rules[0].own_table, Some(4096));
+        let plain = parse("p", base).unwrap();
+        assert_eq!(plain.rules[0].own_table, None);
+        // The state follows the table: a rule that changes tables starts
+        // fresh, one that does not keeps its fingerprint as before.
+        assert_ne!(p.rules[0].state_fingerprint(), plain.rules[0].state_fingerprint());
+        assert!(!plain.rules[0].state_fingerprint().contains("own"));
+        let p = parse("p", &format!("{base}isolate = false\n")).unwrap();
+        assert_eq!(p.rules[0].own_table, None);
+        for (extra, line, needle) in [
+            ("table_entries = 4096\n", 5, "add isolate = true"),
+            ("isolate = true\ntable_entries = 100\n", 6, "table_entries must be 1024 to"),
+            ("isolate = true\nquota = 5\nquota_window = \"1s\"\n", 5, "quota"),
+            ("isolate = true\nscope = \"global\"\n", 5, "local rules"),
+            ("isolate = true\n[[rule.limit]]\nrate = \"1000/s\"\n", 5, "nested limits"),
+        ] {
+            let e = err(&format!("{base}{extra}"));
+            assert_eq!(e.line, line, "{extra}: {e}");
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        for (text, needle) in [
+            ("[[rule]]\nname = \"i\"\nrate = \"1/s\"\nisolate = true\n", "per-key rules"),
+            ("[[rule]]\nname = \"i\"\nquota = 5\nquota_window = \"1s\"\nkey = \"src\"\nisolate = true\n", "needs a `rate`"),
+            ("[[rule]]\nname = \"i\"\nproto = \"tcp\"\nunit = \"connections\"\nrate = \"5/s\"\nkey = \"src\"\nbook_retransmits = true\nisolate = true\n", "book_retransmits"),
+            ("[[rule]]\nname = \"i\"\naction = \"pass\"\nisolate = true\n", "no effect"),
+        ] {
+            let e = err(text);
+            assert!(e.to_string().contains(needle), "{text}: {e}");
+        }
+        // The tables count against the memory budget.
+        let e = err(&format!("[settings]\nmemory_budget = \"256MiB\"\n{base}isolate = true\ntable_entries = 16777216\n"));
+        assert!(e.to_string().contains("table_entries"), "{e}");
     }
 
     #[test]

@@ -306,6 +306,14 @@ fn main() {
         fleet_section(&mut refs, &bench_profile(), &bench_frame(), quick);
         return;
     }
+    if std::env::args().any(|a| a == "isolated") {
+        // `flowctl-bench isolated [quick]`: section 1o alone.
+        flowctl_tests::testrun::pin_to_cpu(0);
+        let mut refs = Refs::load();
+        let repeat = if quick { 100_000 } else { 300_000 };
+        isolated_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
+        return;
+    }
     if std::env::args().any(|a| a == "own-table") {
         // `flowctl-bench own-table [quick]`: section 1n alone.
         flowctl_tests::testrun::pin_to_cpu(0);
@@ -542,6 +550,7 @@ fn main() {
     drop((cached, bucketed, sketched));
 
     own_table_section(&mut refs, &frame, quick, repeat);
+    isolated_section(&mut refs, &profile, &frame, quick, repeat);
 
     println!("\n1i. Lists: the admitted path without and with a list of 1M /32s interleaved with the measured sources (every fourth address of 10.0.0.0/8 from 10.0.0.1, named by a `pass` rule after `measured`, so a trie lookup walks to full depth): sources in the cache (10k keys), and missing it (a 64k-entry source cache)");
     let list_file = million_list("src", [10, 0, 0, 1]);
@@ -770,6 +779,42 @@ fn own_table_section(refs: &mut Refs, frame: &[u8], quick: bool, repeat: u32) {
         );
     }
     refs.set_keys(10_000);
+}
+
+/// Section 1o: `measured` isolated (`isolate = true`, its own 1M-entry
+/// table) against the same rule in the shared tables, keyed by source
+/// (whose bucket was in the source's cache entry) and by source and port
+/// (which already paid a key-table lookup).
+fn isolated_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool, repeat: u32) {
+    println!("\n1o. Isolated rules: `measured` with isolate = true (its own table, 1M entries) against the same rule in the shared tables; admitted, keys as section 1");
+    let measured = "rate = \"100G/s\"\nkey = \"src\"";
+    assert!(profile.contains(measured), "bench/profile.toml's `measured` as written here");
+    let keyed = |key: &str, isolate: bool| {
+        let own = if isolate { "\nisolate = true\ntable_entries = 1048576" } else { "" };
+        profile.replace(measured, &format!("rate = \"100G/s\"\nkey = \"{key}\"{own}"))
+    };
+    let counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    for key in ["src", "src_dport"] {
+        // Two planes at a time: each holds its own 1M-entry tables.
+        let (shared, isolated) = (plane(&keyed(key, false)), plane(&keyed(key, true)));
+        let fds = [xdp_fd(&shared), xdp_fd(&isolated)];
+        for &n in counts {
+            refs.set_keys(n);
+            let (m, verdicts) = refs.interleaved(&fds, frame, n, repeat);
+            assert!(
+                verdicts.iter().all(|v| *v == flowctl_common::XDP_PASS),
+                "all admit: {verdicts:?}"
+            );
+            println!(
+                "  key {key:<9} {n:>9} keys: shared {:.1} ns/packet   isolated {:.1} ({:.2}x, {:+.1} ns)",
+                m[0],
+                m[1],
+                m[1] / m[0],
+                m[1] - m[0]
+            );
+        }
+        refs.set_keys(10_000);
+    }
 }
 
 fn quota_profile(profile: &str) -> String {

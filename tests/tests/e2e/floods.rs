@@ -288,3 +288,63 @@ pub fn a_flooded_rule_is_lent_a_sketch_and_spares_other_keys() {
     server.stop();
     agent.stop();
 }
+
+/// An isolated rule (`isolate = true`) keeps its keys through a flood on
+/// another rule that no sketch can hold and that turns the shared tables
+/// over many times, and through its agent's restart:
+/// - the agent (`--keep`) makes the rule's own table; one packet of a key
+///   leaves it two of its three tokens; the agent is killed and a new one
+///   adopts the data plane, and the table with it;
+/// - a SYN flood from 200,000 spoofed sources (one SYN each, at most 20 s)
+///   on a per-source 1/min rule with 1,024-entry shared tables: beyond what
+///   a sketch holds at that rate (173/s), so no sketch is lent, and the
+///   flood's buckets evict one another and everything else there;
+/// - the isolated key still has two tokens: two more in, then refused;
+/// - detach leaves nothing behind (the table goes with its pinned array).
+pub fn an_isolated_rule_keeps_its_keys_through_a_flood_and_a_restart() {
+    const SOURCES: u32 = 200_000;
+    let lab = Lab::new("fiso", 206);
+    blackhole_replies(&lab);
+    let prof = TempFile::profile(
+        "[settings]\nsource_cache_entries = 1024\nkey_table_entries = 1024\n\
+[[rule]]\nname = \"syn\"\nproto = \"tcp\"\ndport = 7530\nunit = \"connections\"\nrate = \"1/min\"\nburst = 1\nkey = \"src\"\n\
+[[rule]]\nname = \"other\"\nproto = \"udp\"\ndport = 7531\nrate = \"1/h\"\nburst = 3\nkey = \"src\"\nisolate = true\ntable_entries = 1024\n",
+    );
+    let agent = Agent::start(&lab, prof.path(), &["--keep"]);
+    let (sent_before, _, _) = blast(&lab, 7531, 200, 1.0, 1);
+    assert_eq!(sent_before, 1);
+    assert_eq!(rule(&lab.veth_srv, "other")["passed_pkts"].as_u64(), Some(1));
+    agent.kill9();
+    let agent = Agent::start(&lab, prof.path(), &[]);
+    let other = rule(&lab.veth_srv, "other");
+    assert_eq!(other["own_table_entries"].as_u64(), Some(1024), "status shows the table: {other}");
+    assert!(rule(&lab.veth_srv, "syn")["own_table_entries"].is_null());
+
+    let sent = {
+        static PROGRESS: AtomicU64 = AtomicU64::new(0);
+        syn_flood(&lab, 7530, (SOURCES, 1, 100_000), 20.0, &PROGRESS)
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let r = rule(&lab.veth_srv, "syn");
+    let got = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    let made = got("key_inserts") + got("source_claims");
+    println!(
+        "flood: {} frames in {:.1} s ({:.0}/s); the rule passed {} SYNs, dropped {}, made {made} buckets, sketch {}",
+        sent.frames,
+        sent.secs,
+        sent.frames as f64 / sent.secs,
+        got("syn_passed"),
+        got("syn_dropped"),
+        r["flood_sketch"]
+    );
+    assert!(
+        made >= 8 * 1024,
+        "the flood turned the 1,024-entry shared tables over: {made} buckets"
+    );
+    let (sent_after, _, _) = blast(&lab, 7531, 200, 1.0, 3);
+    assert_eq!(sent_after, 3);
+    let other = rule(&lab.veth_srv, "other");
+    assert_eq!(other["passed_pkts"].as_u64(), Some(3), "two of its three tokens left: {other}");
+    assert_eq!(other["dropped_pkts"].as_u64(), Some(1), "{other}");
+    agent.stop();
+}

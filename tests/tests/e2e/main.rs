@@ -59,6 +59,7 @@ fn main() {
         a_million_source_syn_flood_spares_new_clients: [Root],
         a_flood_spread_over_prefixes_is_held_by_a_nested_prefix_limit: [Root],
         a_flooded_rule_is_lent_a_sketch_and_spares_other_keys: [Root],
+        an_isolated_rule_keeps_its_keys_through_a_flood_and_a_restart: [Root],
         a_million_prefix_list_blocks_and_updates_atomically: [Root],
         a_destination_list_guards_the_addresses_it_names: [Root],
         foreign_xdp_program_is_not_replaced: [Root],
