@@ -825,7 +825,7 @@ fn an_isolated_rule_keeps_its_keys_through_floods() {
 
     // 5. No table (only a packet of a slot an apply has just retired meets
     // this): admitted without a bucket, and counted.
-    p.maps.rule_tables.as_mut().unwrap().retire(&[]).unwrap();
+    p.maps.rule_tables.as_mut().unwrap().retire([rec], &[]).unwrap();
     assert_eq!(table_id(&p), None);
     let failures = p.counters("victim").insert_failures;
     let v: Vec<u32> = (0..4).map(|_| p.run(&icmp(20, 3))).collect();

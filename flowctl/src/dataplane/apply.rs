@@ -214,27 +214,40 @@ pub fn apply(maps: &mut Maps, state: &mut AttachState, set: &RuleSet) -> Result<
         .zip(&planned)
         .filter_map(|(r, s)| r.own_table.map(|entries| OwnTable { record: s.record, entries }))
         .collect();
-    match (&mut maps.rule_tables, own.is_empty()) {
+    let installed = match (&mut maps.rule_tables, own.is_empty()) {
         (Some(t), _) => t.prepare(&own)?,
-        (None, true) => {}
+        (None, true) => Vec::new(),
         (None, false) => bail!("this attachment's data plane has no table array for isolated rules (it was loaded by an older flowctl): `flowctl attach --replace` loads one that has"),
-    }
+    };
     // The flip, on the record as it is now: the agent's heartbeat may have
     // moved during a long write (`write_trie`).
     let hash_seed = g.hash_seed;
-    let mut g = maps.global()?;
-    g.hash_seed = hash_seed;
-    g.layout_version = LAYOUT_VERSION;
-    g.active_slot = slot;
-    g.generation += 1;
-    g.malformed_verdict = set.settings.malformed_verdict;
-    g.fragment_verdict = set.settings.fragment_verdict;
-    g.grace_ns = set.settings.grace_ns;
-    maps.global.set(0, g, 0)?;
+    let flip = |maps: &mut Maps| -> Result<()> {
+        let mut g = maps.global()?;
+        g.hash_seed = hash_seed;
+        g.layout_version = LAYOUT_VERSION;
+        g.active_slot = slot;
+        g.generation += 1;
+        g.malformed_verdict = set.settings.malformed_verdict;
+        g.fragment_verdict = set.settings.fragment_verdict;
+        g.grace_ns = set.settings.grace_ns;
+        maps.global.set(0, g, 0)?;
+        Ok(())
+    };
+    let old_records: Vec<u32> = state.rules.iter().map(|r| r.record).collect();
+    if let Err(e) = flip(maps) {
+        // Not applied: the tables made for records no live rule has go.
+        if let Some(t) = &mut maps.rule_tables {
+            let unused = installed.into_iter().filter(|r| !old_records.contains(r));
+            let _ = t.retire(unused, &[]);
+        }
+        return Err(e);
+    }
     // The old slot's isolated rules lose their tables once nothing reads
-    // their slot; a packet that still does uses the shared tables.
+    // their slot; a packet that still does is admitted and counted.
     if let Some(t) = &mut maps.rule_tables {
-        t.retire(&own)?;
+        let candidates = old_records.iter().chain(planned.iter().map(|s| &s.record)).copied();
+        t.retire(candidates, &own)?;
     }
     state.rules = planned;
     state.next_state_id = next;

@@ -15,7 +15,7 @@ use super::pins::AttachId;
 use anyhow::{anyhow, Context, Result};
 use aya::maps::{ArrayOfMaps, MapData, MapError};
 use aya_obj::generated::{bpf_attr, bpf_cmd, bpf_map_type};
-use flowctl_common::{map_names as names, BucketKey, MAX_RULE_RECORDS};
+use flowctl_common::{map_names as names, BucketKey};
 use std::os::fd::{AsFd, AsRawFd};
 
 /// One isolated rule's table as the rule set wants it.
@@ -64,31 +64,41 @@ impl RuleTables {
     /// Makes sure every rule of `wanted` has a table of its size: a table
     /// of another size (the rule's `table_entries` changed, and with it
     /// its state) is replaced by an empty one; a table of the right size
-    /// is kept, with its buckets.
+    /// is kept, with its buckets. Returns the records it installed a table
+    /// at.
     ///
     /// Every new table is made before any is installed, so an apply that
     /// fails for memory changes no table a live rule uses. A table
     /// replaced for a new size serves the live slot's rule of the same
     /// record until the flip: its keys start afresh a moment early, as
     /// they do at the flip (a new size is a new state).
-    pub fn prepare(&mut self, wanted: &[OwnTable]) -> Result<()> {
+    pub fn prepare(&mut self, wanted: &[OwnTable]) -> Result<Vec<u32>> {
         let mut made = Vec::new();
         for w in wanted {
             if self.entries(w.record)? != Some(w.entries) {
                 made.push((w.record, create(w)?));
             }
         }
+        let mut installed = Vec::new();
         for (record, table) in made {
             self.outer.set(record, &table, 0).map_err(|e| {
                 anyhow!("installing the own table of the rule at record {record}: {e}")
             })?;
+            installed.push(record);
         }
-        Ok(())
+        Ok(installed)
     }
 
-    /// Drops every table whose record `wanted` does not name.
-    pub fn retire(&mut self, wanted: &[OwnTable]) -> Result<()> {
-        for record in 0..MAX_RULE_RECORDS as u32 {
+    /// Drops the table at each of `records` that `wanted` does not name.
+    /// The callers name the records that can hold one (the old and the new
+    /// rule set's): a lookup of each of the array's 512 slots made every
+    /// apply in a TCG guest a second slower, a syscall each.
+    pub fn retire(
+        &mut self,
+        records: impl IntoIterator<Item = u32>,
+        wanted: &[OwnTable],
+    ) -> Result<()> {
+        for record in records {
             if wanted.iter().any(|w| w.record == record) || self.get(record)?.is_none() {
                 continue;
             }
