@@ -14,6 +14,7 @@ use aya_ebpf::{
     helpers::bpf_ktime_get_ns,
     programs::XdpContext,
 };
+use core::intrinsics::AtomicOrdering;
 use flowctl_common::{
     conn_state, tcp_flags, window, BucketKey, ConnEntry, PacketMeta, CAS_RETRIES, OPEN_BUCKETS,
     OPEN_BUCKET_NS,
@@ -91,11 +92,10 @@ fn track(meta: &PacketMeta, record: u32, code: u32) {
         // last tick (the SYN, or the agent's sum, counted it).
         if let Some(ctl) = FLOWCTL_CONTROL.get_ptr_mut(record) {
             unsafe {
-                core::intrinsics::atomic_xadd::<
-                    u32,
-                    u32,
-                    { core::intrinsics::AtomicOrdering::SeqCst },
-                >(&mut (*ctl).bbr_admitted, u32::MAX)
+                core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(
+                    &mut (*ctl).bbr_admitted,
+                    u32::MAX,
+                )
             };
         }
         if e.state == conn_state::ESTABLISHED {
