@@ -146,6 +146,12 @@ pub mod globals {
     pub const STATS_BUCKETS: &str = "FLOWCTL_STATS_BUCKETS";
     /// Rings in `FLOWCTL_STATS`: `2 * max_rules + 1` (`stats::ring_record`).
     pub const STATS_RECORDS: &str = "FLOWCTL_STATS_RECORDS";
+    /// 1 (the default): the entry point parses the common layout itself
+    /// (untagged Ethernet, IPv4 without options, unfragmented, TCP or UDP)
+    /// and calls the parser's functions only for the rest. 0: every frame
+    /// goes through the parser's functions, so the benchmark and the fuzzer
+    /// can hold the two against each other.
+    pub const FAST_PARSE: &str = "FLOWCTL_FAST_PARSE";
 }
 
 /// The log target of the XDP program's kernel events (aya-log records,

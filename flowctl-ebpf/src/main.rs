@@ -49,7 +49,7 @@ use aya_ebpf::{
 };
 use decision::{outcome_code, packed, Decision, Outcome};
 use flowctl_common::{reason, GLOBAL_COUNTER_INDEX};
-use maps::{packet, FLOWCTL_GLOBAL};
+use maps::{packet, FLOWCTL_FAST_PARSE, FLOWCTL_GLOBAL};
 use parse::class;
 
 #[xdp]
@@ -85,7 +85,8 @@ pub fn flowctl_xdp_multiprog(ctx: *mut aya_ebpf::bindings::xdp_md) -> u32 {
 }
 
 /// Global functions, each verified once on its own: the parser (every
-/// header layout is walked there and nowhere else), the decision (classify,
+/// header layout but the common one, which `parse::fast` reads inline, is
+/// walked there and nowhere else), the decision (classify,
 /// stages, counting), a global rule's bucket (which decides and counts for
 /// the decision, beside it rather than inside it), then, while `top --keys` watches, the sampler, and
 /// for BBR rules the connection work. The parsed headers travel in a
@@ -99,7 +100,12 @@ pub fn flowctl_xdp_multiprog(ctx: *mut aya_ebpf::bindings::xdp_md) -> u32 {
 /// reply's trim); not as a dispatcher's component (`flowctl_xdp_multiprog`).
 #[inline(always)]
 fn entry<const RESIZE: bool>(ctx: &XdpContext, len: u64) -> u32 {
-    let parsed = parse::flowctl_parse(ctx.ctx, len);
+    // The common layout without the parser's two calls (`parse::fast`).
+    let parsed = if FLOWCTL_FAST_PARSE.load() != 0 && parse::fast(ctx, len) {
+        class::IP
+    } else {
+        parse::flowctl_parse(ctx.ctx, len)
+    };
     let mut v = flowctl_decide(parsed, len);
     if v & packed::GLOBAL != 0 {
         v = stages::global::flowctl_global_decide(v);

@@ -232,6 +232,9 @@ pub static FLOWCTL_STATS_BUCKET_NS: Global<u64> = Global::new(DEFAULT_STATS_BUCK
 pub static FLOWCTL_STATS_BUCKETS: Global<u32> = Global::new(DEFAULT_STATS_BUCKETS);
 #[no_mangle]
 pub static FLOWCTL_STATS_RECORDS: Global<u32> = Global::new(COUNTER_RECORDS as u32);
+/// `flowctl_common::globals::FAST_PARSE`.
+#[no_mangle]
+pub static FLOWCTL_FAST_PARSE: Global<u8> = Global::new(1);
 
 /// The headers `flowctl_parse` left for the packet in flight. XDP runs one
 /// packet at a time per CPU (NAPI, softirq), so this CPU's entry is this

@@ -107,6 +107,63 @@ pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 
     parse_l4(&XdpContext::new(ctx), off as usize, end as usize, unsafe { &mut *slot })
 }
 
+/// The common layout, parsed inline by the entry point: an untagged
+/// Ethernet frame, an IPv4 header without options, not a fragment, and a
+/// TCP header with a valid data offset or a UDP header, the Ethernet, IP
+/// and first 20 L4 bytes in the frame's first buffer, all within the IP
+/// header's total length and the frame. Returns true when it filled this
+/// CPU's `FLOWCTL_PACKET` entry, exactly as [`parse`] would have (class
+/// [`class::IP`]); false, having written nothing, for every other frame,
+/// which [`flowctl_parse`] then parses in full.
+///
+/// Why: the parser's two global functions cost this layout two calls, and
+/// on a host with return thunks each `ret` costs several ns
+/// (docs/benchmarks.md, 1k). Which frames qualify is decided by the header
+/// fields alone, so a frame an attacker shapes differently (options, tags,
+/// fragments, lying lengths) takes the full parser and meets the same
+/// rules; the fuzzer holds both paths against the reference
+/// (`tests/src/fuzz`, a quarter of its profiles each way round).
+#[inline(always)]
+pub fn fast(ctx: &XdpContext, len: u64) -> bool {
+    const L3: usize = EthHdr::LEN;
+    const L4: usize = L3 + Ipv4Hdr::LEN;
+    let Ok(p) = ptr_at::<[u8; L4 + TcpHdr::LEN]>(ctx, 0) else { return false };
+    // SAFETY: `p` is the frame's first 54 bytes, checked against its end;
+    // every index below is a constant inside them.
+    let h = unsafe { &*p };
+    if h[12] != 0x08 || h[13] != 0x00 || h[L3] != 0x45 || be16(h, L3 + 6) & 0x3fff != 0 {
+        return false;
+    }
+    let proto = h[L3 + 9];
+    let need = match proto {
+        IPPROTO_TCP if h[L4 + 12] >> 4 >= 5 => TcpHdr::LEN,
+        IPPROTO_UDP => UdpHdr::LEN,
+        _ => return false,
+    };
+    let total = be16(h, L3 + 2) as u64;
+    if total < (Ipv4Hdr::LEN + need) as u64 || L3 as u64 + total > len {
+        return false;
+    }
+    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return false };
+    let meta = PacketMeta {
+        src: [be32(h, L3 + 12), 0, 0, 0],
+        dst: [be32(h, L3 + 16), 0, 0, 0],
+        len: len as u32,
+        sport: be16(h, L4),
+        dport: be16(h, L4 + 2),
+        family: 4,
+        proto,
+        tcp_flags: if proto == IPPROTO_TCP { h[L4 + 13] } else { 0 },
+        frag: frag::NONE,
+        unparsed: unparsed::NO,
+        l3_off: L3 as u16,
+        l4_off: L4 as u16,
+    };
+    // SAFETY: this CPU's entry, this packet's until the program returns.
+    unsafe { *slot = meta };
+    true
+}
+
 /// Parses the frame into `meta` (`len`: its bytes, all buffers) and returns
 /// its [`class`].
 #[inline(always)]

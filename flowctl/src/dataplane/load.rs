@@ -81,6 +81,7 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
     let stats_records = settings.stats.records();
     // aya-log's load-time level: 0 prunes every kernel event.
     let kernel_log_level: u8 = if settings.kernel_events { aya_log::Level::Debug as u8 } else { 0 };
+    let fast_parse = settings.fast_parse as u8;
     // A BTF-defined map carries no pinning attribute here: pinned by name.
     let rule_tables = dir.join(names::RULE_TABLES);
     let mut ebpf = EbpfLoader::new()
@@ -97,6 +98,7 @@ pub fn load_variant(id: &AttachId, settings: &Settings, variant: XdpVariant) -> 
         .override_global(globals::STATS_BUCKETS, &settings.stats.buckets, true)
         .override_global(globals::STATS_RECORDS, &stats_records, true)
         .override_global(aya_log::LEVEL, &kernel_log_level, true)
+        .override_global(globals::FAST_PARSE, &fast_parse, true)
         .load(xdp_object())
         .map_err(|e| anyhow!("loading the XDP object: {e} (is this process root or does it hold CAP_BPF and CAP_NET_ADMIN?)"))?;
     if variant == XdpVariant::Multiprog {

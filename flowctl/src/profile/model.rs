@@ -121,6 +121,11 @@ pub struct Settings {
     /// log shows `flowctl::kernel` at debug (`system::log::kernel_events`);
     /// off, the verifier prunes them.
     pub kernel_events: bool,
+    /// Not a profile key: whether the entry point parses the common header
+    /// layout inline (`flowctl_common::globals::FAST_PARSE`). Always on in
+    /// the agent; the benchmark and the fuzzer turn it off to hold the
+    /// inline path against the parser's functions.
+    pub fast_parse: bool,
     /// Not a profile key: the prefixes of the profile's lists, whose trie
     /// entries cost kernel memory (`super::memory`).
     pub list_prefixes: u64,
@@ -145,6 +150,7 @@ impl Default for Settings {
             cpu_source: CpuSource::Host,
             flood_watch: false,
             kernel_events: false,
+            fast_parse: true,
             list_prefixes: 0,
             own_table_entries: 0,
         }

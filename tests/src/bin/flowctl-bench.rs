@@ -314,6 +314,14 @@ fn main() {
         isolated_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
         return;
     }
+    if std::env::args().any(|a| a == "inline-parse") {
+        // `flowctl-bench inline-parse [quick]`: section 1p alone.
+        flowctl_tests::testrun::pin_to_cpu(0);
+        let mut refs = Refs::load();
+        let repeat = if quick { 100_000 } else { 300_000 };
+        inline_parse_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
+        return;
+    }
     if std::env::args().any(|a| a == "own-table") {
         // `flowctl-bench own-table [quick]`: section 1n alone.
         flowctl_tests::testrun::pin_to_cpu(0);
@@ -357,11 +365,11 @@ fn main() {
         // 1M-entry tables.
         let spun_text = match variant.as_str() {
             "bare" | "floor" => None,
-            "full" => Some(profile.clone()),
+            "full" | "full-functions" => Some(profile.clone()),
             "nomatch" => Some(profile.replace("dport = \"9000-9010\"", "dport = \"19000-19010\"")),
             "quota" => Some(quota_profile(&profile)),
             other => {
-                eprintln!("bench: spin takes floor, bare, full, nomatch or quota, not {other:?}");
+                eprintln!("bench: spin takes floor, bare, full, full-functions (the parser's functions for every frame), nomatch or quota, not {other:?}");
                 std::process::exit(2);
             }
         };
@@ -370,7 +378,8 @@ fn main() {
         let m = set.rules.iter().position(|r| r.name == "measured").unwrap();
         refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
         refs.set_keys(10_000);
-        let spun = spun_text.map(|text| plane(&text));
+        let spun = spun_text
+            .map(|text| plane_with(&text, |s| s.fast_parse = variant.as_str() != "full-functions"));
         let fd = match (&spun, variant.as_str()) {
             (Some(p), _) => xdp_fd(p),
             (None, "bare") => refs.fd("bench_bare"),
@@ -551,6 +560,7 @@ fn main() {
 
     own_table_section(&mut refs, &frame, quick, repeat);
     isolated_section(&mut refs, &profile, &frame, quick, repeat);
+    inline_parse_section(&mut refs, &profile, &frame, quick, repeat);
 
     println!("\n1i. Lists: the admitted path without and with a list of 1M /32s interleaved with the measured sources (every fourth address of 10.0.0.0/8 from 10.0.0.1, named by a `pass` rule after `measured`, so a trie lookup walks to full depth): sources in the cache (10k keys), and missing it (a 64k-entry source cache)");
     let list_file = million_list("src", [10, 0, 0, 1]);
@@ -815,6 +825,51 @@ fn isolated_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool, r
         }
         refs.set_keys(10_000);
     }
+}
+
+/// Section 1p: the entry point's inline parse of the common layout
+/// (`parse::fast`) against the parser's functions for every frame, the same
+/// object loaded both ways (`Settings::fast_parse`), admitted and refused,
+/// beside the floor and the bare reference.
+fn inline_parse_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool, repeat: u32) {
+    println!("\n1p. The inline parse: flowctl's admitted and refused paths with the common layout parsed inline (the default) and by the parser's functions, beside the floor and the bare reference; keys as section 1");
+    let refusing = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
+    assert_ne!(refusing, profile);
+    let planes = [
+        plane(profile),
+        plane_with(profile, |s| s.fast_parse = false),
+        plane(&refusing),
+        plane_with(&refusing, |s| s.fast_parse = false),
+    ];
+    let mut fds = vec![refs.fd("bench_pass"), refs.fd("bench_bare")];
+    fds.extend(planes.iter().map(xdp_fd));
+    let counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
+    // Every table full, as a long-running LRU table is (section 1l).
+    refs.fill(&fds, frame);
+    for &n in counts {
+        refs.set_keys(n);
+        let (m, v) = refs.interleaved(&fds, frame, n, repeat);
+        use flowctl_common::{XDP_DROP, XDP_PASS};
+        assert_eq!(&v[2..], &[XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP], "verdicts");
+        println!(
+            "  {n:>9} keys: floor {:.1}, bare {:.1}   admitted: inline {:.1} ({:.2}x bare), functions {:.1} ({:.2}x bare), inline/functions {:.2}x ({:+.1} ns)   refused: inline {:.1} ({:.2}x bare), functions {:.1} ({:.2}x bare), {:.2}x ({:+.1} ns)",
+            m[0],
+            m[1],
+            m[2],
+            m[2] / m[1],
+            m[3],
+            m[3] / m[1],
+            m[2] / m[3],
+            m[2] - m[3],
+            m[4],
+            m[4] / m[1],
+            m[5],
+            m[5] / m[1],
+            m[4] / m[5],
+            m[4] - m[5]
+        );
+    }
+    refs.set_keys(10_000);
 }
 
 fn quota_profile(profile: &str) -> String {

@@ -202,9 +202,16 @@ impl Bench {
     }
 
     pub fn new_variant(text: &str, variant: XdpVariant) -> Self {
+        Self::new_with(text, variant, true)
+    }
+
+    /// `fast_parse`: whether the entry point parses the common layout
+    /// inline (the default) or sends every frame through the parser's
+    /// functions (`Settings::fast_parse`).
+    pub fn new_with(text: &str, variant: XdpVariant, fast_parse: bool) -> Self {
         let profile = RefProfile::parse(text)
             .unwrap_or_else(|e| panic!("generated profile rejected: {e}\n{text}"));
-        let plane = TestPlane::new_variant(text, |_| {}, variant);
+        let plane = TestPlane::new_variant(text, |s| s.fast_parse = fast_parse, variant);
         let mut records: Vec<u32> = profile.rules.iter().map(|r| plane.record(&r.name)).collect();
         records.push(GLOBAL_COUNTER_INDEX);
         Self { plane, profile, text: text.to_string(), records }
@@ -455,8 +462,12 @@ pub fn run(o: &Options) -> Summary {
         // Both entry points: the one this kernel's loader picks, and every
         // other round the single-buffer one (what kernels before 5.18 run).
         let variant = if round % 2 == 1 { XdpVariant::Single } else { XdpVariant::for_kernel() };
+        // And both parsers: rounds 2 and 3 of every four send the common
+        // layout through the parser's functions too, so the inline parse
+        // (`parse::fast`) and the functions are each held to the reference.
+        let fast_parse = round % 4 < 2;
         let t_load = Instant::now();
-        let bench = Bench::new_variant(&text, variant);
+        let bench = Bench::new_with(&text, variant, fast_parse);
         s.load_time += t_load.elapsed();
         s.profiles += 1;
         if round == 0 {
@@ -588,29 +599,39 @@ pub fn replay(hex: &Path, profile: &Path) -> Result<String, String> {
         Some(flowctl_common::XDP_PROGRAM) => XdpVariant::Single,
         _ => XdpVariant::for_kernel(),
     };
-    let b = Bench::new_variant(&prof, variant);
-    let out = b.one(&frame);
-    let mut msg = format!(
-        "{} ({} bytes, {})\n  reference: {}\n  kernel:    {}\n",
-        hex.display(),
-        frame.len(),
-        b.plane.prog_name(),
-        out.expected_line(&b.profile),
-        out.kernel_line(&b.profile)
-    );
-    if let Some(want) = hex_comment(&text, "class") {
-        if want != out.class.kind() {
-            let _ = writeln!(
-                msg,
-                "  the file says class {want}, the reference says {}",
-                out.class.kind()
-            );
-            return Err(msg);
+    // Both parsers: the inline one (`parse::fast`) and the functions.
+    let mut msg = String::new();
+    let mut agree = true;
+    for fast_parse in [true, false] {
+        let b = Bench::new_with(&prof, variant, fast_parse);
+        let out = b.one(&frame);
+        let _ = write!(
+            msg,
+            "{} ({} bytes, {}, {})\n  reference: {}\n  kernel:    {}\n",
+            hex.display(),
+            frame.len(),
+            b.plane.prog_name(),
+            if fast_parse { "inline parse" } else { "the parser's functions" },
+            out.expected_line(&b.profile),
+            out.kernel_line(&b.profile)
+        );
+        if let Some(want) = hex_comment(&text, "class") {
+            if want != out.class.kind() {
+                let _ = writeln!(
+                    msg,
+                    "  the file says class {want}, the reference says {}",
+                    out.class.kind()
+                );
+                return Err(msg);
+            }
         }
+        agree &= out.agrees();
+        msg += if out.agrees() { "  agree\n" } else { "  DISAGREE\n" };
     }
-    match out.agrees() {
-        true => Ok(msg + "  agree\n"),
-        false => Err(msg + "  DISAGREE\n"),
+    if agree {
+        Ok(msg)
+    } else {
+        Err(msg)
     }
 }
 
