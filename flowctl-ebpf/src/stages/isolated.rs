@@ -23,29 +23,32 @@ use crate::{
 };
 use flowctl_common::{gcra, keys::bucket_key, reason, CAS_RETRIES};
 
-/// `flowctl_own_admit`'s answer when the rule's table is not there: a rule
-/// of the slot an apply has just retired (its table is dropped after the
-/// flip, so only a packet already past the slot's choice meets this). The
-/// caller admits it without a bucket and counts a failed insert, as when a
-/// table refuses one. (An apply whose table cannot be made fails before
-/// its flip.)
-pub const NO_TABLE: u32 = u32::MAX;
-
 /// The own-table bucket's verdict on a packet of `cost` units of the rule
 /// at `rule_at`: 0 admitted; else 1 + the reason, as
-/// `flowctl_nested_admit`; or [`NO_TABLE`].
+/// `flowctl_nested_admit`.
+///
+/// A rule whose table is not there is a rule of the slot an apply has just
+/// retired (its table is dropped after the flip, so only a packet already
+/// past the slot's choice meets this; an apply whose table cannot be made
+/// fails before its flip): admitted without a bucket and counted as a
+/// failed insert, as when its table refuses one.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn flowctl_own_admit(rule_at: u32, record: u32, cost: u64, now: u64) -> u32 {
-    let (Some(rule), Some(meta)) = (FLOWCTL_RULES.get(rule_at), packet()) else {
-        return NO_TABLE;
+    let (Some(rule), Some(meta), Some(table)) =
+        (FLOWCTL_RULES.get(rule_at), packet(), FLOWCTL_RULE_TABLES.get(record))
+    else {
+        insert_failed(record);
+        return 0;
     };
-    let Some(table) = FLOWCTL_RULE_TABLES.get(record) else { return NO_TABLE };
     // The key in the CPU's scratch entry, not on this frame: the entry
     // point's, this one and the debt's or sketch's must stay within 512
     // bytes (232 with the key here: 560 in all). An isolated rule has no
     // nested limits, the scratch's other user.
-    let Some(scratch) = FLOWCTL_LIMIT_SCRATCH.get_ptr_mut(0) else { return NO_TABLE };
+    let Some(scratch) = FLOWCTL_LIMIT_SCRATCH.get_ptr_mut(0) else {
+        insert_failed(record);
+        return 0;
+    };
     unsafe { (*scratch).key = bucket_key(meta, rule) };
     let key = unsafe { &(*scratch).key };
     let inc = gcra::increment_ns(rule.interval_fp, cost);

@@ -67,15 +67,7 @@ pub extern "C" fn flowctl_nested_decide(v: u64) -> u64 {
     // `connections` rule through to here.
     let cost = if rule.unit == unit::BYTES { meta.len as u64 } else { 1 };
     let verdict = if rule.bucket_table == bucket_table::OWN {
-        match super::isolated::flowctl_own_admit(rule_at, record, cost, now) {
-            // No table (a rule of the slot an apply has just retired):
-            // admitted without a bucket, and counted as a failed insert.
-            super::isolated::NO_TABLE => {
-                insert_failed(record);
-                0
-            }
-            v => v,
-        }
+        super::isolated::flowctl_own_admit(rule_at, record, cost, now)
     } else if rule.cold_factor != 0 {
         super::warm::flowctl_warm_admit(rule_at, record, cost, now)
     } else {

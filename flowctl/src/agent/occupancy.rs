@@ -31,8 +31,9 @@ pub fn next_walk_after(took: Duration) -> Duration {
 /// Key-table inserts by every rule of the attachment (an isolated rule's
 /// go into its own table), and source-cache inserts.
 fn inserts(maps: &Maps, state: &AttachState) -> (u64, u64) {
+    let configs = maps.active_rules(state.rules.len()).unwrap_or_default();
     let shared = |i: usize| {
-        maps.active_rule(i).map_or(true, |c| c.bucket_table != flowctl_common::bucket_table::OWN)
+        configs.get(i).is_none_or(|c| c.bucket_table != flowctl_common::bucket_table::OWN)
     };
     let keys = state
         .rules

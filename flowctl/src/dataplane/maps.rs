@@ -197,6 +197,14 @@ impl Maps {
         Ok(self.rules.get(&(slot * MAX_RULES as u32 + index as u32), 0)?)
     }
 
+    /// The first `count` rules of the active slot, the slot read once.
+    pub fn active_rules(&self, count: usize) -> Result<Vec<RuleConfig>> {
+        let slot = self.global()?.active_slot & 1;
+        (0..count.min(MAX_RULES))
+            .map(|i| Ok(self.rules.get(&(slot * MAX_RULES as u32 + i as u32), 0)?))
+            .collect()
+    }
+
     /// Turns key sampling for `top --keys` on (about one in `every` matched
     /// packets) or off (0).
     pub fn set_key_sampling(&mut self, every: u32) -> Result<()> {

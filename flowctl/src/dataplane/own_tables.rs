@@ -8,7 +8,7 @@
 //! slot finds its table, and [`retire`] after it, so the old slot's rules
 //! keep theirs while they may still be read. A packet of a retired rule
 //! that meets no table is admitted without a bucket and counted
-//! (`flowctl_own_admit`'s `NO_TABLE`).
+//! as a failed insert (`flowctl_own_admit`).
 
 use super::maps::open_pinned;
 use super::pins::AttachId;
