@@ -322,6 +322,20 @@ fn main() {
         inline_parse_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
         return;
     }
+    if std::env::args().any(|a| a == "veth") {
+        // `flowctl-bench veth [quick]`: section 4 alone, on both CPUs as in
+        // the full run (the generator pins itself).
+        let mut refs = Refs::load();
+        let drop_profile = bench_profile().replace("rate = \"100G/s\"", "rate = \"1/h\"");
+        println!("4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
+        veth_drop_rates(
+            &mut refs,
+            &drop_profile,
+            if quick { &[10_000] } else { &[10_000, 1_000_000] },
+            quick,
+        );
+        return;
+    }
     if std::env::args().any(|a| a == "own-table") {
         // `flowctl-bench own-table [quick]`: section 1n alone.
         flowctl_tests::testrun::pin_to_cpu(0);
