@@ -108,60 +108,129 @@ pub extern "C" fn flowctl_parse_l4(ctx: *mut xdp_md, off: u64, end: u64) -> u32 
 }
 
 /// The common layout, parsed inline by the entry point: an untagged
-/// Ethernet frame, an IPv4 header without options, not a fragment, and a
-/// TCP header with a valid data offset or a UDP header, the Ethernet, IP
-/// and first 20 L4 bytes in the frame's first buffer, all within the IP
-/// header's total length and the frame. Returns true when it filled this
-/// CPU's `FLOWCTL_PACKET` entry, exactly as [`parse`] would have (class
+/// Ethernet frame carrying IPv4 without options and not a fragment, or
+/// IPv6 without extension headers, then a TCP header with a valid data
+/// offset or a UDP header; the Ethernet, IP and first 20 L4 bytes in the
+/// frame's first buffer, the L4 header within the IP header's length and
+/// the packet within the frame. Returns true when it filled this CPU's
+/// `FLOWCTL_PACKET` entry, exactly as [`parse`] would have (class
 /// [`class::IP`]); false, having written nothing, for every other frame,
 /// which [`flowctl_parse`] then parses in full.
 ///
-/// Why: the parser's two global functions cost this layout two calls, and
-/// on a host with return thunks each `ret` costs several ns
-/// (docs/benchmarks.md, 1k). Which frames qualify is decided by the header
-/// fields alone, so a frame an attacker shapes differently (options, tags,
-/// fragments, lying lengths) takes the full parser and meets the same
-/// rules; the fuzzer holds both paths against the reference
-/// (`tests/src/fuzz`, a quarter of its profiles each way round).
+/// Why: the parser's global functions cost this layout two calls (IPv6
+/// three), and on a host with return thunks each `ret` costs several ns
+/// (docs/benchmarks.md, 1k and 1p). Which frames qualify is decided by the
+/// header fields alone, so a frame an attacker shapes differently
+/// (options, extension headers, tags, fragments, lying lengths) takes the
+/// full parser and meets the same rules; the fuzzer holds both paths
+/// against the reference (`tests/src/fuzz`, half its profiles each way).
 #[inline(always)]
 pub fn fast(ctx: &XdpContext, len: u64) -> bool {
+    let Ok(eth) = ptr_at::<[u8; EthHdr::LEN]>(ctx, 0) else { return false };
+    // SAFETY: the frame's first 14 bytes, checked against its end.
+    let ether_type = be16(unsafe { &*eth }, 12);
+    if ether_type == ETH_P_IP {
+        fast_ipv4(ctx, len)
+    } else if ether_type == ETH_P_IPV6 {
+        fast_ipv6(ctx, len)
+    } else {
+        false
+    }
+}
+
+#[inline(always)]
+fn fast_ipv4(ctx: &XdpContext, len: u64) -> bool {
     const L3: usize = EthHdr::LEN;
     const L4: usize = L3 + Ipv4Hdr::LEN;
     let Ok(p) = ptr_at::<[u8; L4 + TcpHdr::LEN]>(ctx, 0) else { return false };
     // SAFETY: `p` is the frame's first 54 bytes, checked against its end;
     // every index below is a constant inside them.
     let h = unsafe { &*p };
-    if h[12] != 0x08 || h[13] != 0x00 || h[L3] != 0x45 || be16(h, L3 + 6) & 0x3fff != 0 {
+    if h[L3] != 0x45 || be16(h, L3 + 6) & 0x3fff != 0 {
         return false;
     }
     let proto = h[L3 + 9];
-    let need = match proto {
-        IPPROTO_TCP if h[L4 + 12] >> 4 >= 5 => TcpHdr::LEN,
-        IPPROTO_UDP => UdpHdr::LEN,
-        _ => return false,
-    };
+    let Some(need) = fast_l4_len(h, proto, L4) else { return false };
     let total = be16(h, L3 + 2) as u64;
     if total < (Ipv4Hdr::LEN + need) as u64 || L3 as u64 + total > len {
         return false;
     }
-    let Some(slot) = FLOWCTL_PACKET.get_ptr_mut(0) else { return false };
-    let meta = PacketMeta {
-        src: [be32(h, L3 + 12), 0, 0, 0],
-        dst: [be32(h, L3 + 16), 0, 0, 0],
-        len: len as u32,
-        sport: be16(h, L4),
-        dport: be16(h, L4 + 2),
-        family: 4,
-        proto,
-        tcp_flags: if proto == IPPROTO_TCP { h[L4 + 13] } else { 0 },
-        frag: frag::NONE,
-        unparsed: unparsed::NO,
-        l3_off: L3 as u16,
-        l4_off: L4 as u16,
-    };
-    // SAFETY: this CPU's entry, this packet's until the program returns.
-    unsafe { *slot = meta };
+    let Some(meta) = fast_meta(h, len, 4, proto, L4) else { return false };
+    meta.src[0] = be32(h, L3 + 12);
+    meta.dst[0] = be32(h, L3 + 16);
     true
+}
+
+#[inline(always)]
+fn fast_ipv6(ctx: &XdpContext, len: u64) -> bool {
+    const L3: usize = EthHdr::LEN;
+    const L4: usize = L3 + Ipv6Hdr::LEN;
+    let Ok(p) = ptr_at::<[u8; L4 + TcpHdr::LEN]>(ctx, 0) else { return false };
+    // SAFETY: `p` is the frame's first 74 bytes, checked against its end;
+    // every index below is a constant inside them.
+    let h = unsafe { &*p };
+    if h[L3] >> 4 != 6 {
+        return false;
+    }
+    let proto = h[L3 + 6];
+    let Some(need) = fast_l4_len(h, proto, L4) else { return false };
+    // The payload length covers the L4 header and ends within the frame
+    // (0, a jumbogram's, only with hop-by-hop first, which is not this
+    // layout: too short here, so the full parser decides).
+    let payload = be16(h, L3 + 4) as u64;
+    if payload < need as u64 || L4 as u64 + payload > len {
+        return false;
+    }
+    let Some(meta) = fast_meta(h, len, 6, proto, L4) else { return false };
+    let mut i = 0;
+    while i < 4 {
+        meta.src[i] = be32(h, L3 + 8 + i * 4);
+        meta.dst[i] = be32(h, L3 + 24 + i * 4);
+        i += 1;
+    }
+    true
+}
+
+/// The L4 header's minimal length for the inline parse: TCP with a data
+/// offset of at least 5 words (the full parser calls less malformed) and
+/// UDP; None for anything else.
+#[inline(always)]
+fn fast_l4_len(h: &[u8], proto: u8, l4: usize) -> Option<usize> {
+    match proto {
+        IPPROTO_TCP if h[l4 + 12] >> 4 >= 5 => Some(TcpHdr::LEN),
+        IPPROTO_UDP => Some(UdpHdr::LEN),
+        _ => None,
+    }
+}
+
+/// This CPU's `FLOWCTL_PACKET` entry with every field the inline parse
+/// reads but the addresses (the caller's, by family) written, field for
+/// field what [`parse`] writes for the same frame. Written in place: a
+/// `PacketMeta` built first would take the entry point's frame 56 bytes
+/// more, and the call chain has none to spare.
+#[inline(always)]
+fn fast_meta(
+    h: &[u8],
+    len: u64,
+    family: u8,
+    proto: u8,
+    l4: usize,
+) -> Option<&'static mut PacketMeta> {
+    // SAFETY: this CPU's entry, this packet's until the program returns.
+    let meta = unsafe { &mut *FLOWCTL_PACKET.get_ptr_mut(0)? };
+    meta.src = [0; 4];
+    meta.dst = [0; 4];
+    meta.len = len as u32;
+    meta.sport = be16(h, l4);
+    meta.dport = be16(h, l4 + 2);
+    meta.family = family;
+    meta.proto = proto;
+    meta.tcp_flags = if proto == IPPROTO_TCP { h[l4 + 13] } else { 0 };
+    meta.frag = frag::NONE;
+    meta.unparsed = unparsed::NO;
+    meta.l3_off = EthHdr::LEN as u16;
+    meta.l4_off = l4 as u16;
+    Some(meta)
 }
 
 /// Parses the frame into `meta` (`len`: its bytes, all buffers) and returns
