@@ -58,7 +58,7 @@ impl TestPlane {
         let mut set = profile::parse("test.toml", profile_text).expect("test profile");
         tweak(&mut set.settings);
         // netns inode 1 never exists, so these pins cannot collide with a real attachment.
-        let ifindex = 1_000_000 + (std::process::id() % 100_000) * 10 + next();
+        let ifindex = test_ifindex(std::process::id(), next());
         let id = AttachId { netns_ino: 1, ifindex };
         let _ = dataplane::detach(&id);
         let ebpf =
@@ -275,7 +275,7 @@ fn remove_orphaned_test_pins() {
         if ifindex < 1_000_000 {
             continue;
         }
-        let pid = (ifindex - 1_000_000) / 10;
+        let pid = (ifindex - 1_000_000) / PLANES_PER_PROCESS;
         let alive = pid == me || std::path::Path::new(&format!("/proc/{pid}")).exists();
         if !alive {
             let _ = dataplane::detach(&AttachId { netns_ino: 1, ifindex });
@@ -283,10 +283,37 @@ fn remove_orphaned_test_pins() {
     }
 }
 
+/// Planes one process may hold at once, each under its own pin directory.
+/// It was 10, and the benchmark holds more: its eleventh plane took the
+/// first one's id, and `new_variant`'s detach of a stale id removed the
+/// live plane's pins (section 3 then read no memory at all).
+const PLANES_PER_PROCESS: u32 = 1000;
+
+/// The test plane's interface index: the process (its pid, mod 100,000)
+/// and its `n`th plane, 1,000,000 up so no real interface has it.
+fn test_ifindex(pid: u32, n: u32) -> u32 {
+    1_000_000 + (pid % 100_000) * PLANES_PER_PROCESS + n % PLANES_PER_PROCESS
+}
+
 fn next() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    N.fetch_add(1, Ordering::Relaxed) % 10
+    N.fetch_add(1, Ordering::Relaxed) % PLANES_PER_PROCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{test_ifindex, PLANES_PER_PROCESS};
+
+    #[test]
+    fn a_process_holds_its_planes_apart_and_its_pid_reads_back() {
+        let ids: std::collections::BTreeSet<u32> =
+            (0..PLANES_PER_PROCESS).map(|n| test_ifindex(4_194_303, n)).collect();
+        assert_eq!(ids.len(), PLANES_PER_PROCESS as usize, "every plane its own id");
+        let top = test_ifindex(99_999, PLANES_PER_PROCESS - 1);
+        assert!(top > 1_000_000, "above every real interface index");
+        assert_eq!((top - 1_000_000) / PLANES_PER_PROCESS, 99_999, "the pid reads back");
+    }
 }
 
 impl Drop for TestPlane {

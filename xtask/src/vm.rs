@@ -37,6 +37,12 @@ pub const TIMEOUT_ENV: &str = "FLOWCTL_VM_TIMEOUT";
 /// whole suite (host tier 21 min there) within CI's 90.
 const DEFAULT_TIMEOUT_S: u64 = 45 * 60;
 const MEMORY: &str = "4G";
+/// The benchmark's guest: its sections hold several planes of 1M-entry
+/// tables at once (about 390 MiB of kernel memory each), and section 1e's
+/// five beside section 1's two ran a 4G guest out of memory (the OOM
+/// killer took the bench, 2026-12-07). Guests of the benchmark run one at
+/// a time, so 12G of this 24 GiB machine is free for one.
+const BENCH_MEMORY: &str = "12G";
 const CPUS: &str = "2";
 
 pub fn timeout() -> Duration {
@@ -217,7 +223,7 @@ fn out_dir(dir: &str, k: &Kernel) -> PathBuf {
 /// The kernel tier and the end-to-end subset on kernel `k` (with
 /// `E2E_FULL_VM` under `--full`).
 pub fn run(k: &Kernel, bins: &[TestBin], flowctl: &Path, full: bool) -> Result<KernelRun> {
-    run_plan(k, plan(bins, full)?, flowctl, TEST_DIR)
+    run_plan(k, plan(bins, full)?, flowctl, TEST_DIR, MEMORY)
 }
 
 /// `bench ARGS` (the benchmark runner) on kernel `k`; with what it printed.
@@ -234,14 +240,20 @@ pub fn bench(
         without_xdp: None,
         libtest: false,
     };
-    let run = run_plan(k, vec![step], flowctl, BENCH_DIR)?;
+    let run = run_plan(k, vec![step], flowctl, BENCH_DIR, BENCH_MEMORY)?;
     let log = out_dir(BENCH_DIR, k).join("bench.log");
     Ok((run, std::fs::read_to_string(log).unwrap_or_default()))
 }
 
-/// Boots `k` once and runs `plan` in it; the logs go to
+/// Boots `k` once with `memory` and runs `plan` in it; the logs go to
 /// `target/DIR/KERNEL/`.
-fn run_plan(k: &Kernel, plan: Vec<Step>, flowctl: &Path, dir: &str) -> Result<KernelRun> {
+fn run_plan(
+    k: &Kernel,
+    plan: Vec<Step>,
+    flowctl: &Path,
+    dir: &str,
+    memory: &str,
+) -> Result<KernelRun> {
     let name = format!("vm {}", k.version);
     let t0 = Instant::now();
     let fail = |problem: String| KernelRun {
@@ -282,7 +294,7 @@ fn run_plan(k: &Kernel, plan: Vec<Step>, flowctl: &Path, dir: &str) -> Result<Ke
             Command::new(&vng)
                 .arg("--run")
                 .arg(&image)
-                .args(["--disable-kvm", "--memory", MEMORY, "--cpus", CPUS, "--verbose", "--rwdir"])
+                .args(["--disable-kvm", "--memory", memory, "--cpus", CPUS, "--verbose", "--rwdir"])
                 .arg(&out)
                 .arg("--")
                 .arg(format!("bash {}", sh_quote(&script.display().to_string())))
