@@ -301,6 +301,16 @@ fn next() -> u32 {
     N.fetch_add(1, Ordering::Relaxed) % PLANES_PER_PROCESS
 }
 
+impl Drop for TestPlane {
+    fn drop(&mut self) {
+        let _ = dataplane::detach(&self.id);
+        let _ = std::fs::remove_dir_all(self.id.run_dir());
+        // Nothing of the test stays on the machine (the pin and run roots
+        // too, once no other plane or attachment is in them).
+        dataplane::pins::prune_empty_roots();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{test_ifindex, PLANES_PER_PROCESS};
@@ -313,15 +323,5 @@ mod tests {
         let top = test_ifindex(99_999, PLANES_PER_PROCESS - 1);
         assert!(top > 1_000_000, "above every real interface index");
         assert_eq!((top - 1_000_000) / PLANES_PER_PROCESS, 99_999, "the pid reads back");
-    }
-}
-
-impl Drop for TestPlane {
-    fn drop(&mut self) {
-        let _ = dataplane::detach(&self.id);
-        let _ = std::fs::remove_dir_all(self.id.run_dir());
-        // Nothing of the test stays on the machine (the pin and run roots
-        // too, once no other plane or attachment is in them).
-        dataplane::pins::prune_empty_roots();
     }
 }
