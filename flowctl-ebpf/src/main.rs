@@ -12,7 +12,7 @@
 //! | module | what it owns | global functions |
 //! |---|---|---|
 //! | this one | the entry points, the decision's top level | `flowctl_decide` |
-//! | `parse` | header parsing; the RST reply's rewrite | `flowctl_parse`, `flowctl_parse_ip`, `flowctl_parse_l4` |
+//! | `parse` | header parsing (the common layout inline, `fast`; the rest in its functions); the RST reply's rewrite | `flowctl_parse`, `flowctl_parse_ip`, `flowctl_parse_l4` |
 //! | `classify` | the first matching rule, the source cache | - |
 //! | `stages` | admission -> BBR -> quota -> token bucket; beside the decision, a global rule's bucket, a booked SYN's end, a rule's nested limits or warm-up ramp | `flowctl_bbr_refuses`, `flowctl_recall_debt`, `flowctl_remember_debt`, `flowctl_global_decide`, `flowctl_take_report`, `flowctl_book_decide`, `flowctl_nested_decide`, `flowctl_nested_admit`, `flowctl_nested_quota`, `flowctl_limit_try`, `flowctl_limit_take`, `flowctl_limit_give_back`, `flowctl_warm_admit` |
 //! | `accounting` | counters per rule and reason, statistics rings | `flowctl_account` |
@@ -100,7 +100,8 @@ pub fn flowctl_xdp_multiprog(ctx: *mut aya_ebpf::bindings::xdp_md) -> u32 {
 /// reply's trim); not as a dispatcher's component (`flowctl_xdp_multiprog`).
 #[inline(always)]
 fn entry<const RESIZE: bool>(ctx: &XdpContext, len: u64) -> u32 {
-    // The common layout without the parser's two calls (`parse::fast`).
+    // The common layout without the parser's calls (two for IPv4, three
+    // for IPv6; `parse::fast`).
     let parsed = if FLOWCTL_FAST_PARSE.load() != 0 && parse::fast(ctx, len) {
         class::IP
     } else {

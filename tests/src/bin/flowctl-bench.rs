@@ -310,7 +310,7 @@ fn main() {
         // `flowctl-bench isolated [quick]`: section 1o alone.
         flowctl_tests::testrun::pin_to_cpu(0);
         let mut refs = Refs::load();
-        let repeat = if quick { 100_000 } else { 300_000 };
+        let repeat = repeat_for(quick);
         isolated_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
         return;
     }
@@ -318,7 +318,7 @@ fn main() {
         // `flowctl-bench inline-parse [quick]`: section 1p alone.
         flowctl_tests::testrun::pin_to_cpu(0);
         let mut refs = Refs::load();
-        let repeat = if quick { 100_000 } else { 300_000 };
+        let repeat = repeat_for(quick);
         inline_parse_section(&mut refs, &bench_profile(), &bench_frame(), quick, repeat);
         return;
     }
@@ -326,7 +326,7 @@ fn main() {
         // `flowctl-bench veth [quick]`: section 4 alone, on both CPUs as in
         // the full run (the generator pins itself).
         let mut refs = Refs::load();
-        let drop_profile = bench_profile().replace("rate = \"100G/s\"", "rate = \"1/h\"");
+        let drop_profile = refusing_profile(&bench_profile());
         println!("4. Drop rate through veth (live-frames generator), Mpps dropped by the limiter");
         veth_drop_rates(
             &mut refs,
@@ -343,7 +343,7 @@ fn main() {
         let set = flowctl::profile::parse("bench", &bench_profile()).unwrap();
         let m = set.rules.iter().position(|r| r.name == "measured").unwrap();
         refs.set_bare_limit(set.rules[m].interval_fp, set.rules[m].burst_ns);
-        own_table_section(&mut refs, &bench_frame(), quick, if quick { 100_000 } else { 300_000 });
+        own_table_section(&mut refs, &bench_frame(), quick, repeat_for(quick));
         return;
     }
     if std::env::args().any(|a| a == "agent") {
@@ -354,8 +354,7 @@ fn main() {
     // One CPU for the measuring thread: BPF_PROG_TEST_RUN runs on the caller's CPU.
     flowctl_tests::testrun::pin_to_cpu(0);
     let profile = bench_profile();
-    let drop_profile = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
-    assert_ne!(profile, drop_profile);
+    let drop_profile = refusing_profile(&profile);
     let frame = bench_frame();
     println!(
         "machine: {} CPUs online, kernel {}",
@@ -439,7 +438,7 @@ fn main() {
         "fc-pass/bare"
     );
     let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
-    let repeat = if quick { 100_000 } else { 300_000 };
+    let repeat = repeat_for(quick);
     for &n in key_counts {
         refs.set_keys(n);
         // floor, bare, flowctl admitted, flowctl dropped
@@ -847,8 +846,7 @@ fn isolated_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool, r
 /// beside the floor and the bare reference.
 fn inline_parse_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool, repeat: u32) {
     println!("\n1p. The inline parse: flowctl's admitted and refused paths with the common layout parsed inline (the default) and by the parser's functions, beside the floor and the bare reference; keys as section 1");
-    let refusing = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
-    assert_ne!(refusing, profile);
+    let refusing = refusing_profile(profile);
     let planes = [
         plane(profile),
         plane_with(profile, |s| s.fast_parse = false),
@@ -911,6 +909,23 @@ fn inline_parse_section(refs: &mut Refs, profile: &str, frame: &[u8], quick: boo
         m[2] / m[3],
         m[2] - m[3]
     );
+}
+
+/// `BPF_PROG_TEST_RUN` runs per measurement: fewer in a quick run.
+fn repeat_for(quick: bool) -> u32 {
+    if quick {
+        100_000
+    } else {
+        300_000
+    }
+}
+
+/// The benchmark profile with `measured` refusing every packet after the
+/// first (its rate `1/h`): the drop path.
+fn refusing_profile(profile: &str) -> String {
+    let text = profile.replace("rate = \"100G/s\"", "rate = \"1/h\"");
+    assert_ne!(text, profile, "bench/profile.toml's `measured` rate as written here");
+    text
 }
 
 fn quota_profile(profile: &str) -> String {
@@ -1460,7 +1475,7 @@ fn fleet_packet_cost(refs: &mut Refs, profile: &str, frame: &[u8], quick: bool) 
         "keys", "path", "local", "leased", "ratio", "share", "ratio"
     );
     let key_counts: &[u32] = if quick { &[10_000] } else { &[10_000, 1_000_000] };
-    let repeat = if quick { 100_000 } else { 300_000 };
+    let repeat = repeat_for(quick);
     for &n in key_counts {
         refs.set_keys(n);
         let leased = n.min(MAX_GRANTS);
